@@ -1,0 +1,39 @@
+"""The error hierarchy. Every message names the cause and says how to fix it."""
+
+from __future__ import annotations
+
+
+class LazytrainError(Exception):
+    """Base class: the CLI prints these as one clean line and exits non-zero."""
+
+
+class TraceError(LazytrainError):
+    """The model could not be captured into the IR (an untraceable construct, a bad model file)."""
+
+
+class PlanError(LazytrainError):
+    """A pass or the solver could not produce a valid plan."""
+
+
+class InfeasibleBudget(PlanError):
+    """No plan fits the GPU memory budget. Carries the smallest feasible budget in bytes."""
+
+    def __init__(self, message: str, smallest_feasible: int):
+        super().__init__(message)
+        self.smallest_feasible = smallest_feasible
+
+
+class VerifyError(PlanError):
+    """The verifier found a broken event schedule (use before produce, use after free, memory)."""
+
+
+class ScheduleMismatch(LazytrainError):
+    """A schedule was bound to a model or batch it was not compiled for, or is corrupt or stale."""
+
+
+class DataError(LazytrainError):
+    """Training data is missing, empty, or does not fit the compiled shape or vocabulary."""
+
+
+class CheckpointError(LazytrainError):
+    """A checkpoint is corrupt, incomplete, or belongs to another model or run."""
