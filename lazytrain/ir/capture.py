@@ -1,0 +1,227 @@
+"""Capture: a PyTorch model and an example batch -> lazytrain's IR, via torch.export.
+
+The model is built on the meta device (no weights are ever materialised, so a 70B config captures on
+a laptop) and exported with `torch.export` (plain `torch.fx.symbolic_trace` fails on transformers
+5.x). Parameters and buffers become placeholders named by their module path; blocks are taken from
+the `nn_module_stack` the export records: the shallowest numbered container (`model.layers.N`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import operator
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lazytrain.errors import TraceError
+from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, Value
+
+_WRAPPED = "_lt_model"  # attribute name of the user's model inside the loss wrapper
+
+
+class LossModule(torch.nn.Module):
+    """Calls the user's model and returns its scalar loss (a tensor, or an object with `.loss`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+
+    def forward(self, **batch):
+        out = getattr(self, _WRAPPED)(**batch)
+        return out.loss if hasattr(out, "loss") else out
+
+
+def load_model_file(path: str | Path) -> tuple[Callable[[], torch.nn.Module], Callable[[], dict]]:
+    """Import a model file and return its `build_model` and `example_batch` functions."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"model file {path} does not exist; pass a .py file defining build_model() and example_batch()")
+    spec = importlib.util.spec_from_file_location(f"lazytrain_user_model_{abs(hash(str(path.resolve())))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file failed at import: show where
+        raise TraceError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    missing = [f for f in ("build_model", "example_batch") if not callable(getattr(module, f, None))]
+    if missing:
+        raise TraceError(
+            f"{path} must define {' and '.join(f + '()' for f in missing)}: build_model() returns an "
+            "nn.Module, example_batch() returns a dict of tensors (the batch shape to compile for)"
+        )
+    return module.build_model, module.example_batch
+
+
+def build_on_meta(build_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build_model()
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"build_model() returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def check_batch(batch) -> dict[str, torch.Tensor]:
+    if not isinstance(batch, dict) or not batch or not all(isinstance(v, torch.Tensor) for v in batch.values()):
+        raise TraceError("example_batch() must return a non-empty dict of tensors, e.g. {'input_ids': ..., 'labels': ...}")
+    return batch
+
+
+def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str = "") -> Graph:
+    """Export `model(**batch)` (its loss) on the meta device into a `Graph`."""
+    check_batch(batch)
+    model.train()
+    # Separate meta tensors per input: export merges aliased inputs into one placeholder.
+    meta_batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+    try:
+        exported = torch.export.export(LossModule(model), (), meta_batch, strict=False)
+    except Exception as exc:
+        raise TraceError(_explain_export_failure(exc, source)) from None
+    gm = exported.graph_module
+    if any(_is_mutating(n) for n in gm.graph.nodes):
+        exported = exported.run_decompositions({})  # functionalise in-place ops
+        gm = exported.graph_module
+    return _convert(exported, gm, source)
+
+
+def _explain_export_failure(exc: Exception, source: str) -> str:
+    text = str(exc)
+    if "data-dependent" in text or "GuardOnDataDependent" in type(exc).__name__ or "meta tensors" in text:
+        construct = "data-dependent control flow (an `if`, `bool()`, `.item()` or shape computed from a tensor's values)"
+    else:
+        construct = f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+    where = ""
+    user_frames = [f for f in traceback.extract_tb(exc.__traceback__) if source and Path(f.filename).name == Path(source).name]
+    if user_frames:
+        f = user_frames[-1]
+        where = f" at {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
+    return (
+        f"cannot trace the model{where}: {construct}. lazytrain compiles a static training step with "
+        "torch.export; replace the construct with tensor operations (e.g. torch.where) or move it out of forward()"
+    )
+
+
+def _is_mutating(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _strip(path: str) -> str:
+    """Module path relative to the user's model: "L__self__._lt_model.model.layers.0" -> "model.layers.0"."""
+    if _WRAPPED in path:
+        path = path.split(_WRAPPED, 1)[1].lstrip(".")
+    return path
+
+
+def _module_paths(node: torch.fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [_strip(v[0]) for v in stack.values()]
+
+
+def _find_block_container(gm) -> str | None:
+    """The shallowest module container with numbered children (`model.layers`), or None."""
+    indices: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        for path in _module_paths(node):
+            parts = path.split(".") if path else []
+            for i, part in enumerate(parts):
+                if part.isdigit():
+                    indices.setdefault(".".join(parts[:i]), set()).add(part)
+    if not indices:
+        return None
+    return min(indices, key=lambda p: (p.count(".") + (p != ""), -len(indices[p])))
+
+
+def _block_of(paths: list[str], container: str | None) -> str | None:
+    if container is None:
+        return None
+    pattern = re.compile(rf"^{re.escape(container + '.') if container else ''}(\d+)(\.|$)")
+    for path in paths:
+        match = pattern.match(path)
+        if match:
+            return (container + "." if container else "") + match.group(1)
+    return None
+
+
+def _spec(val) -> Value:
+    if isinstance(val, torch.Tensor):
+        return TensorSpec(tuple(int(d) for d in val.shape), str(val.dtype).removeprefix("torch."))
+    if isinstance(val, (tuple, list)):
+        return tuple(_spec(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _encode(arg, where: str, names: dict[str, str]):
+    if isinstance(arg, torch.fx.Node):
+        return Sym("ref", names.get(arg.name, arg.name))
+    if isinstance(arg, (list, tuple)):
+        return tuple(_encode(a, where, names) for a in arg)
+    if isinstance(arg, torch.dtype):
+        return Sym("dtype", str(arg).removeprefix("torch."))
+    if isinstance(arg, torch.device):
+        return Sym("device", str(arg))
+    if isinstance(arg, torch.layout):
+        return Sym("layout", str(arg).removeprefix("torch."))
+    if isinstance(arg, torch.memory_format):
+        return Sym("memory_format", str(arg).removeprefix("torch."))
+    if arg is None or isinstance(arg, (bool, int, float, str)):
+        return arg
+    raise TraceError(f"node {where} has an argument of type {type(arg).__name__} ({arg!r}) that lazytrain cannot encode")
+
+
+def _convert(exported, gm, source: str) -> Graph:
+    kinds = {}
+    for spec in exported.graph_signature.input_specs:
+        kind = {"PARAMETER": OpKind.PARAM, "BUFFER": OpKind.BUFFER, "CONSTANT_TENSOR": OpKind.BUFFER,
+                "USER_INPUT": OpKind.INPUT}.get(spec.kind.name)
+        if kind is None:
+            raise TraceError(f"unsupported graph input {spec.arg.name} of kind {spec.kind.name}")
+        kinds[spec.arg.name] = (kind, _strip(spec.target) if spec.target else spec.arg.name)
+    # Placeholders are renamed after what they hold ("p_model_layers_0_mlp_up_proj_weight").
+    names = {
+        name: name if kind is OpKind.INPUT else ("p_" if kind is OpKind.PARAM else "b_") + re.sub(r"\W", "_", target)
+        for name, (kind, target) in kinds.items()
+    }
+    taken = {n.name for n in gm.graph.nodes if n.op != "placeholder"}
+    if clash := taken & set(names.values()):
+        raise TraceError(f"placeholder names {sorted(clash)} clash with operator nodes; rename the parameters")
+
+    container = _find_block_container(gm)
+    nodes: list[Node] = []
+    output = None
+    for n in gm.graph.nodes:
+        paths = _module_paths(n)
+        module = paths[-1] if paths else ""
+        if n.op == "placeholder":
+            kind, target = kinds[n.name]
+            nodes.append(Node(names[n.name], kind, target, value=_spec(n.meta.get("val"))))
+        elif n.op == "call_function":
+            if n.target is operator.getitem:
+                op, target = OpKind.GETITEM, "getitem"
+            elif isinstance(n.target, torch._ops.OpOverload):
+                if str(n.target).startswith("aten._assert") and not n.users:
+                    continue  # export's metadata assertions: no value, no users
+                op, target = OpKind.CALL, str(n.target)
+            else:
+                raise TraceError(
+                    f"node {n.name} calls {getattr(n.target, '__name__', n.target)}, which lazytrain cannot "
+                    f"schedule (module {module or '<top>'}); only ATen operators are supported"
+                )
+            nodes.append(Node(
+                n.name, op, target, _encode(tuple(n.args), n.name, names),
+                tuple((k, _encode(v, n.name, names)) for k, v in n.kwargs.items()),
+                _spec(n.meta.get("val")), module, _block_of(paths, container),
+            ))
+        elif n.op == "output":
+            outs = n.args[0]
+            if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+                raise TraceError(f"the model returned {len(outs)} values; it must return one scalar loss (or an object with .loss)")
+            output = names.get(outs[0].name, outs[0].name)
+    graph = Graph(nodes=tuple(nodes), output=output, source=source)
+    loss = graph[output].value
+    if not isinstance(loss, TensorSpec) or loss.shape != () or not loss.is_float:
+        raise TraceError(f"the model's output {output} is {loss}; it must be a scalar floating-point loss")
+    return graph
