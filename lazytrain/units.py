@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -25,11 +26,14 @@ def parse_size(text: str | int | float) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_size(nbytes: float) -> str:
-    """`format_size(1782579) == "1.7 MiB"`: binary units, one decimal."""
+def format_size(nbytes: float, round_up: bool = False) -> str:
+    """`format_size(1782579) == "1.7 MiB"`: binary units, one decimal. `round_up` never prints less
+    than `nbytes`, so a printed minimum can be passed back as a budget."""
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{math.ceil(value) if round_up else round(value):.0f} B"
+            shown = math.ceil(value * 10) / 10 if round_up else value
+            return f"{shown:.1f} {unit}"
         value /= 1024
-    return f"{value:.1f} TiB"

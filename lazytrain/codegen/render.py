@@ -1,0 +1,84 @@
+"""Codegen: a compiled step -> `schedule.py`, a plain Python module a person can read top to bottom.
+
+jinja2 renders the skeleton (templates/schedule.py.j2); `printers.py` writes the event lines; each
+stage becomes a function of ATen calls printed from the IR, one node per line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+from lazytrain.codegen.printers import print_event
+from lazytrain.ir.dump import format_arg, format_call, format_value
+from lazytrain.ir.graph import Graph, OpKind
+from lazytrain.ir.plan import Plan
+from lazytrain.passes.blocks import Stages
+from lazytrain.passes.lower import Schedule
+from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
+from lazytrain.units import format_size
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
+)
+
+
+def stage_function(graph: Graph, stage) -> str:
+    args = ", ".join(("device",) + stage.placeholders + stage.inputs)
+    lines = [f"def stage_{stage.index}({args}):", f'    """{stage.name} (kind {stage.kind})"""']
+    for name in stage.nodes:
+        node = graph[name]
+        if node.op is OpKind.GETITEM:
+            src, idx = node.args
+            expr = f"{format_arg(src)}[{idx}]"
+        else:
+            call = format_call(node)
+            expr = call if call.startswith("aten.") else f"torch.ops.{call}"
+        lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
+    outs = "".join(f"{o}, " for o in stage.outputs)
+    lines.append(f"    return ({outs.rstrip(' ')})")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: dict, hardware: str) -> str:
+    buffers = {b.name: b for b in schedule.buffers}
+    names = [s.name for s in stages]
+    decision_lines = []
+    for s, d in zip(stages, plan.decisions):
+        decision_lines.append(
+            f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
+            f"{'streamed' if d.stream else 'resident':<8}  internals {'recomputed' if d.recompute else 'saved':<10}  "
+            f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}")
+    placeholders = [
+        (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
+        for n in graph.of(OpKind.PARAM, OpKind.BUFFER, OpKind.INPUT)
+    ]
+    stage_lines = [
+        f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
+        f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
+        f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}),"
+        for s, d in zip(stages, plan.decisions)
+    ]
+    buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"
+                    for b in schedule.buffers]
+    info = plan.solver
+    solver_text = f"{info.status}, gap {info.gap:.2%}, {info.seconds:.2f} s" + (f" ({info.message})" if info.message else "")
+    text = _ENV.get_template("schedule.py.j2").render(
+        source=graph.source, fingerprint=graph.fingerprint(), budget=plan.budget, budget_text=format_size(plan.budget),
+        batch_text=", ".join(f"{k}={v.dtype}{list(v.shape)}".replace("torch.", "") for k, v in batch.items()),
+        batch=[(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in batch.items()],
+        hardware=hardware, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
+        step_text=_ms(plan.step_s), compute_text=_ms(plan.compute_s), recompute_text=_ms(plan.recompute_s),
+        exposed_text=_ms(plan.exposed_s), optimizer_text=_ms(plan.optimizer_s), solver_text=solver_text,
+        decision_lines=decision_lines, format_version=FORMAT_VERSION, loss=graph.output,
+        placeholders=placeholders, shared=repr(stages.shared_params),
+        functions=[stage_function(graph, s) for s in stages], stage_lines=stage_lines, buffer_lines=buffer_lines,
+        event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
+    )
+    return text.replace('"@CHECKSUM@"', f'"{checksum(text)}"')

@@ -1,0 +1,66 @@
+"""Hardware profiles: the measured rates the cost model turns FLOPs and bytes into seconds.
+
+Two ship with lazytrain: `h200` (the measured reference GPU machine, the default) and `cpu`.
+A profile is a JSON file; `lazytrain compile --hardware hw.json` takes any file with these keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from lazytrain.errors import LazytrainError
+
+_HERE = Path(__file__).parent
+BUILTIN = {"h200": _HERE / "h200.json", "cpu": _HERE / "cpu.json"}
+DEFAULT = "h200"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    device: str
+    gpu_memory_bytes: int
+    host_memory_bytes: int
+    disk_bytes: int
+    flops: dict  # dtype name -> peak FLOP/s
+    achieved_fraction: float  # share of peak a well-shaped layer reaches
+    mem_bandwidth: float
+    op_overhead_s: float
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    duplex_bandwidth: float  # per direction, both directions at once
+    pageable_h2d_bandwidth: float
+    host_memcpy_bandwidth: float
+    cpu_adamw_params_per_s: float
+    gpu_adamw_params_per_s: float
+    cpu_adamw8bit_params_per_s: float
+    gpu_adamw8bit_params_per_s: float
+    disk_write_bandwidth: float
+    disk_read_bandwidth: float
+    estimated: tuple = ()
+
+    def flops_for(self, dtype: str) -> float:
+        return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=1, default=list)
+
+
+def load(name_or_path: str | Path | None = None) -> Hardware:
+    """A built-in profile by name ("h200", "cpu"), or a JSON file; None gives the default."""
+    key = str(name_or_path) if name_or_path is not None else DEFAULT
+    path = BUILTIN.get(key, Path(key))
+    if not path.is_file():
+        raise LazytrainError(
+            f"hardware profile {key!r} not found; use one of {sorted(BUILTIN)} or a JSON file from `lazytrain profile`"
+        )
+    data = json.loads(path.read_text())
+    known = {f.name for f in fields(Hardware)}
+    missing = known - set(data) - {"estimated"}
+    if missing:
+        raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
+    data["estimated"] = tuple(data.get("estimated", ()))
+    return Hardware(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,66 @@
+"""The event IR: what a schedule holds and the runtime replays.
+
+Imports nothing beyond the standard library: a schedule compiled on a laptop runs on a GPU box that
+has neither the solver nor networkx.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Stream(enum.Enum):
+    # GPU work and copies, each in order on its own stream
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    DISK = "disk"
+    # host-side work (the CPU optimizer step)
+    CPU = "cpu"
+
+
+class Kind(enum.Enum):
+    # data movement
+    PREFETCH = "prefetch"  # a stage's weights host -> GPU buffer
+    OFFLOAD = "offload"  # activations or gradients GPU -> host
+    RELOAD = "reload"  # offloaded activations host -> GPU
+    FREE = "free"  # release a buffer at its last use
+    # work
+    COMPUTE = "compute"
+    OPT_STEP = "opt_step"
+    REDUCE = "reduce"  # multi-GPU gradient reduction
+
+
+class Phase(enum.Enum):
+    FWD = "fwd"
+    BWD = "bwd"
+    RECOMPUTE = "recompute"  # forward again without autograd, to regenerate dropped outputs
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A statically planned buffer. Names: w:S (streamed weights), g:S (their grads), act:S (stage
+    outputs), saved:S (autograd internals), grad:S (grads of stage outputs), host:act:S, and the
+    persistent `fixed`, `shared`, `res:S` (resident weights, grads, optimizer states)."""
+
+    name: str
+    pool: str  # "gpu" or "host"
+    bytes: int
+    persistent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: int
+    stream: Stream
+    kind: Kind
+    stage: int  # -1: the shared (tied) parameters
+    phase: Phase | None = None
+    reads: tuple[str, ...] = ()
+    allocs: tuple[str, ...] = ()
+    frees: tuple[str, ...] = ()
+    waits: tuple[int, ...] = ()
+    workspace: int = 0  # transient bytes while the event runs
+    device: str = ""  # OPT_STEP: "gpu" or "cpu"
+    start_s: float = 0.0  # predicted start within the step

@@ -1,0 +1,201 @@
+"""Pass `blocks`: partition the graph into stages (prologue, one per block, epilogue).
+
+Needs: a `Graph` whose nodes carry `block` (from capture), its `costs` and `liveness`.
+Guarantees: stages in execution order; every operator node in exactly one stage; every activation
+edge goes from an earlier stage to a later one (or raises `TraceError`); parameters owned by the one
+stage that reads them, or listed as shared (tied weights) when several do; identical blocks share a
+`kind` letter, so a decision solved for one applies to all.
+
+    embedding -> [model.layers.0] -> [model.layers.1] -> norm, lm_head, loss
+    stages:  0 prologue | 1 model.layers.0 (A) | 2 model.layers.1 (A) | 3 epilogue
+
+Nodes outside any block are placed by position: before the first block in the prologue, after the
+last in the epilogue, between blocks in the preceding block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import networkx as nx
+
+from lazytrain.errors import TraceError
+from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec, value_bytes
+from lazytrain.passes.costs import NodeCost
+
+_RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform")
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    index: int
+    name: str  # "prologue", a block path ("model.layers.3") or "epilogue"
+    kind: str  # identical stages share a kind letter
+    nodes: tuple[str, ...]
+    params: tuple[str, ...]  # parameters owned by this stage (not shared)
+    placeholders: tuple[str, ...]  # every graph input, buffer and parameter the stage reads
+    inputs: tuple[str, ...]  # activations from earlier stages
+    outputs: tuple[str, ...]  # activations read by later stages (or the loss)
+    grad_outputs: tuple[str, ...]  # outputs that carry gradient
+    grad_inputs: tuple[str, ...]  # inputs that carry gradient
+    consumers: tuple[int, ...]  # stages reading an output
+    param_numel: int
+    param_bytes: int
+    saved_bytes: int  # activations autograd keeps from forward to backward (non-view intermediates)
+    peak_bytes: int  # transient peak of a forward without autograd (liveness)
+    out_bytes: int
+    grad_out_bytes: int
+    fwd_s: float
+    bwd_s: float
+    random: bool  # draws random numbers: recomputing would change results
+
+    @property
+    def chain(self) -> bool:
+        """Its outputs are read by the next stage alone (a candidate for drop-and-recompute)."""
+        return self.consumers == (self.index + 1,)
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    stages: tuple[Stage, ...]
+    shared_params: tuple[str, ...]  # read by several stages: always resident
+    shared_numel: int
+    shared_bytes: int
+    fixed_bytes: int  # batch inputs and buffers: resident for the whole step
+    requires_grad: frozenset[str]
+
+    def __iter__(self):
+        return iter(self.stages)
+
+    def __len__(self):
+        return len(self.stages)
+
+    def __getitem__(self, i: int) -> Stage:
+        return self.stages[i]
+
+
+def _assign(graph: Graph) -> dict[str, str]:
+    """Node -> stage name, by block and position."""
+    ops = [n for n in graph if n.op in (OpKind.CALL, OpKind.GETITEM)]
+    last_block = max((i for i, n in enumerate(ops) if n.block), default=-1)
+    where, current = {}, "prologue"
+    for i, node in enumerate(ops):
+        if node.block:
+            current = node.block
+        elif i > last_block:
+            current = "epilogue"
+        where[node.name] = current
+    return where
+
+
+def _requires_grad(graph: Graph) -> frozenset[str]:
+    rg = set()
+    for node in graph:
+        if node.op is OpKind.PARAM:
+            rg.add(node.name)
+        elif node.op in (OpKind.CALL, OpKind.GETITEM):
+            floats = isinstance(node.value, TensorSpec) and node.value.is_float or (
+                isinstance(node.value, tuple) and any(v is not None and v.is_float for v in node.value))
+            if floats and any(i in rg for i in node.inputs()) and node.target != "aten.detach.default":
+                rg.add(node.name)
+    return frozenset(rg)
+
+
+def _kind_key(graph: Graph, names: tuple[str, ...]) -> str:
+    """Structure of a stage with names abstracted: equal keys mean identical blocks."""
+    local = {n: i for i, n in enumerate(names)}
+    outside: dict[str, int] = {}
+
+    def canon(a):
+        if isinstance(a, Sym) and a.kind == "ref":
+            if a.value in local:
+                return f"%{local[a.value]}"
+            return f"in{outside.setdefault(a.value, len(outside))}:{graph[a.value].value}"
+        if isinstance(a, tuple):
+            return tuple(canon(x) for x in a)
+        return a
+
+    parts = [(graph[n].target, canon(graph[n].args), canon(tuple(v for _, v in graph[n].kwargs)), str(graph[n].value)) for n in names]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int]) -> Stages:
+    where = _assign(graph)
+    order = list(dict.fromkeys(where.values()))
+    index = {name: i for i, name in enumerate(order)}
+    stage_of = {n: index[s] for n, s in where.items()}
+    rg = _requires_grad(graph)
+    users = graph.users()
+    position = {n.name: i for i, n in enumerate(graph)}
+
+    # Check the stage DAG follows execution order (blocks may not interleave).
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(order)))
+    for node in graph:
+        if node.name not in stage_of:
+            continue
+        for src in node.inputs():
+            if src in stage_of and stage_of[src] != stage_of[node.name]:
+                if stage_of[src] > stage_of[node.name]:
+                    raise TraceError(
+                        f"node {node.name} in {order[stage_of[node.name]]} reads {src} from the later stage "
+                        f"{order[stage_of[src]]}: blocks interleave, so lazytrain cannot stream them in order"
+                    )
+                dag.add_edge(stage_of[src], stage_of[node.name])
+    assert nx.is_directed_acyclic_graph(dag)
+
+    param_users: dict[str, set[int]] = {}
+    for node in graph:
+        if node.name in stage_of:
+            for src in node.inputs():
+                if graph[src].op is OpKind.PARAM:
+                    param_users.setdefault(src, set()).add(stage_of[node.name])
+    shared = tuple(sorted(p for p, s in param_users.items() if len(s) > 1))
+
+    kinds: dict[str, str] = {}
+    stages = []
+    for i, name in enumerate(order):
+        names = tuple(n for n in stage_of if stage_of[n] == i)
+        placeholders = tuple(dict.fromkeys(
+            src for n in names for src in graph[n].inputs() if graph[src].op not in (OpKind.CALL, OpKind.GETITEM)))
+        inputs = tuple(dict.fromkeys(
+            src for n in names for src in graph[n].inputs() if src in stage_of and stage_of[src] < i))
+        outputs = tuple(n for n in names if any(u == "<output>" or stage_of.get(u, i) > i for u in users[n]))
+        consumers = tuple(sorted({stage_of[u] for n in outputs for u in users[n] if u != "<output>" and stage_of[u] > i}))
+        params = tuple(p for p in placeholders if graph[p].op is OpKind.PARAM and p not in shared)
+        owned = [graph[n] for n in names if not costs[n].alias]
+        key = _kind_key(graph, names)
+        kinds.setdefault(key, chr(ord("A") + len(kinds)) if len(kinds) < 26 else f"K{len(kinds)}")
+        stages.append(Stage(
+            index=i, name=name, kind=kinds[key], nodes=names, params=params, placeholders=placeholders,
+            inputs=inputs, outputs=outputs,
+            grad_outputs=tuple(o for o in outputs if o in rg and o != graph.output),
+            grad_inputs=tuple(x for x in inputs if x in rg),
+            consumers=consumers,
+            param_numel=sum(graph[p].spec.numel for p in params),
+            param_bytes=sum(graph[p].spec.nbytes for p in params),
+            saved_bytes=sum(value_bytes(n.value) for n in owned),
+            peak_bytes=_peak(graph, names, costs, last_use, position),
+            out_bytes=sum(value_bytes(graph[o].value) for o in outputs),
+            grad_out_bytes=sum(value_bytes(graph[o].value) for o in outputs if o in rg and o != graph.output),
+            fwd_s=sum(costs[n].time_s for n in names),
+            bwd_s=sum(costs[n].bwd_time_s for n in names),
+            random=any(r in graph[n].target for n in names for r in _RANDOM_OPS),
+        ))
+    fixed = sum(n.spec.nbytes for n in graph.of(OpKind.INPUT, OpKind.BUFFER))
+    return Stages(tuple(stages), shared, sum(graph[p].spec.numel for p in shared),
+                  sum(graph[p].spec.nbytes for p in shared), fixed, rg)
+
+
+def _peak(graph, names, costs, last_use, position) -> int:
+    """Largest sum of live non-view intermediates while the stage's forward runs."""
+    live, peak = {}, 0
+    first, end = position[names[0]], position[names[-1]]
+    for n in names:
+        if not costs[n].alias:
+            live[n] = value_bytes(graph[n].value)
+        peak = max(peak, sum(live.values()))
+        live = {k: v for k, v in live.items() if last_use[k] > position[n] or last_use[k] > end}
+    del first
+    return peak

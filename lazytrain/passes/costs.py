@@ -1,0 +1,116 @@
+"""Pass `costs`: FLOPs, bytes moved and predicted seconds for every operator node.
+
+Needs: a `Graph` and a `Hardware` profile. Guarantees: one `NodeCost` per CALL/GETITEM node, from
+the per-op rule registered for its target, or the default (elementwise) rule.
+
+    linear_3 = aten.linear.default(x[8,64], w[32,64])  ->  flops = 2*8*32*64, bytes = in + out
+
+Time is a roofline: max(flops / achieved peak, bytes / memory bandwidth) + a per-op overhead.
+Backward is charged `bwd_factor` times the forward (2 for matmuls: grads of input and weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from lazytrain.hardware import Hardware
+from lazytrain.ir.graph import Graph, Node, OpKind, TensorSpec, value_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    flops: float
+    bytes: float  # bytes read + written
+    time_s: float  # forward
+    bwd_time_s: float
+    alias: bool  # the output is a view of an input: it owns no memory
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    flops: Callable[[Node, Graph], float]
+    bwd_factor: float = 1.0
+    alias: bool = False
+
+
+RULES: dict[str, _Rule] = {}
+
+
+def rule(*targets: str, bwd_factor: float = 1.0, alias: bool = False):
+    def register(fn):
+        for t in targets:
+            RULES[t] = _Rule(fn, bwd_factor, alias)
+        return fn
+    return register
+
+
+def _in(node: Node, graph: Graph, i: int) -> TensorSpec:
+    return graph[node.args[i].value].spec
+
+
+@rule("aten.linear.default", bwd_factor=2.0)
+def _linear(node, graph):
+    w = _in(node, graph, 1)
+    return 2.0 * node.spec.numel * w.shape[-1]
+
+
+@rule("aten.mm.default", "aten.bmm.default", "aten.matmul.default", bwd_factor=2.0)
+def _matmul(node, graph):
+    return 2.0 * node.spec.numel * _in(node, graph, 0).shape[-1]
+
+
+@rule("aten.addmm.default", bwd_factor=2.0)
+def _addmm(node, graph):
+    return 2.0 * node.spec.numel * _in(node, graph, 1).shape[-1]
+
+
+@rule("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
+      "aten._scaled_dot_product_efficient_attention.default", bwd_factor=2.5)
+def _sdpa(node, graph):
+    q, k = _in(node, graph, 0), _in(node, graph, 1)
+    *batch, lq, d = q.shape
+    nb = 1
+    for b in batch:
+        nb *= b
+    return 4.0 * nb * lq * k.shape[-2] * d  # QK^T and PV
+
+
+_VIEWS = (
+    "view.default", "_unsafe_view.default", "reshape.default", "transpose.int", "permute.default", "unsqueeze.default",
+    "squeeze.dim", "squeeze.dims", "squeeze.default", "expand.default", "slice.Tensor", "select.int", "t.default",
+    "alias.default", "detach.default", "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
+    "as_strided.default", "view_as.default", "flatten.using_ints", "unflatten.int",
+)
+
+
+@rule(*(f"aten.{v}" for v in _VIEWS), "getitem", bwd_factor=0.0, alias=True)
+def _view(node, graph):
+    return 0.0
+
+
+def _elementwise(node, graph):
+    return float(sum(v.numel for v in _specs(node)))
+
+
+def _specs(node: Node):
+    if isinstance(node.value, TensorSpec):
+        return [node.value]
+    return [v for v in (node.value or ()) if v is not None]
+
+
+_DEFAULT = _Rule(_elementwise, 1.0, False)
+
+
+def costs(graph: Graph, hw: Hardware) -> dict[str, NodeCost]:
+    table: dict[str, NodeCost] = {}
+    for node in graph:
+        if node.op not in (OpKind.CALL, OpKind.GETITEM):
+            continue
+        r = RULES.get(node.target, _DEFAULT)
+        flops = r.flops(node, graph)
+        nbytes = 0.0 if r.alias else float(value_bytes(node.value) + sum(value_bytes(graph[i].value) for i in set(node.inputs())))
+        dtype = next((s.dtype for s in _specs(node)), "float32")
+        t = 0.0 if r.alias else max(flops / hw.flops_for(dtype), nbytes / hw.mem_bandwidth) + hw.op_overhead_s
+        table[node.name] = NodeCost(flops, nbytes, t, t * r.bwd_factor, r.alias)
+    return table

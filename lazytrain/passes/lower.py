@@ -1,0 +1,162 @@
+"""Pass `lower`: a `Plan` -> the step's events per stream, with waits, and its static buffers.
+
+Needs: `Stages` and a `Plan` for them. Guarantees: events in an order that respects every
+dependency (the CPU runtime replays them in this order); each buffer allocated by one event and freed
+by a FREE event at its last use; the live buffers in each window are exactly those `solve` counted
+there (NOTE: [The step model] in solve.py), so `verify` can re-check the budget event by event.
+
+    plan: stage 1 streamed         events: PREFETCH w:1 (h2d) ; COMPUTE 0 fwd ; COMPUTE 1 fwd
+                                           (waits on the prefetch) ; FREE w:1 ; ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
+from lazytrain.ir.plan import OutMode, Plan
+from lazytrain.passes.blocks import Stages
+from lazytrain.passes.solve import LOSS_BYTES, Layout, resident_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    events: tuple[Event, ...]
+    buffers: tuple[Buffer, ...]
+    budget: int
+
+
+class _Builder:
+    def __init__(self):
+        self.events: list[Event] = []
+        self.buffers: dict[str, Buffer] = {}
+        self.last_writer: dict[str, int] = {}
+        self.readers: dict[str, list[int]] = {}
+        self.t = 0.0
+
+    def buffer(self, name, pool, nbytes, persistent=False):
+        self.buffers.setdefault(name, Buffer(name, pool, int(nbytes), persistent))
+        return name
+
+    def emit(self, stream, kind, stage, phase=None, reads=(), allocs=(), frees=(), workspace=0, device=""):
+        eid = len(self.events)
+        waits = set()
+        for b in reads:
+            if b in self.last_writer:
+                waits.add(self.last_writer[b])
+        for b in frees:
+            waits.update(self.readers.get(b, ()))
+            if b in self.last_writer:
+                waits.add(self.last_writer[b])
+        for b in allocs:  # reusing a name: wait until its previous life is over
+            waits.update(self.readers.get(b, ()))
+        # same-stream order is implicit: keep only cross-stream waits
+        waits = tuple(sorted(w for w in waits if self.events[w].stream is not stream))
+        self.events.append(Event(eid, stream, kind, stage, phase, tuple(reads), tuple(allocs), tuple(frees),
+                                 waits, int(workspace), device, round(self.t, 9)))
+        for b in reads:
+            self.readers.setdefault(b, []).append(eid)
+        for b in allocs:
+            self.last_writer[b] = eid
+            self.readers[b] = []
+        return eid
+
+
+def lower(stages: Stages, plan: Plan) -> Schedule:
+    S = len(stages)
+    L = Layout(S)
+    dec = plan.decisions
+    b = _Builder()
+    win_start, acc = {}, 0.0
+    for label, _, secs in plan.windows:
+        win_start[label] = acc
+        acc += secs
+
+    b.buffer("fixed", "gpu", stages.fixed_bytes + LOSS_BYTES, persistent=True)
+    b.buffer("shared", "gpu", resident_bytes(stages.shared_bytes, stages.shared_numel), persistent=True)
+    for s, g in enumerate(stages):
+        if not dec[s].stream:
+            b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel), persistent=True)
+        else:
+            b.buffer(f"w:{s}", "gpu", g.param_bytes)
+            b.buffer(f"g:{s}", "gpu", g.param_bytes)
+            b.buffer(f"host:grad:{s}", "host", g.param_bytes)
+        b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
+        b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
+        b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
+        if dec[s].outputs is OutMode.OFFLOAD:
+            b.buffer(f"host:act:{s}", "host", g.out_bytes)
+
+    producers = {s: sorted({p.index for p in stages if set(p.outputs) & set(g.inputs)}) for s, g in enumerate(stages)}
+    weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",)  # noqa: E731
+    acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
+
+    # ---- forward ----------------------------------------------------------------------------
+    b.t = win_start["pre"]
+    if dec[0].stream:
+        b.emit(Stream.H2D, Kind.PREFETCH, 0, allocs=("w:0",))
+    for s, g in enumerate(stages):
+        b.t = win_start[f"F{s}"]
+        if s + 1 < S and dec[s + 1].stream:
+            b.emit(Stream.H2D, Kind.PREFETCH, s + 1, allocs=(f"w:{s + 1}",))
+        for p in producers[s]:
+            if dec[p].outputs is OutMode.OFFLOAD and s == p + 1:
+                b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
+        save = not dec[s].recompute
+        allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
+        b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
+               allocs=allocs, workspace=0 if save else g.peak_bytes)
+        if dec[s].stream and s < S - 1:
+            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
+        for p in producers[s]:
+            mode = dec[p].outputs
+            if (mode is OutMode.OFFLOAD and stages[p].consumers[-1] == s) or (mode is OutMode.DROP and s == p + 1):
+                b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
+
+    # ---- backward ---------------------------------------------------------------------------
+    for s in reversed(range(S)):
+        g = stages[s]
+        b.t = win_start[f"B{s}"]
+        if s - 1 >= 0 and dec[s - 1].stream:
+            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",))
+        for p in range(S):
+            if dec[p].outputs is OutMode.OFFLOAD and stages[p].consumers[-1] + 1 == s:
+                b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
+        if s + 1 < S and dec[s + 1].stream:
+            b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
+        if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:
+            j = s - 1
+            while j - 1 >= 0 and dec[j - 1].outputs is OutMode.DROP:
+                j -= 1
+            for i in range(j, s):  # regenerate the dropped segment bottom-up
+                b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + weights(i) + acts_in(i),
+                       allocs=(f"act:{i}",), workspace=stages[i].peak_bytes)
+        save = not dec[s].recompute
+        reads = ("fixed",) + weights(s) + acts_in(s) + ((f"saved:{s}",) if save else ()) + \
+            ((f"grad:{s}",) if g.grad_outputs else ())
+        allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].consumers[-1] == s) + \
+            ((f"g:{s}",) if dec[s].stream else ())
+        b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
+               workspace=g.saved_bytes * (1 if save else 2))
+        if save:
+            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"saved:{s}",))
+        for p in producers[s]:
+            if stages[p].consumers[0] == s:
+                b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
+        if g.grad_outputs:
+            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
+        if dec[s].stream:
+            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
+        if s + 1 < S and dec[s + 1].stream:
+            b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
+            b.emit(Stream.CPU, Kind.OPT_STEP, s + 1, reads=(f"host:grad:{s + 1}",), device="cpu")
+        if not dec[s].stream:
+            b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}",), device="gpu")
+    b.t = win_start["tail"]
+    if dec[0].stream:
+        b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
+        b.emit(Stream.COMPUTE, Kind.FREE, 0, frees=("g:0",))
+        b.emit(Stream.CPU, Kind.OPT_STEP, 0, reads=("host:grad:0",), device="cpu")
+    if stages.shared_params:
+        b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared",), device="gpu")
+    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget)

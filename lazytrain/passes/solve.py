@@ -1,0 +1,312 @@
+"""Pass `solve`: choose, per stage, weight streaming, recomputation and output placement with a MIP.
+
+Needs: `Stages` (sizes and times per stage), a `Hardware` profile and a GPU budget in bytes.
+Guarantees: a `Plan` whose predicted GPU memory fits the budget in every window, minimising the
+predicted step time; or `InfeasibleBudget` carrying the smallest feasible budget (found by a second
+solve that minimises peak memory instead).
+
+NOTE: [The step model]
+Windows are the stages' compute phases in time order: F0..F(S-1), B(S-1)..B0, plus `pre` (before
+F0) and `tail` (after B0), which hide nothing. Per stage s:
+  stream[s]     weights on the host, prefetched one window ahead (F(s-1), B(s+1)); grads offloaded
+                during B(s-1); AdamW runs on the CPU, spread over the windows after that
+  recompute[s]  internals recomputed at B(s) (else autograd keeps them from F(s) to B(s))
+  off[s]        outputs offloaded during F(s+1)..F(cmax), reloaded during B(cmax+1)
+  drop[s]       outputs freed after F(s+1) and recomputed at the top of their drop segment
+Transfers are continuous volumes per window; a window's exposed time is the most its H2D, D2H, both
+directions together, or CPU work overruns its compute (DESIGN.md). Memory per window is the sum of
+the buffers `lower` keeps live there, so `verify` can check the plan event by event.
+A fixed plan (the heuristic fallback) is evaluated by the same model with its binaries pinned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mip
+
+from lazytrain.errors import InfeasibleBudget, PlanError
+from lazytrain.hardware import Hardware
+from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
+from lazytrain.passes.blocks import Stages
+from lazytrain.units import format_size
+
+ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per parameter
+LOSS_BYTES = 4
+
+
+def resident_bytes(param_bytes: int, numel: int) -> int:
+    """A resident parameter set on the GPU: weights, gradients and AdamW states."""
+    return 2 * param_bytes + ADAM_STATE_BYTES * numel
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Window positions and the constant per-stage facts the model and `lower` share."""
+
+    S: int
+
+    def fw(self, s: int) -> int:
+        return s
+
+    def bw(self, s: int) -> int:
+        return 2 * self.S - 1 - s
+
+    def labels(self) -> list[str]:
+        return [f"F{s}" for s in range(self.S)] + [f"B{s}" for s in reversed(range(self.S))]
+
+    def weight_windows(self, s: int) -> set[int]:
+        """Windows a streamed stage's weight buffer is live in."""
+        w = {self.fw(s), self.bw(s)}
+        if s > 0:
+            w.add(self.fw(s - 1))
+        if s < self.S - 1:
+            w.add(self.bw(s + 1))
+        else:
+            w |= set(range(self.fw(s), self.bw(s) + 1))
+        return w
+
+
+def fixed_bytes(stages: Stages) -> int:
+    """Resident for the whole step: the batch, buffers, the loss, and shared (tied) parameters."""
+    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(stages.shared_bytes, stages.shared_numel)
+
+
+class _Model:
+    """The step model: per-window memory, compute capacity and transfer volumes as linear expressions."""
+
+    def __init__(self, stages: Stages, hw: Hardware, vars_: dict, m: mip.Model):
+        self.st, self.hw, self.m = stages, hw, m
+        S = len(stages)
+        self.L = L = Layout(S)
+        self.v = vars_
+        T = 2 * S
+        sig, rec, off, drop = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"]
+        mem = [fixed_bytes(stages) for _ in range(T)]
+        h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
+        d2h = [0.0] * (T + 2)
+        cpu = [0.0] * (T + 2)
+        PRE, TAIL = T, T + 1
+        cap = [0.0] * (T + 2)
+        self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
+        self.recompute = 0.0
+        self.optimizer = stages.shared_numel / hw.gpu_adamw_params_per_s
+        PK = max((s.peak_bytes for s in stages), default=0)
+        for s, g in enumerate(stages):
+            cap[L.fw(s)] += g.fwd_s
+            cap[L.bw(s)] += g.bwd_s + g.fwd_s * rec[s]
+            self.recompute = self.recompute + g.fwd_s * (rec[s] + drop[s])
+            # weights: resident (weights, grads, states) or a streamed buffer
+            res = resident_bytes(g.param_bytes, g.param_numel)
+            self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
+            for t in range(T):
+                mem[t] = mem[t] + res * (1 - sig[s])
+            for t in L.weight_windows(s):
+                mem[t] = mem[t] + g.param_bytes * sig[s]
+            for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
+                if t is not None:
+                    mem[t] = mem[t] + g.param_bytes * sig[s]
+            # weight prefetch and gradient offload traffic
+            h2d[L.fw(s - 1) if s > 0 else PRE] += g.param_bytes * sig[s]
+            if s < S - 1:
+                h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
+            d2h[L.bw(s - 1) if s > 0 else TAIL] += g.param_bytes * sig[s]
+            self._spread(cpu, [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL],
+                         sig[s] * (g.param_numel / hw.cpu_adamw_params_per_s), f"cpu{s}")
+            # internals: saved from F(s) to B(s), or recomputed at B(s); backward needs twice them
+            for t in range(L.fw(s), L.bw(s) + 1):
+                mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
+            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s]
+            mem[L.bw(s)] = mem[L.bw(s)] + g.saved_bytes * (1 + rec[s])
+            # output activations
+            if g.consumers:
+                cmin, cmax = g.consumers[0], g.consumers[-1]
+                keep = 1 - off[s] - drop[s]
+                for t in range(L.fw(s), L.bw(cmin) + 1):
+                    mem[t] = mem[t] + g.out_bytes * keep
+                for t in list(range(L.fw(s), L.fw(cmax) + 1)) + list(range(L.bw(cmax + 1), L.bw(cmin) + 1)) if cmax < S - 1 else []:
+                    mem[t] = mem[t] + g.out_bytes * off[s]
+                for t in (L.fw(s), L.fw(s + 1)):
+                    mem[t] = mem[t] + g.out_bytes * drop[s]
+                for t in range(L.bw(cmax), L.bw(s) + 1):
+                    mem[t] = mem[t] + g.grad_out_bytes
+                if cmax < S - 1:
+                    self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
+                    h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
+        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1])
+        R = vars_["R"]
+        for c in range(1, S):
+            mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
+        self.mem = mem
+        self.host = sum(g.param_bytes for g in stages) + sum(
+            sig[s] * (g.param_bytes + ADAM_STATE_BYTES * g.param_numel) + off[s] * g.out_bytes for s, g in enumerate(stages))
+        self.h2d, self.d2h, self.cpu, self.cap = h2d, d2h, cpu, cap
+
+    def _spread(self, table, windows, volume, tag):
+        """Split `volume` over `windows` with continuous variables: transfers need not fit one window."""
+        parts = [self.m.add_var(name=f"{tag}_{w}", lb=0.0) for w in windows]
+        self.m += mip.xsum(parts) == volume
+        for w, p in zip(windows, parts):
+            table[w] = table[w] + p
+
+
+def _vars(m: mip.Model, stages: Stages):
+    S = len(stages)
+    v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)] for k in ("stream", "recompute", "off", "drop")}
+    v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]
+    big = sum(g.out_bytes for g in stages) + 1
+    for s, g in enumerate(stages):
+        sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
+        m += off + drop <= 1
+        if g.param_bytes == 0:
+            m += sig == 0
+        if g.random:
+            m += rec == 0
+            m += drop == 0
+        if not g.consumers or g.consumers[-1] == S - 1:
+            m += off == 0
+        for c in g.consumers:
+            m += off <= v["recompute"][c]
+        if not g.chain or g.random:
+            m += drop == 0
+        else:
+            m += drop <= v["recompute"][s + 1]
+            m += drop <= 1 - sig
+            for p in {p.index for p in stages if set(p.outputs) & set(g.inputs)}:
+                m += drop <= 1 - v["off"][p]
+    m += v["R"][0] == 0
+    for c in range(1, S):
+        m += v["R"][c] >= v["R"][c - 1] + stages[c - 1].out_bytes - big * (1 - v["drop"][c - 1])
+    return v
+
+
+def _exposure(m: mip.Model, model: _Model, hw: Hardware):
+    exposed = []
+    for t in range(len(model.cap)):
+        e = m.add_var(f"exposed{t}", lb=0.0)
+        h, d, c = model.h2d[t], model.d2h[t], model.cpu[t]
+        m += e >= h * (1 / hw.h2d_bandwidth) - model.cap[t]
+        m += e >= d * (1 / hw.d2h_bandwidth) - model.cap[t]
+        m += e >= (h + d) * (0.5 / hw.duplex_bandwidth) - model.cap[t]
+        m += e >= c - model.cap[t]
+        exposed.append(e)
+    return exposed
+
+
+def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision] | None = None):
+    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    m.verbose = 0
+    m.threads = 1
+    v = _vars(m, stages)
+    if fixed is not None:
+        for s, d in enumerate(fixed):
+            m += v["stream"][s] == int(d.stream)
+            m += v["recompute"][s] == int(d.recompute)
+            m += v["off"][s] == int(d.outputs is OutMode.OFFLOAD)
+            m += v["drop"][s] == int(d.outputs is OutMode.DROP)
+    model = _Model(stages, hw, v, m)
+    exposed = _exposure(m, model, hw)
+    m += model.host <= hw.host_memory_bytes
+    step = model.compute + model.recompute + model.optimizer + mip.xsum(exposed)
+    if minimise_memory:
+        peak = m.add_var("peak", lb=0.0)
+        for t in model.mem:
+            m += t <= peak
+        # Among the smallest plans, prefer the fastest (step time is a few orders smaller).
+        m.objective = mip.minimize(peak + 1e-9 * step)
+    else:
+        for t in model.mem:
+            m += t <= budget
+        m.objective = mip.minimize(step)
+    return m, v, model, exposed
+
+
+def _decisions(v, S) -> list[StageDecision]:
+    out = []
+    for s in range(S):
+        mode = OutMode.OFFLOAD if v["off"][s].x > 0.5 else OutMode.DROP if v["drop"][s].x > 0.5 else OutMode.KEEP
+        out.append(StageDecision(v["stream"][s].x > 0.5, v["recompute"][s].x > 0.5, mode))
+    return out
+
+
+def heuristic(stages: Stages, every: int = 4) -> list[StageDecision]:
+    """The fixed policy of layer-streaming trainers: stream every block, keep a checkpoint every
+    `every` blocks and recompute the rest in backward."""
+    S = len(stages)
+    out = []
+    for s, g in enumerate(stages):
+        can_drop = g.chain and not g.random and (s % every != every - 1)
+        out.append(StageDecision(g.param_bytes > 0, not g.random, OutMode.DROP if can_drop else OutMode.KEEP))
+    for s, d in enumerate(out):  # a dropped stage's weights must be resident, and its consumer recomputes
+        if d.outputs is OutMode.DROP:
+            out[s] = StageDecision(False, d.recompute, d.outputs)
+            if stages[s + 1].random:
+                out[s] = StageDecision(False, d.recompute, OutMode.KEEP)
+    del S
+    return out
+
+
+def _plan(stages, hw, budget, m, v, model, exposed, info: SolverInfo) -> Plan:
+    dec = _decisions(v, len(stages))
+    val = lambda e: e.x if hasattr(e, "x") else float(e)  # noqa: E731
+    mem = [int(round(val(t))) for t in model.mem]
+    secs = [val(model.cap[t]) + val(exposed[t]) for t in range(len(mem))]
+    edges = [("pre", 0, val(exposed[-2]))] + list(zip(model.L.labels(), mem, secs)) + [("tail", 0, val(exposed[-1]))]
+    return Plan(
+        decisions=tuple(dec), budget=budget, peak_bytes=max(mem), host_bytes=int(round(val(model.host))),
+        step_s=val(model.compute + model.recompute + model.optimizer + mip.xsum(exposed)),
+        compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=sum(val(e) for e in exposed),
+        optimizer_s=val(model.optimizer), windows=tuple(edges), solver=info,
+    )
+
+
+def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:
+    """The least GPU memory any plan needs (a solve that minimises peak memory)."""
+    m, v, model, exposed = _build(stages, hw, None, minimise_memory=True)
+    status = m.optimize(max_seconds=time_limit)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {status.name}); the host memory "
+                        f"({format_size(hw.host_memory_bytes)}) may be too small for this model")
+    return max(int(round(t.x if hasattr(t, "x") else t)) for t in model.mem)
+
+
+def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -> Plan:
+    start = time.perf_counter()
+    m, v, model, exposed = _build(stages, hw, budget, minimise_memory=False)
+    warm = heuristic(stages)
+    m.start = [(v["stream"][s], float(d.stream)) for s, d in enumerate(warm)] + \
+              [(v["recompute"][s], float(d.recompute)) for s, d in enumerate(warm)]
+    status = m.optimize(max_seconds=time_limit)
+    took = time.perf_counter() - start
+    if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        gap = abs(m.objective_value - m.objective_bound) / max(abs(m.objective_value), 1e-12)
+        info = SolverInfo(status.name.lower(), gap, m.objective_value, m.objective_bound, took)
+        return _plan(stages, hw, budget, m, v, model, exposed, info)
+    if status is mip.OptimizationStatus.INFEASIBLE:
+        need = smallest_budget(stages, hw)
+        raise InfeasibleBudget(
+            f"no plan fits a GPU budget of {format_size(budget)}; smallest feasible budget: "
+            f"{format_size(need, round_up=True)}. Raise --budget, or shrink the batch",
+            need,
+        )
+    # Time-out without a solution: use the heuristic policy if it fits.
+    msg = f"the solver found no plan in {time_limit:.0f}s; using the checkpoint-every-4 streaming heuristic"
+    try:
+        return evaluate(stages, hw, budget, warm, status="fallback", message=msg)
+    except PlanError:
+        raise PlanError(f"the solver found no plan in {time_limit:.0f}s and the heuristic does not fit "
+                        f"{format_size(budget)}; raise --time-limit or --budget") from None
+
+
+def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[StageDecision], *,
+             status: str = "fixed", message: str = "") -> Plan:
+    """The plan for given decisions: transfer placement solved, memory and time predicted. Raises
+    `PlanError` if the decisions break a rule (e.g. dropping outputs a saved stage needs) or the budget."""
+    start = time.perf_counter()
+    m, v, model, exposed = _build(stages, hw, budget, minimise_memory=False, fixed=decisions)
+    result = m.optimize(max_seconds=60)
+    if result not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        raise PlanError(f"the given decisions are not a valid plan within {format_size(budget)} (solver: {result.name})")
+    info = SolverInfo(status, 0.0, m.objective_value, m.objective_value, time.perf_counter() - start, message)
+    return _plan(stages, hw, budget, m, v, model, exposed, info)

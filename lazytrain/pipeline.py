@@ -1,0 +1,130 @@
+"""The compiler pipeline: one straight-line function of named stages.
+
+    capture -> costs -> liveness -> blocks -> solve -> lower -> verify -> codegen
+
+Between stages a hook checks the stage's output (the IR lint after capture, the schedule verifier
+after lower), dumps it on request (`--dump-ir DIR`: one file per stage, deterministic) and times it
+(`--time-passes`). A failure inside a stage names the stage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lazytrain import hardware as hw_profiles
+from lazytrain.codegen.render import render
+from lazytrain.errors import LazytrainError, PlanError
+from lazytrain.hardware import Hardware
+from lazytrain.ir import dump
+from lazytrain.ir.capture import capture
+from lazytrain.ir.graph import Graph
+from lazytrain.ir.lint import lint
+from lazytrain.ir.plan import Plan
+from lazytrain.passes.blocks import Stages, blocks
+from lazytrain.passes.costs import costs
+from lazytrain.passes.liveness import liveness
+from lazytrain.passes.lower import Schedule, lower
+from lazytrain.passes.solve import smallest_budget, solve
+from lazytrain.passes.verify import verify
+
+STAGES = ("capture", "costs", "liveness", "blocks", "solve", "lower", "verify", "codegen")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    graph: Graph
+    stages: Stages
+    plan: Plan
+    schedule: Schedule
+    memory_trace: tuple[int, ...]
+    source_text: str  # the generated schedule.py
+    hardware: Hardware
+
+
+class _Hook:
+    def __init__(self, dump_dir: str | Path | None, time_passes: bool):
+        self.dir = Path(dump_dir) if dump_dir else None
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.time_passes = time_passes
+
+    def run(self, name: str, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+        except LazytrainError:
+            raise
+        except Exception as exc:
+            raise PlanError(f"stage {name} failed: {type(exc).__name__}: {exc}") from exc
+        if self.time_passes:
+            print(f"[lazytrain] {name:<9} {time.perf_counter() - start:8.3f} s", file=sys.stderr)
+        return out
+
+    def dump(self, index: int, name: str, text: str):
+        if self.dir:
+            (self.dir / f"{index:02d}-{name}.txt").write_text(text)
+
+
+def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None):
+    """The stages before the solver: capture, costs, liveness, blocks."""
+    hook = hook or _Hook(None, False)
+    graph = hook.run("capture", capture, model, batch, source)
+    lint(graph)
+    hook.dump(0, "capture", dump.text(graph))
+    if hook.dir:
+        (hook.dir / "00-capture.json").write_text(dump.to_json(graph))
+    node_costs = hook.run("costs", costs, graph, hw)
+    hook.dump(1, "costs", dump.text(graph, node_costs))
+    last_use = hook.run("liveness", liveness, graph, node_costs)
+    hook.dump(2, "liveness", "".join(f"{n} {i}\n" for n, i in last_use.items()))
+    stages = hook.run("blocks", blocks, graph, node_costs, last_use)
+    hook.dump(3, "blocks", stages_text(stages))
+    return graph, stages
+
+
+def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
+                  source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False) -> Compiled:
+    """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory)."""
+    hw = hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
+    hook = _Hook(dump_dir, time_passes)
+    graph, stages = analyse(model, batch, hw, source, hook)
+    budget = hw.gpu_memory_bytes if budget is None else int(budget)
+    plan = hook.run("solve", solve, stages, hw, budget, time_limit)
+    hook.dump(4, "solve", plan_text(stages, plan))
+    schedule = hook.run("lower", lower, stages, plan)
+    trace = hook.run("verify", verify, schedule)
+    hook.dump(5, "lower", "".join(f"{e}\n" for e in schedule.events))
+    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name)
+    return Compiled(graph, stages, plan, schedule, trace, text, hw)
+
+
+def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None) -> int:
+    hw = hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
+    _, stages = analyse(model, batch, hw)
+    return smallest_budget(stages, hw)
+
+
+def stages_text(stages: Stages) -> str:
+    lines = [f"# {len(stages)} stages; shared parameters: {list(stages.shared_params)}"]
+    for s in stages:
+        lines.append(
+            f"{s.index} {s.name} kind={s.kind} nodes={len(s.nodes)} params={s.param_bytes}B saved={s.saved_bytes}B "
+            f"peak={s.peak_bytes}B out={s.out_bytes}B inputs={list(s.inputs)} outputs={list(s.outputs)} "
+            f"consumers={list(s.consumers)} fwd={s.fwd_s:.3g}s bwd={s.bwd_s:.3g}s")
+    return "\n".join(lines) + "\n"
+
+
+def plan_text(stages: Stages, plan: Plan) -> str:
+    data = {
+        "budget": plan.budget, "peak_bytes": plan.peak_bytes, "host_bytes": plan.host_bytes,
+        "decisions": [{"stage": s.name, "stream": d.stream, "recompute": d.recompute, "outputs": d.outputs.value}
+                      for s, d in zip(stages, plan.decisions)],
+        "windows": [list(w[:2]) for w in plan.windows],
+    }
+    return json.dumps(data, indent=1) + "\n"

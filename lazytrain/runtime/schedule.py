@@ -1,0 +1,84 @@
+"""What a generated schedule module imports: the event IR, `Stage`, and `bind_module`.
+
+NOTE: [Runtime imports]
+This package imports torch and `lazytrain.ir.events` only: never `lazytrain.passes`, python-mip or
+networkx, so a schedule compiled on a laptop runs where only torch is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from lazytrain.errors import ScheduleMismatch
+from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
+
+__all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
+
+FORMAT_VERSION = 1
+CHECKSUM_MARK = "CHECKSUM = "
+
+
+def checksum(text: str) -> str:
+    """Hash of everything above the CHECKSUM line: edits and truncation are caught at bind."""
+    return hashlib.sha256(text.split(CHECKSUM_MARK, 1)[0].encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    name: str
+    fn: Callable
+    placeholders: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    grad_inputs: tuple[str, ...] = ()
+    grad_outputs: tuple[str, ...] = ()
+    recompute: bool = False
+    stream: bool = False
+
+
+def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:
+    """Execute schedule source as a module; the source is registered with linecache so tracebacks
+    show the schedule's own lines."""
+    filename = path or f"<lazytrain schedule {name}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    module = ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module
+    exec(compile(text, filename, "exec"), module.__dict__)
+    _check_integrity(module, text, filename)
+    return module
+
+
+def load_schedule(path: str | Path) -> ModuleType:
+    path = Path(path)
+    if not path.is_file():
+        raise ScheduleMismatch(f"schedule {path} does not exist; create it with `lazytrain compile model.py -o {path}`")
+    text = path.read_text()
+    try:
+        return load_source(text, f"lazytrain_schedule_{abs(hash(str(path.resolve())))}", str(path))
+    except ScheduleMismatch:
+        raise
+    except Exception as exc:
+        raise ScheduleMismatch(f"schedule {path} is corrupt ({type(exc).__name__}: {exc}); recompile it with `lazytrain compile`") from None
+
+
+def _check_integrity(module: ModuleType, text: str, where: str) -> None:
+    fmt = getattr(module, "FORMAT", None)
+    if fmt != FORMAT_VERSION:
+        raise ScheduleMismatch(f"schedule {where} has format {fmt}, this lazytrain reads {FORMAT_VERSION}: it is stale; recompile it")
+    if getattr(module, "CHECKSUM", None) != checksum(text):
+        raise ScheduleMismatch(f"schedule {where} was edited or is corrupt (checksum mismatch); recompile it with `lazytrain compile`")
+
+
+def bind_module(module: ModuleType, model, **optimizer_args):
+    from lazytrain.runtime.trainer import Trainer
+
+    return Trainer(module, model, **optimizer_args)

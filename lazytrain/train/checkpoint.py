@@ -1,0 +1,457 @@
+"""Checkpoints that lose nothing, and survive a kill -9 at any moment.
+
+Layout under a checkpoint root::
+
+    root/LATEST                  the name of the newest complete checkpoint, e.g. "step-00000012"
+    root/step-00000012/
+        model.safetensors        model weights (contiguous, tied storages un-shared)
+        optimizer.pt             optimizer state (torch.save)
+        rng.pt                   torch CPU, CUDA (if initialised) and python `random` states
+        meta.json                step, fingerprint, `extra`, sha256 of every file, own digest
+    root/.tmp-*                  leftovers of an interrupted save: ignored, removed by the next save
+
+Crash safety comes from ordering: a checkpoint is written and fsynced in a temp directory,
+renamed into place in one ``os.replace``, and only then named in ``LATEST`` (itself replaced
+atomically). Until that last rename, ``LATEST`` still names the previous checkpoint, which is
+untouched. ``load_latest`` validates everything before returning, so nothing is applied half way,
+and it never silently substitutes another checkpoint for the one ``LATEST`` names.
+
+One process writes to a root at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lazytrain.errors import CheckpointError
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+META_FILE = "meta.json"
+LATEST_FILE = "LATEST"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+
+_DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE)
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A fully validated checkpoint, held in memory (tensors on the CPU)."""
+
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    extra: dict
+    rng: dict
+    fingerprint: str = ""
+    path: Path | None = None
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _parse_step(name: str) -> int | None:
+    """The step of a checkpoint directory name, or None if it is not one (exactly)."""
+    match = _STEP_DIR.fullmatch(name)
+    if match is None or _dir_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Checkpoint directories under ``root``, oldest first."""
+    found = []
+    for entry in root.iterdir():
+        step = _parse_step(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
+    return sorted(found)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Persist a directory's entries (a rename is durable only once its directory is synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # platforms that cannot open directories (Windows) have no dir fsync
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _meta_digest(body: dict) -> str:
+    return hashlib.sha256(_canonical(body).encode()).hexdigest()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- what gets saved
+
+
+def _check_extra(extra: dict) -> None:
+    """``extra`` must come back from JSON exactly as given, or the resume would differ."""
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
+    try:
+        text = json.dumps(extra, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint extra is not JSON-serialisable ({exc}); keep plain numbers, strings, "
+            "lists and dicts there and put tensors into optimizer_state"
+        ) from exc
+    if json.loads(text) != extra:
+        raise CheckpointError(
+            "checkpoint extra changes in a JSON round trip (a tuple, a non-string dict key or a "
+            "NaN); use lists and string keys so that it is restored exactly"
+        )
+
+
+def _safetensors_ready(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors, no two sharing storage (safetensors refuses shared storage).
+
+    A second tensor on an already seen storage (tied embeddings) is cloned, so both names are
+    saved with identical bits and load back as independent tensors.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model_state.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"model_state entry {name!r} is a {type(tensor).__name__}; model_state must map "
+                "names to tensors (pass model.state_dict())"
+            )
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        ptr = tensor.untyped_storage().data_ptr()
+        if not tensor.is_contiguous() or (tensor.numel() and ptr in seen):
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+            ptr = tensor.untyped_storage().data_ptr()
+        if tensor.numel():
+            seen.add(ptr)
+        out[name] = tensor
+    return out
+
+
+def _capture_rng() -> dict[str, Any]:
+    # CUDA is only read when already initialised: reading it otherwise would create a context
+    # on every GPU of a run that does not use them, and an unused generator has nothing to save.
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state_all()
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def restore_rng(checkpoint: Checkpoint) -> None:
+    """Set the torch CPU, CUDA and python ``random`` generators back to the saved states.
+
+    CUDA states are restored for the devices both runs have.
+    """
+    rng = checkpoint.rng
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    cuda = rng.get("cuda")
+    if cuda and torch.cuda.is_available():
+        for index in range(min(len(cuda), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(cuda[index], index)
+
+
+# --------------------------------------------------------------------------- LATEST
+
+
+def _read_latest(root: Path) -> str:
+    latest = root / LATEST_FILE
+    try:
+        text = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{latest} cannot be read ({exc}); delete it to resume from the newest checkpoint"
+        ) from exc
+    if _parse_step(text) is None:
+        raise CheckpointError(
+            f"{latest} is corrupt: it holds {text[:40]!r}, not a name like step-00000012; "
+            "delete it to resume from the newest checkpoint"
+        )
+    return text
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{TMP_PREFIX}LATEST-{uuid.uuid4().hex}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST_FILE)
+    _fsync_dir(root)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    extra: dict,
+    fingerprint: str,
+    keep: int = 3,
+) -> Path:
+    """Write ``root/step-{step:08d}/`` atomically, point ``LATEST`` at it, prune, return its path.
+
+    ``extra`` must be JSON data (data position, LR scheduler state, ...); it is checked to
+    survive the round trip before anything is written. RNG states are captured here. Only the
+    ``keep`` newest checkpoints (by step) survive, and never fewer than the one just written.
+    Saving a step that ``LATEST`` already names is refused: replacing the latest checkpoint in
+    place cannot be made atomic.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if keep < 1:
+        raise CheckpointError(f"keep must be at least 1, got {keep}")
+    _check_extra(extra)
+    tensors = _safetensors_ready(model_state)
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = _dir_name(step)
+    final = root / name
+    if final.exists() and (root / LATEST_FILE).exists():
+        try:
+            latest = _read_latest(root)
+        except CheckpointError:
+            latest = None  # a corrupt LATEST is repaired by this save
+        if latest == name:
+            raise CheckpointError(
+                f"checkpoint {final} already exists and {root / LATEST_FILE} names it; "
+                "replacing the latest checkpoint in place is not crash safe, so save each "
+                "step once"
+            )
+
+    # Not mkdtemp: its 0700 mode would carry over to the finished checkpoint.
+    tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / MODEL_FILE))
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        torch.save(_capture_rng(), tmp / RNG_FILE)
+        files = {}
+        for fname in _DATA_FILES:
+            _fsync_file(tmp / fname)
+            files[fname] = _sha256_file(tmp / fname)
+        body = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "fingerprint": fingerprint,
+            "extra": extra,
+            "files": files,
+            # safetensors sorts names; the caller's order (module order) is kept here.
+            "model_keys": list(tensors),
+        }
+        meta = dict(body, digest=_meta_digest(body))  # guards meta.json itself
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            # A complete checkpoint that LATEST does not name (a crash hit between its rename
+            # and the LATEST update): LATEST's checkpoint stays valid while it is swapped out,
+            # and _prune deletes the old copy.
+            os.replace(final, root / f"{TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}")
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _write_latest(root, name)
+    _prune(root, keep, name)
+    return final
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    """Drop all but the ``keep`` newest checkpoints (always keeping ``current``) and leftovers
+    of interrupted saves. Each victim is renamed to a temp name first, so a crash mid-delete
+    never leaves a half-deleted directory under a checkpoint name."""
+    dirs = _step_dirs(root)
+    survivors = {path.name for _, path in dirs[-keep:]} | {current}
+    for _, path in dirs:
+        if path.name not in survivors:
+            doomed = root / f"{TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex}"
+            os.replace(path, doomed)
+            _remove(doomed)
+    for entry in root.iterdir():
+        if entry.name.startswith(TMP_PREFIX):
+            _remove(entry)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_latest(root: str | Path, fingerprint: str) -> Checkpoint | None:
+    """The checkpoint ``LATEST`` names, fully validated, or None if ``root`` holds none.
+
+    Without a ``LATEST`` file (a crash during the very first save, or a deleted one) the newest
+    ``step-*`` directory is used: those only ever appear complete. Raises ``CheckpointError`` if
+    ``LATEST`` is unreadable or names a missing directory, if a file is missing or its sha256
+    does not match, if the step in meta.json disagrees with the directory name, or if the
+    checkpoint was written for another fingerprint.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    if (root / LATEST_FILE).exists():
+        name = _read_latest(root)
+        path = root / name
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{root / LATEST_FILE} names {name}, but {path} does not exist; restore it, or "
+                f"delete {root / LATEST_FILE} to resume from the newest remaining checkpoint"
+            )
+    else:
+        dirs = _step_dirs(root)
+        if not dirs:
+            return None
+        path = dirs[-1][1]
+    return _load(path, fingerprint)
+
+
+def _load(path: Path, fingerprint: str) -> Checkpoint:
+    latest = path.parent / LATEST_FILE
+
+    def corrupt(reason: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {path} is corrupt: {reason}; delete it (and {latest} if it names it) "
+            "to resume from the previous one"
+        )
+
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise corrupt(f"{META_FILE} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise corrupt(f"{META_FILE} cannot be read ({exc})") from exc
+    if not isinstance(meta, dict) or "digest" not in meta:
+        raise corrupt(f"{META_FILE} has no digest")
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    if _meta_digest(body) != meta["digest"]:
+        raise corrupt(f"{META_FILE} digest mismatch")
+    if body.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format {body.get('format')}, this lazytrain reads format "
+            f"{FORMAT_VERSION}; resume with the lazytrain that wrote it"
+        )
+    dir_step = _parse_step(path.name)
+    if body["step"] != dir_step:
+        raise corrupt(f"{META_FILE} says step {body['step']} but the directory is step {dir_step}")
+    if body["fingerprint"] != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} was written for model fingerprint {body['fingerprint']}, this run "
+            f"is {fingerprint}; resume with the same model and settings, or use a fresh "
+            "checkpoint directory"
+        )
+
+    files = body["files"]
+    for fname in _DATA_FILES:
+        if fname not in files:
+            raise corrupt(f"{META_FILE} lists no sha256 for {fname}")
+        if not (path / fname).is_file():
+            raise corrupt(f"{fname} is missing")
+        if _sha256_file(path / fname) != files[fname]:
+            raise corrupt(f"{fname} sha256 mismatch")
+    try:
+        model_state = load_file(str(path / MODEL_FILE))
+        # weights_only: state dicts need nothing else, and it refuses arbitrary pickled code.
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        rng = torch.load(path / RNG_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # checksums matched, so the writer stored something unloadable
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded although its checksums match "
+            f"({type(exc).__name__}: {exc}); keep only tensors and plain Python values in the "
+            "optimizer state"
+        ) from exc
+    keys = body.get("model_keys", [])
+    if sorted(keys) != sorted(model_state):
+        raise corrupt(f"{MODEL_FILE} does not hold the tensors {META_FILE} lists")
+    return Checkpoint(
+        step=dir_step,
+        model_state={key: model_state[key] for key in keys},
+        optimizer_state=optimizer_state,
+        extra=body["extra"],
+        rng=rng,
+        fingerprint=fingerprint,
+        path=path,
+    )
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_hf(model: Any, out_dir: str | Path) -> Path:
+    """Save a ``transformers.PreTrainedModel`` with ``save_pretrained`` as safetensors.
+
+    Raises ``CheckpointError`` for any other model.
+    """
+    # A model cannot be a PreTrainedModel unless transformers is loaded: skip its slow import.
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        raise CheckpointError(
+            f"only Hugging Face models (transformers.PreTrainedModel) can be exported, got "
+            f"{type(model).__name__}; use {MODEL_FILE} in the checkpoint directory, which holds "
+            "this model's weights"
+        )
+    out_dir = Path(out_dir)
+    # transformers 5 always writes safetensors and dropped the flag; 4.x needs it.
+    kwargs = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True
+    model.save_pretrained(str(out_dir), **kwargs)
+    return out_dir
