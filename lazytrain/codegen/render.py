@@ -62,7 +62,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     stage_lines = [
         f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
-        f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}),"
+        f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
+        f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}),"
         for s, d in zip(stages, plan.decisions)
     ]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"
@@ -79,6 +80,10 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         decision_lines=decision_lines, format_version=FORMAT_VERSION, loss=graph.output,
         placeholders=placeholders, shared=repr(stages.shared_params),
         functions=[stage_function(graph, s) for s in stages], stage_lines=stage_lines, buffer_lines=buffer_lines,
+        predicted=repr({"compute_s": plan.compute_s, "recompute_s": plan.recompute_s, "exposed_s": plan.exposed_s,
+                        "optimizer_s": plan.optimizer_s, "host_bytes": plan.host_bytes}),
+        solver=repr({"status": info.status, "gap": info.gap, "seconds": round(info.seconds, 3), "message": info.message}),
+        windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
     )
     return text.replace('"@CHECKSUM@"', f'"{checksum(text)}"')

@@ -42,6 +42,9 @@ class Stage:
     grad_outputs: tuple[str, ...] = ()
     recompute: bool = False
     stream: bool = False
+    outputs_mode: str = "keep"
+    kind: str = ""
+    param_bytes: int = 0
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

@@ -53,8 +53,8 @@ class Trainer:
 
     # ---- binding checks -----------------------------------------------------------------------
     def _bind_tensors(self, model):
-        found = dict(model.named_parameters())
-        found.update(dict(model.named_buffers()))
+        found = dict(model.named_parameters(remove_duplicate=False))  # tied weights answer to every name
+        found.update(dict(model.named_buffers(remove_duplicate=False)))
         self.tensors: dict[str, torch.Tensor] = {}
         problems = []
         for name, (kind, target, shape, dtype) in self.m.PLACEHOLDERS.items():
@@ -69,8 +69,8 @@ class Trainer:
                 problems.append(f"{target} is on the meta device; load or initialise the weights first")
             else:
                 self.tensors[name] = t
-        expected = {target for kind, target, *_ in self.m.PLACEHOLDERS.values() if kind == "param"}
-        extra = [n for n, p in model.named_parameters() if n not in expected and p.requires_grad]
+        bound = {id(t) for t in self.tensors.values()}
+        extra = [n for n, p in model.named_parameters() if id(p) not in bound and p.requires_grad]
         if extra:
             problems.append(f"it has parameters the schedule does not know: {', '.join(extra[:3])}")
         if problems:

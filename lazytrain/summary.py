@@ -1,0 +1,48 @@
+"""The plan summary: per-stage decisions, predicted memory over the step, and the time split.
+
+Built from a loaded schedule module alone, so `lazytrain inspect` needs neither the model nor the
+solver. Deterministic (no timings of the compile itself), so golden tests can pin it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from lazytrain.units import format_size
+
+_WIDTH = 40  # characters of the memory bar at the peak window
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def summary(schedule: ModuleType) -> str:
+    m = schedule
+    p = m.PREDICTED
+    lines = [
+        f"schedule for {m.SOURCE or '<in-memory model>'} (fingerprint {m.FINGERPRINT}), hardware {m.HARDWARE}",
+        f"batch: {', '.join(f'{k}={d}{list(s)}' for k, (s, d) in m.BATCH.items())}",
+        f"budget {format_size(m.BUDGET)}; predicted peak {format_size(m.PREDICTED_PEAK)} "
+        f"({m.PREDICTED_PEAK / m.BUDGET:.0%} of budget); host {format_size(p['host_bytes'])}",
+        f"predicted step {_ms(m.PREDICTED_STEP_S)} = compute {_ms(p['compute_s'])} + recompute {_ms(p['recompute_s'])}"
+        f" + exposed transfer {_ms(p['exposed_s'])} + optimizer {_ms(p['optimizer_s'])}",
+        f"solver: {m.SOLVER['status']}, gap {m.SOLVER['gap']:.2%}" + (f" ({m.SOLVER['message']})" if m.SOLVER["message"] else ""),
+        "",
+        f"{'stage':<28}{'kind':<6}{'weights':>11}  {'placement':<10}{'internals':<12}{'outputs':<9}optimizer",
+    ]
+    for s in m.STAGES:
+        lines.append(
+            f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
+            f"{'streamed' if s.stream else 'resident':<10}{'recomputed' if s.recompute else 'saved':<12}"
+            f"{s.outputs_mode:<9}{'cpu' if s.stream else 'gpu'}")
+    counts = {}
+    for e in m.EVENTS:
+        counts[e.kind.value] = counts.get(e.kind.value, 0) + 1
+    lines += ["", "events: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), "",
+              "predicted GPU memory per window (time order):"]
+    top = max((b for _, b, _ in m.WINDOWS), default=1) or 1
+    for label, nbytes, secs in m.WINDOWS:
+        bar = "#" * round(_WIDTH * nbytes / top)
+        lines.append(f"  {label:>5} {format_size(nbytes):>10} {_ms(secs):>12}  {bar}")
+    return "\n".join(lines) + "\n"
