@@ -16,6 +16,6 @@ class StagedAdamW(torch.optim.AdamW):
         groups = self.param_groups
         try:
             self.param_groups = [groups[index]]
-            super().step()
+            self.step()  # the instance's step: LR schedulers wrap it to count calls
         finally:
             self.param_groups = groups

@@ -1,0 +1,129 @@
+"""The `lazytrain` command: compile, inspect, train, profile.
+
+Errors from lazytrain's hierarchy print as one line (`lazytrain: error: ...`) and exit with 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lazytrain.errors import LazytrainError
+from lazytrain.units import format_size, parse_size
+
+
+def _budget(text: str):
+    if text in ("min", "max"):
+        return text
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_compile(args) -> int:
+    from lazytrain.compile_file import compile_file
+
+    compiled = compile_file(args.model, args.output, budget=args.budget, hardware=args.hardware,
+                            time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes)
+    from lazytrain.runtime.schedule import load_schedule
+    from lazytrain.summary import summary
+
+    print(summary(load_schedule(args.output)), end="")
+    print(f"wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
+          f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget)})")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from lazytrain.runtime.schedule import load_schedule
+    from lazytrain.summary import summary
+
+    module = load_schedule(args.schedule)
+    print(summary(module), end="")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from lazytrain.train.loop import train
+
+    train(args)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from lazytrain.profile import profile
+
+    hw = profile(args.output, quick=args.quick)
+    print(f"wrote {args.output}: {hw.description}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lazytrain", description="Compile and run training steps under a GPU memory budget.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile model.py into a static schedule.py")
+    c.add_argument("model", help="a .py file defining build_model() and example_batch()")
+    c.add_argument("-o", "--output", required=True, help="the schedule module to write")
+    c.add_argument("--budget", type=_budget, default="max",
+                   help="GPU memory budget, e.g. 24GiB; 'min' for the smallest feasible, 'max' (default) for the whole device")
+    c.add_argument("--hardware", default=None, help="hardware profile: h200 (default), cpu, or a JSON file from `lazytrain profile`")
+    c.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after every stage into DIR")
+    c.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
+    c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
+    c.set_defaults(fn=cmd_compile)
+
+    i = sub.add_parser("inspect", help="summarise a compiled schedule")
+    i.add_argument("schedule")
+    i.set_defaults(fn=cmd_inspect)
+
+    t = sub.add_parser("train", help="train a model with a schedule (default: the built-in tiny model on the shipped corpus)")
+    t.add_argument("--model", default=None, help="model file or Hugging Face config directory (default: the bundled tiny Qwen2-style model)")
+    t.add_argument("--weights", default=None, help="safetensors file to start from (default: the model directory's, else random init)")
+    t.add_argument("--data", nargs="+", default=None, help=".txt/.jsonl files or directories (default: the shipped corpus)")
+    t.add_argument("--tokenizer", default=None, help="local Hugging Face tokenizer (default: the model directory's, else the shipped one)")
+    t.add_argument("--batch-size", type=int, default=None, help="for config directories (model files set their own)")
+    t.add_argument("--seq-len", type=int, default=None, help="for config directories (model files set their own)")
+    t.add_argument("--schedule", default=None, help="a compiled schedule (default: compile on the fly)")
+    t.add_argument("--budget", type=_budget, default=None, help="GPU budget when compiling on the fly: a size, min (default) or max")
+    t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
+    t.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    t.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of --steps)")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of --lr")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-dir", default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
+    t.add_argument("--checkpoint-every", type=int, default=50)
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
+    t.add_argument("--log", default=None, help="JSONL log of every step (default: CHECKPOINT_DIR/log.jsonl)")
+    t.add_argument("--export-hf", default=None, metavar="DIR", help="after training, save a Hugging Face model directory")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
+    t.add_argument("--print-every", type=int, default=10, help="print a loss line every N steps (default 10)")
+    t.set_defaults(fn=cmd_train)
+
+    pr = sub.add_parser("profile", help="measure this machine into a hardware profile")
+    pr.add_argument("-o", "--output", required=True)
+    pr.add_argument("--quick", action="store_true", help="smaller measurements (seconds instead of a minute)")
+    pr.set_defaults(fn=cmd_profile)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except LazytrainError as exc:
+        print(f"lazytrain: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lazytrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""`lazytrain compile`: a model file -> schedule.py, written atomically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lazytrain import hardware as hw_profiles
+from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+from lazytrain.pipeline import Compiled, compile_model, minimum_budget
+
+
+def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.0, dump_dir=None,
+                 time_passes=False) -> Compiled:
+    """Compile `model_path` for `budget` (bytes, "min" or "max") and write the schedule to `output`."""
+    build_model, example_batch = load_model_file(model_path)
+    batch = check_batch(example_batch())
+    model = build_on_meta(build_model)
+    hw = hw_profiles.load(hardware)
+    if budget == "max" or budget is None:
+        budget = hw.gpu_memory_bytes
+    elif budget == "min":
+        budget = minimum_budget(model, batch, hw)
+    compiled = compile_model(model, batch, budget, hw, source=str(model_path), time_limit=time_limit,
+                             dump_dir=dump_dir, time_passes=time_passes)
+    if compiled.plan.solver.message:
+        print(f"lazytrain: note: {compiled.plan.solver.message}")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    tmp.write_text(compiled.source_text)
+    os.replace(tmp, output)
+    return compiled

@@ -1,0 +1,313 @@
+"""Small models and helpers shared by the compiler tests.
+
+Every model is built twice: once under `torch.device("meta")` for the compiler (which never sees
+real weights) and once on the CPU from a fixed seed for the replay. `replay_equals_eager` is the
+correctness contract of DESIGN.md: replaying a schedule gives the eager loss and every parameter's
+gradient within 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lazytrain.codegen.render import render
+from lazytrain.ir.plan import OutMode, StageDecision
+from lazytrain.passes.lower import lower
+from lazytrain.passes.solve import evaluate
+from lazytrain.passes.verify import verify
+from lazytrain.pipeline import compile_model
+from lazytrain.runtime.schedule import load_source
+
+ATOL = RTOL = 1e-5
+HW = "cpu"
+_names = itertools.count()
+
+
+def unique_name(prefix: str = "lt_test_schedule") -> str:
+    """A fresh module name for `load_source` (it registers the module in sys.modules)."""
+    return f"{prefix}_{next(_names)}"
+
+
+# ---- model pairs and batches ---------------------------------------------------------------------
+
+def model_pair(build, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(meta copy for the compiler, real CPU copy with weights from `seed`)."""
+    with torch.device("meta"):
+        meta = build()
+    torch.manual_seed(seed)
+    real = build()
+    return meta, real
+
+
+def token_batch(batch: int, seq: int, vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """input_ids and labels drawn independently (so a mixed-up input shows in the loss)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, vocab, (batch, seq), generator=g),
+        "labels": torch.randint(0, vocab, (batch, seq), generator=g),
+    }
+
+
+def tiny_gpt_pair(seed: int = 0):
+    from lazytrain.examples import tiny_gpt
+
+    meta, real = model_pair(tiny_gpt.build_model, seed)
+    return meta, real, token_batch(tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.VOCAB)
+
+
+def tiny_qwen_pair(seed: int = 0):
+    """The shipped example is 4 layers of width 128; tests use a smaller config of the same family."""
+    return hf_pair("qwen2", seed=seed)
+
+
+def hf_config(family: str, layers: int = 2, vocab: int = 128, hidden: int = 32):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    return cls(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+
+
+def hf_pair(family: str, layers: int = 2, seed: int = 0, batch: int = 2, seq: int = 8):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[family]
+    cfg = hf_config(family, layers)
+    meta, real = model_pair(lambda: cls(cfg), seed)
+    return meta, real, token_batch(batch, seq, cfg.vocab_size)
+
+
+# ---- eager reference and replay ------------------------------------------------------------------
+
+def _loss(out) -> torch.Tensor:
+    return out.loss if hasattr(out, "loss") else out
+
+
+def eager_grads(real: nn.Module, batch: dict, times: int = 1):
+    """Loss and {parameter name: grad} of eager PyTorch on a deepcopy of `real`."""
+    model = copy.deepcopy(real)
+    model.train()
+    loss = None
+    for _ in range(times):
+        loss = _loss(model(**batch))
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_grads_match(model: nn.Module, loss, ref_loss, ref_grads, atol=ATOL, rtol=RTOL):
+    assert loss is not None, "the replay returned no loss"
+    assert torch.allclose(loss, ref_loss, atol=atol, rtol=rtol), f"loss {loss.item()} != eager {ref_loss.item()}"
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        got = grads[name]
+        if ref is None:
+            assert got is None or not got.any(), f"{name}: eager has no gradient, replay has one"
+            continue
+        assert got is not None, f"{name}: replay left no gradient"
+        assert got.shape == ref.shape, f"{name}: gradient shape {tuple(got.shape)} != {tuple(ref.shape)}"
+        err = (got - ref).abs().max().item()
+        assert torch.allclose(got, ref, atol=atol, rtol=rtol), f"{name}: gradient differs from eager by {err:.3g}"
+
+
+def bind_source(source_text: str, real: nn.Module, **optimizer_args):
+    """Load a schedule and bind it to a deepcopy of `real`: (trainer, bound model)."""
+    module = load_source(source_text, unique_name())
+    model = copy.deepcopy(real)
+    return module.bind(model, **optimizer_args), model
+
+
+def check_replay(source_text: str, real: nn.Module, batch: dict, atol=ATOL, rtol=RTOL) -> None:
+    """One forward_backward of the schedule == eager loss.backward(), loss and every gradient."""
+    ref_loss, ref_grads = eager_grads(real, batch)
+    trainer, model = bind_source(source_text, real)
+    loss = trainer.forward_backward(batch)
+    assert_grads_match(model, loss, ref_loss, ref_grads, atol, rtol)
+
+
+def replay_equals_eager(meta: nn.Module, real: nn.Module, batch: dict, budget: int, *, time_limit: float = 20.0,
+                        atol=ATOL, rtol=RTOL):
+    """Compile `meta` for `budget`, replay on a deepcopy of `real`, compare with eager. Returns the Compiled."""
+    compiled = compile_model(meta, batch, budget, HW, source="tests", time_limit=time_limit)
+    check_replay(compiled.source_text, real, batch, atol, rtol)
+    return compiled
+
+
+# ---- forced plans --------------------------------------------------------------------------------
+
+def producers(stages, s: int) -> set[int]:
+    g = stages[s]
+    return {p.index for p in stages if set(p.outputs) & set(g.inputs)}
+
+
+def repair(stages, raw) -> list[StageDecision]:
+    """Turn any (stream, recompute, outputs) per stage into decisions that keep solve's rules:
+    stream only with weights; random stages neither recompute nor drop; offload only when every
+    consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
+    resident weights whose next stage recomputes and none of whose producers offload."""
+    S = len(stages)
+    stream = [bool(r[0]) and stages[s].param_bytes > 0 for s, r in enumerate(raw)]
+    rec = [bool(r[1]) and not stages[s].random for s, r in enumerate(raw)]
+    outs = [r[2] for r in raw]
+    for s, g in enumerate(stages):
+        if outs[s] is OutMode.OFFLOAD and (
+                not g.consumers or g.consumers[-1] == S - 1 or not all(rec[c] for c in g.consumers)):
+            outs[s] = OutMode.KEEP
+        if outs[s] is OutMode.DROP and (not g.chain or g.random or stream[s] or not rec[s + 1]):
+            outs[s] = OutMode.KEEP
+    for s in range(S):
+        if outs[s] is OutMode.DROP and any(outs[p] is OutMode.OFFLOAD for p in producers(stages, s)):
+            outs[s] = OutMode.KEEP
+    return [StageDecision(stream[s], rec[s], outs[s]) for s in range(S)]
+
+
+def decisions(spec) -> list[StageDecision]:
+    """Shorthand: "sRk" per stage -> StageDecision. s/S: resident/streamed, r/R: saved/recomputed,
+    k/o/d: keep/offload/drop. E.g. ["-Rd", "-Rd", "SRk"]."""
+    out = []
+    for item in spec:
+        stream, rec, mode = item
+        out.append(StageDecision(stream == "S", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode]))
+    return out
+
+
+@dataclass(frozen=True)
+class Forced:
+    plan: object
+    schedule: object
+    trace: tuple[int, ...]
+    source_text: str
+
+
+def forced(graph, stages, batch, decs, hw, budget: int = 1 << 40) -> Forced:
+    """Evaluate fixed decisions, lower, verify at a budget of exactly the predicted peak, render."""
+    plan = evaluate(stages, hw, budget, list(decs))
+    schedule = lower(stages, plan)
+    trace = verify(dataclasses.replace(schedule, budget=plan.peak_bytes))
+    text = render(graph, stages, plan, schedule, batch, hw.name)
+    return Forced(plan, schedule, trace, text)
+
+
+# ---- random block models -------------------------------------------------------------------------
+
+ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
+KINDS = ("linear", "mlp", "norm")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    kind: str  # "linear": act(Linear); "mlp": x + fc2(act(fc1(x))); "norm": act(Linear(LayerNorm(x)))
+    width: int  # output width ("mlp": its hidden width; the output keeps the input width)
+    act: str = "relu"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    blocks: tuple[BlockSpec, ...]
+    d_in: int = 8
+    width: int = 16  # width of the prologue's projection
+    tied: bool = False  # the head reads the input projection's weight (transposed): a shared parameter
+    table: str = "none"  # "none"; "const": a table made before the blocks (like rotary); "grad": one with gradient
+    batch: int = 4
+
+    def widths(self) -> list[int]:
+        w = [self.width]
+        for b in self.blocks:
+            w.append(w[-1] if b.kind == "mlp" else b.width)
+        return w
+
+
+class _Block(nn.Module):
+    def __init__(self, spec: BlockSpec, width_in: int):
+        super().__init__()
+        self.kind, self.act = spec.kind, ACTS[spec.act]
+        if spec.kind == "linear":
+            self.fc = nn.Linear(width_in, spec.width)
+        elif spec.kind == "mlp":
+            self.fc1 = nn.Linear(width_in, spec.width)
+            self.fc2 = nn.Linear(spec.width, width_in)
+        else:
+            self.ln = nn.LayerNorm(width_in)
+            self.fc = nn.Linear(width_in, spec.width)
+
+    def forward(self, x, table):
+        if table is not None:
+            x = x * table
+        if self.kind == "linear":
+            return self.act(self.fc(x))
+        if self.kind == "mlp":
+            return x + self.fc2(self.act(self.fc1(x)))
+        return self.act(self.fc(self.ln(x)))
+
+
+class BlockModel(nn.Module):
+    """inp: Linear(d_in, width) -> blocks (an nn.ModuleList) -> head to d_in -> mean squared error."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        widths = spec.widths()
+        self.inp = nn.Linear(spec.d_in, spec.width)
+        self.blocks = nn.ModuleList(_Block(b, w) for b, w in zip(spec.blocks, widths))
+        if spec.tied:
+            self.head_bias = nn.Parameter(torch.zeros(spec.d_in))
+        else:
+            self.head = nn.Linear(widths[-1], spec.d_in)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        table = None
+        if self.spec.table == "const":
+            pos = torch.arange(x.shape[0], device=x.device, dtype=x.dtype).unsqueeze(-1)
+            table = torch.cos(pos * 0.1) + 1.5
+        elif self.spec.table == "grad":
+            table = torch.sigmoid(h.mean(-1, keepdim=True)) + 0.5
+        for block in self.blocks:
+            h = block(h, table)
+        out = F.linear(h, self.inp.weight.t(), self.head_bias) if self.spec.tied else self.head(h)
+        return ((out - y) ** 2).mean()
+
+
+def random_block_model(spec: ModelSpec | None = None, *, seed: int = 0, **kwargs):
+    """(meta model, real model, batch) for a `ModelSpec` (or one built from kwargs)."""
+    spec = spec or ModelSpec(**kwargs)
+    if spec.tied and spec.widths()[-1] != spec.width:
+        raise ValueError("a tied head needs the last width equal to the projection width")
+    meta, real = model_pair(lambda: BlockModel(spec), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = {"x": torch.randn(spec.batch, spec.d_in, generator=g), "y": torch.randn(spec.batch, spec.d_in, generator=g)}
+    return meta, real, batch
+
+
+def model_specs():
+    """Hypothesis strategy for `ModelSpec`s: 1-5 blocks of random kinds and widths."""
+    from hypothesis import strategies as st
+
+    block = st.builds(BlockSpec, kind=st.sampled_from(KINDS), width=st.sampled_from((8, 12, 16, 24)),
+                      act=st.sampled_from(tuple(ACTS)))
+
+    @st.composite
+    def specs(draw):
+        blocks = draw(st.lists(block, min_size=1, max_size=5))
+        width = draw(st.sampled_from((8, 16)))
+        table = draw(st.sampled_from(("none", "const", "grad")))
+        spec = ModelSpec(tuple(blocks), width=width, table=table)
+        if draw(st.booleans()):
+            last = spec.widths()[-1]
+            if last != width:  # make the last block end at the projection width so the head can tie
+                tail = blocks[-1]
+                blocks[-1] = BlockSpec("linear" if tail.kind == "mlp" else tail.kind, width, tail.act)
+            spec = ModelSpec(tuple(blocks), width=width, table=table, tied=True)
+        return spec
+
+    return specs()
