@@ -23,7 +23,7 @@ def printer(*kinds: Kind):
 
 
 def _tuple(items) -> str:
-    return "(" + "".join(f"{i!r}, " for i in items).rstrip(" ") + ")" if items else "()"
+    return repr(tuple(items))
 
 
 def _fields(e: Event) -> str:

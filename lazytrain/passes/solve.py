@@ -21,6 +21,7 @@ A fixed plan (the heuristic fallback) is evaluated by the same model with its bi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -81,6 +82,12 @@ class _Model:
         S = len(stages)
         self.L = L = Layout(S)
         self.v = vars_
+        # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
+        # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
+        # and time in `unit_s` (the step's compute), so coefficients stay near 1.
+        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel) + g.saved_bytes
+                                                          for g in stages)) / 1000.0)
+        self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"]
         mem = [fixed_bytes(stages) for _ in range(T)]
@@ -145,10 +152,11 @@ class _Model:
 
     def _spread(self, table, windows, volume, tag):
         """Split `volume` over `windows` with continuous variables: transfers need not fit one window."""
+        scale = self.unit if tag.startswith("off") else self.unit_s
         parts = [self.m.add_var(name=f"{tag}_{w}", lb=0.0) for w in windows]
-        self.m += mip.xsum(parts) == volume
+        self.m += mip.xsum(parts) == volume * (1.0 / scale)
         for w, p in zip(windows, parts):
-            table[w] = table[w] + p
+            table[w] = table[w] + p * scale
 
 
 def _vars(m: mip.Model, stages: Stages):
@@ -182,15 +190,16 @@ def _vars(m: mip.Model, stages: Stages):
 
 
 def _exposure(m: mip.Model, model: _Model, hw: Hardware):
-    exposed = []
+    exposed = []  # seconds; the variables hold them in units of `unit_s`
+    k = 1.0 / model.unit_s
     for t in range(len(model.cap)):
         e = m.add_var(f"exposed{t}", lb=0.0)
-        h, d, c = model.h2d[t], model.d2h[t], model.cpu[t]
-        m += e >= h * (1 / hw.h2d_bandwidth) - model.cap[t]
-        m += e >= d * (1 / hw.d2h_bandwidth) - model.cap[t]
-        m += e >= (h + d) * (0.5 / hw.duplex_bandwidth) - model.cap[t]
-        m += e >= c - model.cap[t]
-        exposed.append(e)
+        h, d, c, cap = model.h2d[t], model.d2h[t], model.cpu[t], model.cap[t]
+        m += e >= h * (k / hw.h2d_bandwidth) - cap * k
+        m += e >= d * (k / hw.d2h_bandwidth) - cap * k
+        m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) - cap * k
+        m += e >= c * k - cap * k
+        exposed.append(e * model.unit_s)
     return exposed
 
 
@@ -207,17 +216,18 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["drop"][s] == int(d.outputs is OutMode.DROP)
     model = _Model(stages, hw, v, m)
     exposed = _exposure(m, model, hw)
-    m += model.host <= hw.host_memory_bytes
-    step = model.compute + model.recompute + model.optimizer + mip.xsum(exposed)
+    u = 1.0 / model.unit
+    m += model.host * u <= hw.host_memory_bytes * u
+    step = (model.compute + model.recompute + model.optimizer + mip.xsum(exposed)) * (1.0 / model.unit_s)
     if minimise_memory:
         peak = m.add_var("peak", lb=0.0)
         for t in model.mem:
-            m += t <= peak
-        # Among the smallest plans, prefer the fastest (step time is a few orders smaller).
-        m.objective = mip.minimize(peak + 1e-9 * step)
+            m += t * u <= peak
+        # Among the smallest plans, prefer the fastest.
+        m.objective = mip.minimize(peak + 1e-6 * step)
     else:
         for t in model.mem:
-            m += t <= budget
+            m += t * u <= budget * u
         m.objective = mip.minimize(step)
     return m, v, model, exposed
 
@@ -230,21 +240,28 @@ def _decisions(v, S) -> list[StageDecision]:
     return out
 
 
-def heuristic(stages: Stages, every: int = 4) -> list[StageDecision]:
-    """The fixed policy of layer-streaming trainers: stream every block, keep a checkpoint every
-    `every` blocks and recompute the rest in backward."""
-    S = len(stages)
-    out = []
-    for s, g in enumerate(stages):
-        can_drop = g.chain and not g.random and (s % every != every - 1)
-        out.append(StageDecision(g.param_bytes > 0, not g.random, OutMode.DROP if can_drop else OutMode.KEEP))
-    for s, d in enumerate(out):  # a dropped stage's weights must be resident, and its consumer recomputes
-        if d.outputs is OutMode.DROP:
-            out[s] = StageDecision(False, d.recompute, d.outputs)
-            if stages[s + 1].random:
-                out[s] = StageDecision(False, d.recompute, OutMode.KEEP)
-    del S
-    return out
+def heuristics(stages: Stages) -> dict[str, list[StageDecision]]:
+    """Fixed policies, as layer-streaming trainers use: warm starts for the MIP and the fallback
+    when it finds nothing in time."""
+    def policy(stream: bool, recompute: bool) -> list[StageDecision]:
+        return [StageDecision(stream and g.param_bytes > 0, recompute and not g.random, OutMode.KEEP) for g in stages]
+    return {
+        "stream every block, checkpoint every block": policy(True, True),
+        "everything resident, checkpoint every block": policy(False, True),
+        "everything resident and saved": policy(False, False),
+    }
+
+
+def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] | None:
+    """The fastest heuristic plan that fits, or None. (CBC mishandles an infeasible start, so only
+    a plan checked to fit is offered.)"""
+    fits = []
+    for name, decisions in heuristics(stages).items():
+        try:
+            fits.append((name, evaluate(stages, hw, budget, decisions, status="fallback")))
+        except PlanError:
+            continue
+    return min(fits, key=lambda f: f[1].step_s) if fits else None
 
 
 def _plan(stages, hw, budget, m, v, model, exposed, info: SolverInfo) -> Plan:
@@ -273,15 +290,17 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
 
 def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -> Plan:
     start = time.perf_counter()
+    warm = _warm_start(stages, hw, budget)
     m, v, model, exposed = _build(stages, hw, budget, minimise_memory=False)
-    warm = heuristic(stages)
-    m.start = [(v["stream"][s], float(d.stream)) for s, d in enumerate(warm)] + \
-              [(v["recompute"][s], float(d.recompute)) for s, d in enumerate(warm)]
-    status = m.optimize(max_seconds=time_limit)
+    if warm is not None:
+        m.start = [(v[key][s], float(value)) for s, d in enumerate(warm[1].decisions) for key, value in (
+            ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
+            ("drop", d.outputs is OutMode.DROP))]
+    status = m.optimize(max_seconds=max(1.0, time_limit - (time.perf_counter() - start)))
     took = time.perf_counter() - start
     if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
         gap = abs(m.objective_value - m.objective_bound) / max(abs(m.objective_value), 1e-12)
-        info = SolverInfo(status.name.lower(), gap, m.objective_value, m.objective_bound, took)
+        info = SolverInfo(status.name.lower(), gap, m.objective_value * model.unit_s, m.objective_bound * model.unit_s, took)
         return _plan(stages, hw, budget, m, v, model, exposed, info)
     if status is mip.OptimizationStatus.INFEASIBLE:
         need = smallest_budget(stages, hw)
@@ -290,13 +309,13 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -
             f"{format_size(need, round_up=True)}. Raise --budget, or shrink the batch",
             need,
         )
-    # Time-out without a solution: use the heuristic policy if it fits.
-    msg = f"the solver found no plan in {time_limit:.0f}s; using the checkpoint-every-4 streaming heuristic"
-    try:
-        return evaluate(stages, hw, budget, warm, status="fallback", message=msg)
-    except PlanError:
-        raise PlanError(f"the solver found no plan in {time_limit:.0f}s and the heuristic does not fit "
-                        f"{format_size(budget)}; raise --time-limit or --budget") from None
+    # Time-out without a solution: use the best heuristic policy that fits.
+    if warm is None:
+        raise PlanError(f"the solver found no plan in {time_limit:.0f}s and no heuristic policy fits "
+                        f"{format_size(budget)}; raise --time-limit or --budget")
+    name, plan = warm
+    msg = f"the solver found no plan in {time_limit:.0f}s; fell back to the heuristic '{name}'"
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, message=msg, seconds=took))
 
 
 def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[StageDecision], *,
@@ -308,5 +327,6 @@ def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[StageDec
     result = m.optimize(max_seconds=60)
     if result not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
         raise PlanError(f"the given decisions are not a valid plan within {format_size(budget)} (solver: {result.name})")
-    info = SolverInfo(status, 0.0, m.objective_value, m.objective_value, time.perf_counter() - start, message)
+    objective = m.objective_value * model.unit_s
+    info = SolverInfo(status, 0.0, objective, objective, time.perf_counter() - start, message)
     return _plan(stages, hw, budget, m, v, model, exposed, info)
