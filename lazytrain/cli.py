@@ -32,7 +32,7 @@ def cmd_compile(args) -> int:
     from lazytrain.summary import summary
 
     print(summary(load_schedule(args.output)), end="")
-    print(f"wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
+    print(f"solved in {compiled.plan.solver.seconds:.2f} s; wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
           f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget)})")
     return 0
 

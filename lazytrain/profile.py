@@ -1,0 +1,119 @@
+"""`lazytrain profile`: measure this machine into a hardware profile for the cost model.
+
+Each rate is the median of several timed runs after a warm-up. Without a GPU, "device" transfers
+are host copies and the device is the CPU, which is what the CPU runtime does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from lazytrain.hardware import Hardware
+
+
+def _median_time(fn, repeat: int = 5, sync=lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _total_host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def profile(output: str | Path, quick: bool = False) -> Hardware:
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    n = (2048 if quick else 4096) if cuda else (512 if quick else 1024)
+    flops = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        t = _median_time(lambda: a @ a, sync=sync)
+        flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / t
+    flops["float16"] = flops["bfloat16"]
+
+    nbytes = (256 if quick else 1024) * 2**20 if cuda else (64 if quick else 256) * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    mem_bw = 2 * nbytes / _median_time(lambda: dst.copy_(src), sync=sync)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    host2 = torch.empty(nbytes, dtype=torch.uint8)
+    h2d = nbytes / _median_time(lambda: src.copy_(host, non_blocking=True), sync=sync)
+    d2h = nbytes / _median_time(lambda: host.copy_(src, non_blocking=True), sync=sync)
+    pageable = nbytes / _median_time(lambda: src.copy_(host2), sync=sync)
+    memcpy = nbytes / _median_time(lambda: host2.copy_(host))
+    if cuda:
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both():
+            with torch.cuda.stream(s1):
+                src.copy_(host, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host.copy_(dst, non_blocking=True)
+        duplex = nbytes / _median_time(both, sync=sync)
+    else:
+        duplex = memcpy / 2
+
+    def adamw_rate(device) -> float:
+        numel = (2**22 if quick else 2**24)
+        p = torch.nn.Parameter(torch.randn(numel, device=device))
+        p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW([p], fused=True if device.type == "cuda" else None)
+        return numel / _median_time(opt.step, sync=sync if device.type == "cuda" else (lambda: None))
+
+    cpu_adamw = adamw_rate(torch.device("cpu"))
+    gpu_adamw = adamw_rate(dev)
+    disk_w, disk_r = _disk(nbytes // 4)
+    hw = Hardware(
+        name=f"measured-{dev.type}", device=dev.type,
+        description=f"measured by `lazytrain profile` on {time.strftime('%Y-%m-%d')} ({torch.cuda.get_device_name() if cuda else 'CPU only'})",
+        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else _total_host_memory(),
+        host_memory_bytes=_total_host_memory(), disk_bytes=_disk_free(), flops=flops, achieved_fraction=1.0,
+        mem_bandwidth=mem_bw, op_overhead_s=5e-6 if cuda else 2e-6, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
+        duplex_bandwidth=duplex, pageable_h2d_bandwidth=pageable, host_memcpy_bandwidth=memcpy,
+        cpu_adamw_params_per_s=cpu_adamw, gpu_adamw_params_per_s=gpu_adamw,
+        cpu_adamw8bit_params_per_s=cpu_adamw / 50, gpu_adamw8bit_params_per_s=gpu_adamw / 3,
+        disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
+        estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s", "disk_read_bandwidth")
+        + (() if cuda else ("duplex_bandwidth",)),
+    )
+    Path(output).write_text(json.dumps(asdict(hw), indent=1) + "\n")
+    return hw
+
+
+def _disk_free() -> int:
+    st = os.statvfs(tempfile.gettempdir())
+    return st.f_bavail * st.f_frsize
+
+
+def _disk(nbytes: int) -> tuple[float, float]:
+    data = os.urandom(min(nbytes, 64 * 2**20))
+    with tempfile.NamedTemporaryFile() as f:
+        start = time.perf_counter()
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        write = len(data) / (time.perf_counter() - start)
+        f.seek(0)
+        start = time.perf_counter()
+        f.read()
+        read = len(data) / (time.perf_counter() - start)  # likely from the page cache: an upper bound
+    return write, read
