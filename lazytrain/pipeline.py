@@ -97,7 +97,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     budget = hw.gpu_memory_bytes if budget is None else int(budget)
     plan = hook.run("solve", solve, stages, hw, budget, time_limit)
     hook.dump(4, "solve", plan_text(stages, plan))
-    schedule = hook.run("lower", lower, stages, plan)
+    schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
     hook.dump(5, "lower", "".join(f"{e}\n" for e in schedule.events))
     text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name)

@@ -38,11 +38,12 @@ def _fields(e: Event) -> str:
         parts.append(f"workspace={e.workspace}")
     if e.device:
         parts.append(f"device={e.device!r}")
+    parts.append(f"start_s={e.start_s!r}, duration_s={e.duration_s!r}")
     return f"Event({', '.join(parts)}),"
 
 
 def _when(e: Event) -> str:
-    return f"t={e.start_s * 1e3:.3f}ms"
+    return f"t={e.start_s * 1e3:.3f}+{e.duration_s * 1e3:.3f}ms"
 
 
 @printer(Kind.PREFETCH, Kind.OFFLOAD, Kind.RELOAD)

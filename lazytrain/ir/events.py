@@ -64,3 +64,4 @@ class Event:
     workspace: int = 0  # transient bytes while the event runs
     device: str = ""  # OPT_STEP: "gpu" or "cpu"
     start_s: float = 0.0  # predicted start within the step
+    duration_s: float = 0.0  # predicted

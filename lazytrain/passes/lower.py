@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
@@ -32,7 +33,10 @@ class _Builder:
         self.buffers: dict[str, Buffer] = {}
         self.last_writer: dict[str, int] = {}
         self.readers: dict[str, list[int]] = {}
-        self.t = 0.0
+        self.t = 0.0  # start of the current window
+        self.stream_free: dict[Stream, float] = {}
+        self.end: list[float] = []
+        self.duration = lambda kind, stage, phase, moved: 0.0
 
     def buffer(self, name, pool, nbytes, persistent=False):
         self.buffers.setdefault(name, Buffer(name, pool, int(nbytes), persistent))
@@ -52,8 +56,14 @@ class _Builder:
             waits.update(self.readers.get(b, ()))
         # same-stream order is implicit: keep only cross-stream waits
         waits = tuple(sorted(w for w in waits if self.events[w].stream is not stream))
+        # predicted timing: after the window opens, the stream is free and what it waits on is done
+        start = max([self.t, self.stream_free.get(stream, 0.0)] + [self.end[w] for w in waits])
+        moved = self.buffers[(allocs or reads or ("fixed",))[0]].bytes
+        duration = self.duration(kind, stage, phase, moved)
+        self.stream_free[stream] = start + duration
+        self.end.append(start + duration)
         self.events.append(Event(eid, stream, kind, stage, phase, tuple(reads), tuple(allocs), tuple(frees),
-                                 waits, int(workspace), device, round(self.t, 9)))
+                                 waits, int(workspace), device, round(start, 9), round(duration, 9)))
         for b in reads:
             self.readers.setdefault(b, []).append(eid)
         for b in allocs:
@@ -62,11 +72,32 @@ class _Builder:
         return eid
 
 
-def lower(stages: Stages, plan: Plan) -> Schedule:
+def _durations(stages: Stages, plan: Plan, hw: Hardware):
+    """Predicted seconds per event, from the same rates the solver used."""
+    def duration(kind: Kind, stage: int, phase: Phase | None, moved: int) -> float:
+        g = stages[stage] if stage >= 0 else None
+        if kind is Kind.COMPUTE:
+            if phase is Phase.BWD:
+                return g.bwd_s + (g.fwd_s if plan.decisions[stage].recompute else 0.0)
+            return g.fwd_s
+        if kind in (Kind.PREFETCH, Kind.RELOAD):
+            return moved / hw.h2d_bandwidth
+        if kind is Kind.OFFLOAD:
+            return moved / hw.d2h_bandwidth
+        if kind is Kind.OPT_STEP:
+            numel = g.param_numel if g is not None else stages.shared_numel
+            rate = hw.cpu_adamw_params_per_s if plan.decisions[stage].stream and g is not None else hw.gpu_adamw_params_per_s
+            return numel / rate
+        return 0.0
+    return duration
+
+
+def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     S = len(stages)
     L = Layout(S)
     dec = plan.decisions
     b = _Builder()
+    b.duration = _durations(stages, plan, hw)
     win_start, acc = {}, 0.0
     for label, _, secs in plan.windows:
         win_start[label] = acc

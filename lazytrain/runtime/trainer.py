@@ -15,6 +15,7 @@ does not bump the version counter, so autograd accepts it.
 
 from __future__ import annotations
 
+import time
 from types import ModuleType
 
 import torch
@@ -50,6 +51,8 @@ class Trainer:
         groups = [{"params": [self.tensors[p] for p in s.params]} for s in self.stages]
         groups.append({"params": [self.tensors[p] for p in module.SHARED]})
         self.optimizer = StagedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+        self.record_timeline = False  # set True to time every event of each step
+        self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
 
     # ---- binding checks -----------------------------------------------------------------------
     def _bind_tensors(self, model):
@@ -121,8 +124,16 @@ class Trainer:
             Kind.RELOAD: self._reload, Kind.FREE: self._free,
             Kind.OPT_STEP: self._opt_step if optimize else (lambda e: None),
         }
-        for event in self.events:
-            handlers[event.kind](event)
+        if self.record_timeline:
+            self.timeline = []
+            clock, t0 = time.perf_counter, time.perf_counter()
+            for event in self.events:
+                start = clock() - t0
+                handlers[event.kind](event)
+                self.timeline.append((event.id, start, clock() - t0))
+        else:
+            for event in self.events:
+                handlers[event.kind](event)
         loss, self.loss = self.loss, None
         self.env = self.grads = self.saved = self.host = self.gbuf = None
         return loss

@@ -61,8 +61,15 @@ def _schedule(args, source: ModelSource, out: Path | None):
     return load_source(compiled.source_text, f"lazytrain_train_schedule_{id(compiled)}")
 
 
+def vocab_size(model: torch.nn.Module) -> int | None:
+    """The model's input vocabulary: Hugging Face's input embeddings, else the first nn.Embedding."""
+    if hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings().num_embeddings
+    return next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
 def _data(args, source: ModelSource, model: torch.nn.Module, seed: int) -> PackedBatches:
-    vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else None
+    vocab = vocab_size(model)
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer)
     elif source.tokenizer_dir is not None:
