@@ -43,6 +43,16 @@ def cmd_inspect(args) -> int:
 
     module = load_schedule(args.schedule)
     print(summary(module), end="")
+    if args.trace or args.png:
+        from lazytrain import timeline
+
+        measured = timeline.load_measured(args.measured, module) if args.measured else None
+        if args.trace:
+            timeline.write_trace(module, args.trace, measured)
+            print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if args.png:
+            timeline.plot_png(module, args.png, measured)
+            print(f"wrote {args.png}")
     return 0
 
 
@@ -78,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")
     i.add_argument("schedule")
+    i.add_argument("--trace", metavar="JSON", help="write the step's timeline as Chrome-trace/Perfetto JSON")
+    i.add_argument("--png", metavar="PNG", help="plot the timeline and predicted memory as a PNG")
+    i.add_argument("--measured", metavar="JSON", help="a measured timeline (RUN_DIR/measured.json from `lazytrain train`) to show beside the predicted one")
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train a model with a schedule (default: the built-in tiny model on the shipped corpus)")

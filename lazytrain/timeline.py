@@ -50,16 +50,19 @@ def event_name(module: ModuleType, e: Event) -> str:
 
 
 def memory_curve(module: ModuleType) -> list[tuple[float, int]]:
-    """Predicted GPU bytes as (time s, bytes) samples: one at each event's start (see the module
-    docstring), then the persistent bytes at the predicted end of the step."""
+    """Predicted GPU bytes as (time s, bytes) samples, times non-decreasing: one per distinct event
+    start (the largest of the events starting then; see the module docstring), then the persistent
+    bytes at the predicted end of the step. Its maximum is the verifier's predicted peak."""
     sizes = {b.name: b.bytes for b in module.BUFFERS if b.pool == "gpu"}
     live = {b.name for b in module.BUFFERS if b.pool == "gpu" and b.persistent}
     samples, t = [], 0.0
     for e in module.EVENTS:
         live |= {n for n in e.allocs if n in sizes}
         live -= set(e.frees)
-        t = max(t, e.start_s)
-        samples.append((t, sum(sizes[n] for n in live) + e.workspace))
+        t, used = max(t, e.start_s), sum(sizes[n] for n in live) + e.workspace
+        if samples and samples[-1][0] == t:  # events starting together: keep the largest
+            used = max(used, samples.pop()[1])
+        samples.append((t, used))
     end = max([t] + [e.start_s + e.duration_s for e in module.EVENTS])
     samples.append((end, sum(sizes[n] for n in live)))
     return samples
@@ -86,8 +89,9 @@ def _process(module, pid: int, label: str, times: list[tuple[int, float, float]]
     out = [{"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": label}},
            {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}}]
     for s in used:
-        out.append({"ph": "M", "pid": pid, "tid": _TID[s], "name": "thread_name", "args": {"name": s.value}})
-        out.append({"ph": "M", "pid": pid, "tid": _TID[s], "name": "thread_sort_index", "args": {"sort_index": _TID[s]}})
+        lane = {"ph": "M", "pid": pid, "tid": _TID[s]}
+        out.append({**lane, "name": "thread_name", "args": {"name": s.value}})
+        out.append({**lane, "name": "thread_sort_index", "args": {"sort_index": _TID[s]}})
     for i, start, end in times:
         e = events[i]
         args = {"id": e.id, "kind": e.kind.value, "stream": e.stream.value, "stage": e.stage,
@@ -172,8 +176,8 @@ def plot_png(schedule_module: ModuleType, path, measured=None) -> Path:
     if rows is not None:
         _lanes(axes[1], m, rows, "measured")
     kinds = sorted({e.kind.value for e in m.EVENTS})
-    axes[0].legend(handles=[Patch(color=_COLOURS.get(k, "#17becf"), label=k) for k in kinds],
-                   loc="upper right", fontsize=7, ncol=len(kinds), framealpha=0.8)
+    axes[0].legend(handles=[Patch(color=_COLOURS.get(k, "#17becf"), label=k) for k in kinds], loc="lower right",
+                   bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False, borderaxespad=0.2)
     scale, unit = next((1024.0 ** p, u) for p, u in ((3, "GiB"), (2, "MiB"), (1, "KiB"), (0, "B"))
                        if m.BUDGET >= 1024.0 ** p or p == 0)
     curve = memory_curve(m)
@@ -185,7 +189,7 @@ def plot_png(schedule_module: ModuleType, path, measured=None) -> Path:
     mem.set_ylim(0, m.BUDGET / scale * 1.1)
     mem.set_ylabel(unit)
     mem.set_xlabel("predicted time (ms)")
-    mem.legend(loc="upper right", fontsize=7)
+    mem.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=2, frameon=False, borderaxespad=0.2)
     mem.grid(alpha=0.3)
     fig.suptitle(f"{m.SOURCE or 'schedule'} ({m.FINGERPRINT}): budget {format_size(m.BUDGET)}, "
                  f"predicted peak {format_size(m.PREDICTED_PEAK)}", fontsize=10)

@@ -188,3 +188,40 @@ def test_sigkill_mid_run_resumes_bit_identical(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+LLAMA_70B = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def build_model():
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, use_cache=False)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+def example_batch():
+    ids = torch.zeros(1, 4096, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}
+'''
+
+
+@pytest.mark.slow
+def test_70b_config_compiles_without_weights(tmp_path, capsys):
+    """Capture runs on the meta device: a 70B model compiles in a few hundred MB on this machine.
+    The reference H200 host (128 GB) cannot hold its weights, which the error says; a profile of a
+    host with 2 TB compiles it for a 24 GiB GPU budget."""
+    import json
+
+    import lazytrain.hardware as hw
+
+    model = tmp_path / "llama70b.py"
+    model.write_text(LLAMA_70B)
+    code, _, err = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--budget", "24GiB")
+    assert code == 2 and "exceed the host memory of hardware profile 'h200'" in err
+    profile = json.loads(hw.BUILTIN["h200"].read_text())
+    profile.update(name="h200-2tb-host", host_memory_bytes=2 * 10**12)
+    (tmp_path / "hw.json").write_text(json.dumps(profile))
+    code, out, _ = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--budget", "24GiB",
+                       "--hardware", str(tmp_path / "hw.json"))
+    assert code == 0 and "verified peak" in out
+    assert (tmp_path / "s.py").stat().st_size > 100_000

@@ -283,8 +283,14 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     m, v, model, exposed = _build(stages, hw, None, minimise_memory=True)
     status = m.optimize(max_seconds=time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        weights = sum(g.param_bytes for g in stages) + stages.shared_bytes
+        if weights > hw.host_memory_bytes:
+            raise PlanError(
+                f"the model's weights alone ({format_size(weights)}) exceed the host memory of hardware profile "
+                f"'{hw.name}' ({format_size(hw.host_memory_bytes)}); use a profile of a machine with more host memory")
         raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {status.name}); the host memory "
-                        f"({format_size(hw.host_memory_bytes)}) may be too small for this model")
+                        f"of '{hw.name}' ({format_size(hw.host_memory_bytes)}) is too small for the optimizer "
+                        "states and offloaded tensors this model needs")
     return max(int(round(t.x if hasattr(t, "x") else t)) for t in model.mem)
 
 

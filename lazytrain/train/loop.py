@@ -118,6 +118,7 @@ def train(args) -> dict:
     record = {}
     for step in bar:
         batch = next(data)
+        trainer.record_timeline = run_dir is not None and step + 1 == args.steps  # time the last step's events
         t0 = time.perf_counter()
         loss = trainer.step(batch).item()
         if not math.isfinite(loss):
@@ -141,6 +142,12 @@ def train(args) -> dict:
         if run_dir is not None and (done % args.checkpoint_every == 0 or done == args.steps):
             _save(run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT)
     bar.close()
+    if run_dir is not None and trainer.timeline:
+        from lazytrain.timeline import save_measured
+
+        save_measured(run_dir / "measured.json", trainer.timeline, schedule.FINGERPRINT)
+        print(f"measured timeline of the last step: {run_dir / 'measured.json'} "
+              f"(lazytrain inspect {run_dir / 'schedule.py'} --measured {run_dir / 'measured.json'} --png step.png)")
     if log:
         log.close()
     if args.export_hf:
