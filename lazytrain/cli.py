@@ -24,10 +24,13 @@ def _budget(text: str):
 
 
 def cmd_compile(args) -> int:
+    import torch
+
     from lazytrain.compile_file import compile_file
 
     compiled = compile_file(args.model, args.output, budget=args.budget, hardware=args.hardware,
-                            time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes)
+                            time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
+                            dtype=getattr(torch, args.dtype) if args.dtype else None)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -84,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after every stage into DIR")
     c.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
+    c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="compute dtype (default: the model's); master weights stay fp32")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")

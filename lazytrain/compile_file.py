@@ -11,11 +11,13 @@ from lazytrain.pipeline import Compiled, compile_model, minimum_budget
 
 
 def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.0, dump_dir=None,
-                 time_passes=False) -> Compiled:
+                 time_passes=False, dtype=None) -> Compiled:
     """Compile `model_path` for `budget` (bytes, "min" or "max") and write the schedule to `output`."""
     build_model, example_batch = load_model_file(model_path)
     batch = check_batch(example_batch())
     model = build_on_meta(build_model)
+    if dtype is not None:
+        model = model.to(dtype)
     hw = hw_profiles.load(hardware)
     if budget == "max" or budget is None:
         budget = hw.gpu_memory_bytes

@@ -89,9 +89,13 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
-                  source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False) -> Compiled:
-    """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory)."""
+                  source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
+                  dtype: torch.dtype | None = None) -> Compiled:
+    """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
+    `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters."""
     hw = hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
+    if dtype is not None:
+        model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook)
     budget = hw.gpu_memory_bytes if budget is None else int(budget)
@@ -104,8 +108,11 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     return Compiled(graph, stages, plan, schedule, trace, text, hw)
 
 
-def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None) -> int:
+def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None,
+                   dtype: torch.dtype | None = None) -> int:
     hw = hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
+    if dtype is not None:
+        model = model.to(dtype)
     _, stages = analyse(model, batch, hw)
     return smallest_budget(stages, hw)
 

@@ -37,9 +37,21 @@ ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per parameter
 LOSS_BYTES = 4
 
 
+MASTER_BYTES = 4  # fp32 master weights, per parameter
+
+
 def resident_bytes(param_bytes: int, numel: int) -> int:
-    """A resident parameter set on the GPU: weights, gradients and AdamW states."""
-    return 2 * param_bytes + ADAM_STATE_BYTES * numel
+    """A resident parameter set on the GPU: weights, gradients and AdamW states; in mixed precision
+    also the fp32 master copy and its fp32 gradient (NOTE: [Parameter homes] in runtime/store.py)."""
+    mixed = 2 * MASTER_BYTES * numel if param_bytes != MASTER_BYTES * numel else 0
+    return 2 * param_bytes + ADAM_STATE_BYTES * numel + mixed
+
+
+def host_bytes_streamed(param_bytes: int, numel: int) -> int:
+    """Host memory a streamed stage adds beyond its fp32 master: AdamW states, the page-locked
+    gradient buffer and fp32 gradient, and in mixed precision the compute-dtype copy to prefetch."""
+    mixed = param_bytes if param_bytes != MASTER_BYTES * numel else 0
+    return ADAM_STATE_BYTES * numel + param_bytes + MASTER_BYTES * numel + mixed
 
 
 @dataclass(frozen=True)
@@ -146,8 +158,8 @@ class _Model:
         for c in range(1, S):
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
         self.mem = mem
-        self.host = sum(g.param_bytes for g in stages) + sum(
-            sig[s] * (g.param_bytes + ADAM_STATE_BYTES * g.param_numel) + off[s] * g.out_bytes for s, g in enumerate(stages))
+        self.host = sum(MASTER_BYTES * g.param_numel for g in stages) + sum(
+            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel) + off[s] * g.out_bytes for s, g in enumerate(stages))
         self.h2d, self.d2h, self.cpu, self.cap = h2d, d2h, cpu, cap
 
     def _spread(self, table, windows, volume, tag):
@@ -283,10 +295,10 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     m, v, model, exposed = _build(stages, hw, None, minimise_memory=True)
     status = m.optimize(max_seconds=time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        weights = sum(g.param_bytes for g in stages) + stages.shared_bytes
+        weights = MASTER_BYTES * (sum(g.param_numel for g in stages) + stages.shared_numel)
         if weights > hw.host_memory_bytes:
             raise PlanError(
-                f"the model's weights alone ({format_size(weights)}) exceed the host memory of hardware profile "
+                f"the model's fp32 master weights alone ({format_size(weights)}) exceed the host memory of hardware profile "
                 f"'{hw.name}' ({format_size(hw.host_memory_bytes)}); use a profile of a machine with more host memory")
         raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {status.name}); the host memory "
                         f"of '{hw.name}' ({format_size(hw.host_memory_bytes)}) is too small for the optimizer "

@@ -1,30 +1,37 @@
 """The runtime: replay a schedule's events to run forward, backward and the optimizer.
 
-On the CPU (and in this first runtime on any device) events run one after another in schedule
-order, which is a valid order for every stream; the semantics are those a multi-stream GPU run must
-reproduce. Each event touches only the buffers it names, so a wrong schedule fails loudly here
-instead of computing something else.
+On the CPU, events run one after another in schedule order, which is valid for every stream. On a
+GPU they run on CUDA streams ordered by their waits (streams.py), so transfers overlap compute and
+the CPU optimizer overlaps both. Each event touches only the buffers it names, so a wrong schedule
+fails loudly instead of computing something else.
 
 NOTE: [Streamed weights]
 A streamed stage's parameters are persistent leaf tensors whose storage comes and goes: PREFETCH
-sets `leaf.data` to a fresh copy of the master weights, FREE swaps in an empty tensor. Autograd saved
-the leaf itself during forward, so backward (after the next PREFETCH) sees the same leaf with its
-data back, and gradients accumulate on it, whatever the stage's recompute mode. Swapping `.data`
-does not bump the version counter, so autograd accepts it.
+points `leaf.data` at a weight slot and copies the weights in, FREE swaps in an empty tensor.
+Autograd saved the leaf itself during forward, so backward (after the next PREFETCH) sees the same
+leaf with its data back, and gradients accumulate on it, whatever the stage's recompute mode.
+Swapping `.data` does not bump the version counter, so autograd accepts it.
+
+NOTE: [Gradient clipping]
+With `max_grad_norm`, each stage's squared gradient norm is added up right after its backward (no
+extra pass over the gradients); optimizer steps, which need the global norm, wait until backward
+ends, then run in forward order so the next step's forward can start on the first updated stages.
+A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
 """
 
 from __future__ import annotations
 
-import time
+import math
+from concurrent.futures import Future
 from types import ModuleType
 
 import torch
 
 from lazytrain.errors import ScheduleMismatch
-from lazytrain.ir.events import Event, Kind, Phase
+from lazytrain.ir.events import Event, Kind, Phase, Stream
 from lazytrain.runtime.optim import StagedAdamW
-
-_EMPTY = torch.empty(0)
+from lazytrain.runtime.store import ParamStore
+from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
 
 def _fmt(shape, dtype) -> str:
@@ -34,31 +41,45 @@ def _fmt(shape, dtype) -> str:
 class Trainer:
     """`schedule.bind(model, lr=...)` returns one. `forward_backward(batch)` leaves each parameter's
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
-    (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it."""
+    (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
+    `device` (default: where the model is) is where compute runs; the model's own parameters stay
+    the fp32 masters."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.01, foreach=None):
+                 weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None):
         self.m = module
         self.model = model
         self.stages = module.STAGES
         self.events: tuple[Event, ...] = module.EVENTS
-        self._bind_tensors(model)
-        self.device = next(iter(self.tensors.values())).device
-        self.leaves = {  # see NOTE: [Streamed weights]
-            s.index: {p: torch.nn.Parameter(_EMPTY.to(self.device, self.tensors[p].dtype)) for p in s.params}
-            for s in self.stages if s.stream
-        }
-        groups = [{"params": [self.tensors[p] for p in s.params]} for s in self.stages]
-        groups.append({"params": [self.tensors[p] for p in module.SHARED]})
+        tensors = self._bind_tensors(model)
+        self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self._pin_streamed_masters(tensors)
+        self.store = ParamStore(module, tensors, self.device)
+        self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
+        self.max_grad_norm = max_grad_norm
+        groups = []
+        for names, on_host in [(s.params, s.stream) for s in self.stages] + [(module.SHARED, False)]:
+            group = {"params": [self.store.home[p] for p in names]}
+            if fused is not None or self.cuda:
+                group["fused"] = fused if fused is not None else True
+            groups.append(group)
         self.optimizer = StagedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+        self.host_grad: dict[str, torch.Tensor] = {}
+        self.host_act: dict[str, torch.Tensor] = {}
+        self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
+        self.slot_released_by: dict[int, int] = {}  # slot -> FREE event that released it
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
 
     # ---- binding checks -----------------------------------------------------------------------
-    def _bind_tensors(self, model):
+    def _bind_tensors(self, model) -> dict[str, torch.Tensor]:
         found = dict(model.named_parameters(remove_duplicate=False))  # tied weights answer to every name
         found.update(dict(model.named_buffers(remove_duplicate=False)))
-        self.tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
         problems = []
         for name, (kind, target, shape, dtype) in self.m.PLACEHOLDERS.items():
             if kind == "input":
@@ -66,13 +87,13 @@ class Trainer:
             t = found.get(target)
             if t is None:
                 problems.append(f"it has no {kind} {target}")
-            elif tuple(t.shape) != tuple(shape) or str(t.dtype).removeprefix("torch.") != dtype:
+            elif tuple(t.shape) != tuple(shape):
                 problems.append(f"{target} is {_fmt(t.shape, t.dtype)}, compiled for {_fmt(shape, dtype)}")
             elif t.device.type == "meta":
                 problems.append(f"{target} is on the meta device; load or initialise the weights first")
             else:
-                self.tensors[name] = t
-        bound = {id(t) for t in self.tensors.values()}
+                tensors[name] = t
+        bound = {id(t) for t in tensors.values()}
         extra = [n for n, p in model.named_parameters() if id(p) not in bound and p.requires_grad]
         if extra:
             problems.append(f"it has parameters the schedule does not know: {', '.join(extra[:3])}")
@@ -80,6 +101,20 @@ class Trainer:
             raise ScheduleMismatch(
                 f"schedule {self.m.SOURCE or ''} (fingerprint {self.m.FINGERPRINT}) does not fit this model: "
                 + "; ".join(problems[:4]) + ". Recompile the schedule for this model with `lazytrain compile`")
+        return tensors
+
+    def _pin_streamed_masters(self, tensors):
+        """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower)."""
+        streamed = {p for s in self.stages if s.stream for p in s.params}
+        for p in streamed:
+            t = tensors[p]
+            if t.device.type == "cpu" and not t.is_pinned():
+                try:
+                    t.data = t.data.pin_memory()
+                except RuntimeError as exc:
+                    raise ScheduleMismatch(
+                        f"could not pin {t.numel() * t.element_size() / 2**30:.2f} GiB of host memory for {p} "
+                        f"({exc}); free host memory or raise the pinned-memory limit (ulimit -l)") from None
 
     def _check_batch(self, batch: dict) -> dict:
         if set(batch) != set(self.m.BATCH):
@@ -90,11 +125,11 @@ class Trainer:
                 raise ScheduleMismatch(
                     f"batch input {name} is {_fmt(t.shape, t.dtype)} but the schedule was compiled for "
                     f"{_fmt(shape, dtype)}; recompile with example_batch() returning that shape")
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     # ---- public API ---------------------------------------------------------------------------
     def forward_backward(self, batch: dict) -> torch.Tensor:
-        """Loss of `batch`; gradients accumulate into `.grad` as `loss.backward()` would."""
+        """Loss of `batch`; gradients accumulate into the model's `.grad` as `loss.backward()` would."""
         return self._run(batch, optimize=False)
 
     def step(self, batch: dict) -> torch.Tensor:
@@ -104,44 +139,75 @@ class Trainer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for p, master in self.store.master.items():
+            master.grad = None
+            self.store.work[p].grad = None
+
+    def synchronize(self) -> None:
+        """Wait for the host optimizer steps still running (they overlap the next step)."""
+        for job in self.cpu_jobs.values():
+            job.result()
+        self.cpu_jobs.clear()
 
     def state_dict(self) -> dict:
+        self.synchronize()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        self.synchronize()
         self.optimizer.load_state_dict(state)
+
+    def sync_model(self) -> None:
+        """Copy weights stepped on the device back into the model's own (master) parameters."""
+        self.synchronize()
+        with torch.no_grad():
+            for p, home in self.store.home.items():
+                master = self.store.master[p]
+                if home is not master:
+                    master.copy_(home)
 
     # ---- replay -------------------------------------------------------------------------------
     def _run(self, batch: dict, optimize: bool) -> torch.Tensor:
         self.env = dict(self._check_batch(batch))  # placeholder/activation name -> tensor
+        self.env.update(self.store.buffers)
         self.grads: dict[str, torch.Tensor] = {}
         self.saved: dict[int, tuple] = {}
-        self.host: dict[str, torch.Tensor] = {}
         self.gbuf: dict[int, dict[str, torch.Tensor]] = {}
         self.loss = None
+        self.norm_sq = None
         handlers = {
             Kind.PREFETCH: self._prefetch, Kind.COMPUTE: self._compute, Kind.OFFLOAD: self._offload,
             Kind.RELOAD: self._reload, Kind.FREE: self._free,
-            Kind.OPT_STEP: self._opt_step if optimize else (lambda e: None),
         }
-        if self.record_timeline:
-            self.timeline = []
-            clock, t0 = time.perf_counter, time.perf_counter()
-            for event in self.events:
-                start = clock() - t0
-                handlers[event.kind](event)
-                self.timeline.append((event.id, start, clock() - t0))
-        else:
-            for event in self.events:
-                handlers[event.kind](event)
+        deferred = []
+        self.streams.begin(self.record_timeline)
+        for event in self.events:
+            if event.kind is Kind.OPT_STEP:
+                if optimize and self.max_grad_norm is None:
+                    self._opt_step(event, 1.0)
+                elif optimize:
+                    deferred.append(event)
+                continue
+            self.streams.run(event, lambda e=event: handlers[e.kind](e))
+        if optimize and deferred:
+            coef = self._clip_coefficient()
+            if coef is None:
+                self.skipped_steps += 1
+                self.zero_grad()
+            else:
+                for event in sorted(deferred, key=lambda e: (e.stage < 0, e.stage)):
+                    self._opt_step(event, coef)
+        timeline = self.streams.finish()
+        if not optimize:
+            self._absorb_grads(all_stages=True)
+        self.timeline = timeline or []
         loss, self.loss = self.loss, None
-        self.env = self.grads = self.saved = self.host = self.gbuf = None
+        self.env = self.grads = self.saved = self.gbuf = None
         return loss
 
     def _weight(self, stage, name):
-        if stage.stream and name in self.leaves[stage.index]:
-            return self.leaves[stage.index][name]
-        return self.tensors.get(name, None) if name in self.tensors else self.env[name]
+        work = self.store.work.get(name)
+        return work if work is not None else self.env[name]
 
     def _call(self, stage, grad: bool):
         """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records."""
@@ -188,41 +254,81 @@ class Trainer:
             g = leaves[x].grad
             if g is not None:
                 self.grads[x] = g if x not in self.grads else self.grads[x] + g
+        work = self.store.work
         if stage.stream:  # gradients of streamed weights wait in g:S for their offload
-            self.gbuf[stage.index] = {p: leaf.grad for p, leaf in self.leaves[stage.index].items()}
-            for leaf in self.leaves[stage.index].values():
-                leaf.grad = None
+            self.gbuf[stage.index] = {p: work[p].grad for p in stage.params}
+            for p in stage.params:
+                work[p].grad = None
+        if self.max_grad_norm is not None:
+            names = stage.params + (self.m.SHARED if stage.index == 0 else ())
+            done = [g for g in (self.gbuf[stage.index].values() if stage.stream else ()) if g is not None]
+            done += [work[p].grad for p in names if not stage.stream or p in self.m.SHARED if work[p].grad is not None]
+            self._add_norm(done)
+
+    def _add_norm(self, grads):
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+            self.norm_sq = sq if self.norm_sq is None else self.norm_sq + sq
+
+    def _clip_coefficient(self) -> float | None:
+        """torch.nn.utils.clip_grad_norm_'s coefficient, or None when the norm is not finite."""
+        norm = math.sqrt(self.norm_sq.item()) if self.norm_sq is not None else 0.0
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            return None
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
     def _prefetch(self, e: Event):
+        job = self.cpu_jobs.pop(e.stage, None)
+        if job is not None:  # the previous step's host optimizer must finish updating the source
+            job.result()
+        slot = self.store.take_slot(e.stage)
+        self.streams.wait_for(Stream.H2D, self.slot_released_by.get(slot))
         with torch.no_grad():
-            for name, leaf in self.leaves[e.stage].items():
-                leaf.data = self.tensors[name].detach().to(self.device, copy=True)
+            for p in self.stages[e.stage].params:
+                view = self.store.slot_view(e.stage, p)
+                view.copy_(self.store.source[p], non_blocking=True)
+                self.store.work[p].data = view
 
     def _offload(self, e: Event):
         buf = e.reads[0]
-        if buf.startswith("g:"):  # gradients of streamed weights accumulate into the master's .grad
+        if buf.startswith("g:"):  # gradients of streamed weights go to page-locked host buffers
             for name, g in self.gbuf[e.stage].items():
                 if g is None:
+                    self.host_grad.pop(name, None)
                     continue
-                master = self.tensors[name]
-                g = g.to(master.device, copy=True)
-                master.grad = g if master.grad is None else master.grad + g
+                host = self.host_grad.get(name)
+                if host is None or host.shape != g.shape:
+                    host = self.host_grad[name] = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.cuda)
+                if self.cuda:
+                    g.record_stream(self.streams.stream(Stream.D2H))
+                host.copy_(g, non_blocking=True)
         else:
             for name in self.stages[e.stage].outputs:
                 if name in self.env:
-                    self.host[name] = self.env[name].to("cpu", copy=True)
+                    t = self.env[name]
+                    host = self.host_act.get(name)
+                    if host is None:
+                        host = self.host_act[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+                    if self.cuda:
+                        t.record_stream(self.streams.stream(Stream.D2H))
+                    host.copy_(t, non_blocking=True)
 
     def _reload(self, e: Event):
         for name in self.stages[e.stage].outputs:
-            if name in self.host:
-                self.env[name] = self.host.pop(name).to(self.device)
+            if name in self.host_act:
+                t = self.host_act[name].to(self.device, non_blocking=True)
+                if self.cuda:
+                    t.record_stream(self.streams.stream(Stream.COMPUTE))
+                self.env[name] = t
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
-        stage = self.stages[int(idx)] if idx.lstrip("-").isdigit() else None
+        stage = self.stages[int(idx)]
         if kind == "w":
-            for leaf in self.leaves[stage.index].values():
-                leaf.data = _EMPTY.to(self.device, leaf.dtype)
+            for p in stage.params:
+                self.store.work[p].data = torch.empty(0, device=self.device, dtype=self.store.dtype[p])
+            self.slot_released_by[self.store.release_slot(stage.index)] = e.id
         elif kind == "g":
             self.gbuf.pop(stage.index, None)
         elif kind == "act":
@@ -234,5 +340,48 @@ class Trainer:
             for name in stage.outputs:
                 self.grads.pop(name, None)
 
-    def _opt_step(self, e: Event):
-        self.optimizer.step_group(e.stage if e.stage >= 0 else len(self.stages))
+    # ---- optimizer ------------------------------------------------------------------------------
+    def _names(self, stage: int) -> tuple[str, ...]:
+        return self.stages[stage].params if stage >= 0 else self.m.SHARED
+
+    def _group(self, stage: int) -> int:
+        return stage if stage >= 0 else len(self.stages)
+
+    def _absorb_grads(self, all_stages: bool = False, stage: int | None = None):
+        """Accumulate gradients held elsewhere (host buffers, device work copies) into the homes'
+        (and, without a step, the model's) `.grad`."""
+        stages = range(-1, len(self.stages)) if all_stages else [stage]
+        for s in stages:
+            for p in self._names(s):
+                streamed = s >= 0 and self.stages[s].stream
+                src = self.host_grad.pop(p, None) if streamed else self.store.work[p].grad
+                target = self.store.master[p] if all_stages else self.store.home[p]
+                if src is None or (not streamed and target is self.store.work[p]):
+                    continue
+                g = src.to(target.device, torch.float32, copy=True)
+                target.grad = g if target.grad is None else target.grad + g
+                if not streamed:
+                    self.store.work[p].grad = None
+
+    def _opt_step(self, e: Event, coef: float):
+        s = e.stage
+        names = self._names(s)
+
+        def step():
+            self._absorb_grads(stage=s)
+            if coef != 1.0:
+                for p in names:
+                    if self.store.home[p].grad is not None:
+                        self.store.home[p].grad.mul_(coef)
+            self.optimizer.step_group(self._group(s))
+
+        if e.device == "cpu":
+            def host_step():
+                step()
+                self.store.refresh_source(names)
+            self.cpu_jobs[s] = self.streams.host(e, host_step)
+        else:
+            def device_step():
+                step()
+                self.store.refresh_work(names)
+            self.streams.run(e, device_step)

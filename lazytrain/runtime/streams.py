@@ -1,0 +1,118 @@
+"""Running events on streams: in order on the CPU; on CUDA streams with events on a GPU.
+
+On a GPU each schedule stream is a CUDA stream (compute is the current stream, so autograd's
+backward runs there too); an event first makes its stream wait for the CUDA events of what it
+`waits` on, runs, then records its own. The `cpu` stream is one worker thread: a job waits on the
+CUDA events it needs, then runs on the host while the GPU works on.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from lazytrain.ir.events import Event, Stream
+
+
+class SerialStreams:
+    """CPU: every event runs when issued; the schedule's order is valid for all streams."""
+
+    cuda = False
+
+    def __init__(self):
+        self.timeline: list[tuple[int, float, float]] | None = None
+        self._t0 = 0.0
+
+    def begin(self, record: bool):
+        self.timeline = [] if record else None
+        self._t0 = time.perf_counter()
+
+    def run(self, e: Event, fn):
+        start = time.perf_counter() - self._t0
+        fn()
+        if self.timeline is not None:
+            self.timeline.append((e.id, start, time.perf_counter() - self._t0))
+
+    def host(self, e: Event, fn) -> Future:
+        f: Future = Future()
+        self.run(e, lambda: f.set_result(fn()))
+        return f
+
+    def wait_for(self, stream: Stream, event_id: int | None):
+        return None
+
+    def finish(self):
+        return self.timeline
+
+
+class CudaStreams:
+    cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.streams = {Stream.COMPUTE: torch.cuda.current_stream(device),
+                        Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
+                        Stream.DISK: torch.cuda.Stream(device)}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
+        self.done: dict[int, torch.cuda.Event] = {}
+        self.record = False
+        self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self, record: bool):
+        self.done = {}
+        self.record = record
+        self.marks = []
+        self.host_marks: list[tuple[int, float, float]] = []
+        if record:  # the GPU is idle here (the last step ended with a sync): one clock for both
+            self.t0 = torch.cuda.Event(enable_timing=True)
+            self.t0.record(self.streams[Stream.COMPUTE])
+            self.host_t0 = time.perf_counter()
+
+    def stream(self, s: Stream) -> torch.cuda.Stream:
+        return self.streams[s]
+
+    def wait_for(self, stream: Stream, event_id: int | None):
+        if event_id is not None and event_id in self.done:
+            self.streams[stream].wait_event(self.done[event_id])
+
+    def run(self, e: Event, fn):
+        s = self.streams[e.stream]
+        for w in e.waits:
+            if w in self.done:
+                s.wait_event(self.done[w])
+        with torch.cuda.stream(s):
+            if self.record:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(s)
+            fn()
+            ev = torch.cuda.Event(enable_timing=self.record)
+            ev.record(s)
+        self.done[e.id] = ev
+        if self.record:
+            self.marks.append((e.id, start, ev))
+
+    def host(self, e: Event, fn) -> Future:
+        """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""
+        events = [self.done[w] for w in e.waits if w in self.done]
+        record, marks = self.record, self.host_marks
+
+        def job():
+            for ev in events:
+                ev.synchronize()
+            start = time.perf_counter()
+            out = fn()
+            if record:
+                marks.append((e.id, start - self.host_t0, time.perf_counter() - self.host_t0))
+            return out
+        return self.worker.submit(job)
+
+    def finish(self):
+        torch.cuda.current_stream(self.device).synchronize()
+        for s in self.streams.values():
+            s.synchronize()
+        if not self.record:
+            return None
+        gpu = [(i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3) for i, a, b in self.marks]
+        return sorted(gpu + self.host_marks)  # host jobs still running at this point are left out
