@@ -46,7 +46,8 @@ class Trainer:
     the fp32 masters."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None):
+                 weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
+                 serial_optimizer: bool = False):
         self.m = module
         self.model = model
         self.stages = module.STAGES
@@ -59,6 +60,7 @@ class Trainer:
         self.store = ParamStore(module, tensors, self.device)
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
         self.max_grad_norm = max_grad_norm
+        self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         groups = []
         for names, on_host in [(s.params, s.stream) for s in self.stages] + [(module.SHARED, False)]:
             group = {"params": [self.store.home[p] for p in names]}
@@ -183,20 +185,22 @@ class Trainer:
         self.streams.begin(self.record_timeline)
         for event in self.events:
             if event.kind is Kind.OPT_STEP:
-                if optimize and self.max_grad_norm is None:
+                if optimize and self.max_grad_norm is None and not self.serial_optimizer:
                     self._opt_step(event, 1.0)
                 elif optimize:
                     deferred.append(event)
                 continue
             self.streams.run(event, lambda e=event: handlers[e.kind](e))
         if optimize and deferred:
-            coef = self._clip_coefficient()
+            coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
             if coef is None:
                 self.skipped_steps += 1
                 self.zero_grad()
             else:
                 for event in sorted(deferred, key=lambda e: (e.stage < 0, e.stage)):
                     self._opt_step(event, coef)
+                if self.serial_optimizer:
+                    self.synchronize()
         timeline = self.streams.finish()
         if not optimize:
             self._absorb_grads(all_stages=True)

@@ -1,0 +1,226 @@
+"""The benchmark: lazytrain against resident PyTorch and a fixed-policy streaming trainer.
+
+Two phases, because the GPU machine has no solver:
+  python bench/bench.py compile --model qwen2.5-7b --batch 32 --seq 1024 --budget 24GiB   (here)
+      writes .bench/<case>.py (lazytrain's plan) and .bench/<case>.fixed.py (the fixed policy)
+  python bench/bench.py run --model qwen2.5-7b --batch 32 --seq 1024 --budget 24GiB       (on the GPU)
+      runs each system in its own process (clean memory peaks), writes bench/results/*.json
+  python bench/bench.py table                                                            (anywhere)
+      rewrites the results table in bench/README.md
+
+Figures follow DESIGN.md's protocol: TFLOPS = 6 * params * tokens / step time, the median of
+--steps timed steps after --warmup steps; peaks from torch.cuda.max_memory_allocated and the
+process's VmHWM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+CASES = ROOT / ".bench"
+RESULTS = HERE / "results"
+FIXED_POLICY = "stream every block, checkpoint every block"
+
+
+def case_name(args) -> str:
+    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}"
+
+
+def cmd_compile(args):
+    import torch
+
+    from bench.shapes import batch, meta_model
+    from lazytrain import hardware
+    from lazytrain.codegen.render import render
+    from lazytrain.passes.lower import lower
+    from lazytrain.passes.solve import evaluate, heuristics
+    from lazytrain.passes.verify import verify
+    from lazytrain.pipeline import analyse, compile_model
+    from lazytrain.units import parse_size
+
+    hw = hardware.load(args.hardware)
+    meta = meta_model(args.model, args.seq).to(torch.bfloat16)
+    b = batch(args.model, args.batch, args.seq)
+    budget = hw.gpu_memory_bytes if args.budget == "max" else parse_size(args.budget)
+    CASES.mkdir(exist_ok=True)
+    compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit)
+    (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
+    print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
+    graph, stages = analyse(meta, b, hw)
+    fixed = evaluate(stages, hw, budget, heuristics(stages)[FIXED_POLICY], status="fixed policy")
+    schedule = lower(stages, fixed, hw)
+    verify(schedule)
+    (CASES / f"{case_name(args)}.fixed.py").write_text(render(graph, stages, fixed, schedule, b, hw.name))
+    print(f"fixed policy: predicted {fixed.step_s:.3f} s, peak {fixed.peak_bytes / 2**30:.1f} GiB")
+
+
+def _vm_hwm_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def _commit() -> str:
+    if os.environ.get("LAZYTRAIN_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["LAZYTRAIN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def cmd_run_one(args):
+    import torch
+
+    from bench.shapes import batch, build, n_params
+    from lazytrain.runtime.schedule import load_schedule
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    data = batch(args.model, args.batch, args.seq, "cuda")
+    t_build = time.perf_counter()
+    predicted = {}
+    if args.system == "resident":
+        model = build(args.model, args.seq, "cuda", torch.bfloat16)
+        model.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+        def step():
+            loss = model(**data).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        model = build(args.model, args.seq, "cpu", torch.float32)
+        path = CASES / f"{case_name(args)}{'.fixed' if args.system == 'fixed' else ''}.py"
+        module = load_schedule(path)
+        trainer = module.bind(model, device="cuda", lr=1e-5, serial_optimizer=args.system == "fixed")
+        predicted = {"predicted_step_s": module.PREDICTED_STEP_S, "predicted_peak_gib": module.PREDICTED_PEAK / 2**30}
+
+        def step():
+            return trainer.step(data)
+    build_s = time.perf_counter() - t_build
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    last = time.perf_counter()
+    for i in range(args.warmup + args.steps):
+        if args.system != "resident" and i == args.warmup + args.steps - 1:
+            trainer.record_timeline = True
+        loss = step().item()
+        now = time.perf_counter()
+        times.append(now - last)
+        losses.append(loss)
+        last = now
+    measured = times[args.warmup:]
+    step_s = statistics.median(measured)
+    params = n_params(model)
+    tokens = args.batch * args.seq
+    exposed = None
+    if args.system != "resident" and trainer.timeline:
+        busy = [(a, b) for i, a, b in trainer.timeline if module.EVENTS[i].stream.value == "compute"]
+        covered, end = 0.0, 0.0
+        for a, b in sorted(busy):
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        exposed = max(0.0, end - covered)
+    result = {
+        "system": {"resident": "pytorch-resident", "fixed": "fixed-policy", "lazytrain": "lazytrain"}[args.system],
+        "model": args.model, "batch": args.batch, "seq": args.seq,
+        "budget_gib": None if args.budget == "max" or args.system == "resident" else float(args.budget.removesuffix("GiB")),
+        "tflops": 6 * params * tokens / step_s / 1e12, "tokens_per_s": tokens / step_s,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "reserved_gpu_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "peak_host_gib": _vm_hwm_gib(), "step_s": step_s, "step_times_s": measured, "losses": losses,
+        "exposed_s": exposed, "build_s": build_s, "params": params,
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "commit": _commit(),
+        **predicted,
+    }
+    out = Path(args.out or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{case_name(args)}_{args.system}.json"
+    (out / name).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "losses")}))
+
+
+def cmd_run(args):
+    rows = []
+    for system in args.systems.split(","):
+        cmd = [sys.executable, str(HERE / "bench.py"), "run-one", "--system", system, "--model", args.model,
+               "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--steps", str(args.steps),
+               "--warmup", str(args.warmup)] + (["--out", args.out] if args.out else [])
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
+        if line is None:
+            print(f"{system}: failed after {time.perf_counter() - start:.0f} s\n{proc.stderr[-3000:]}", file=sys.stderr)
+            continue
+        rows.append(json.loads(line))
+    print(f"{'system':<18}{'TFLOPS':>8}{'tok/s':>10}{'step s':>9}{'pred s':>8}{'GPU GiB':>9}{'host GiB':>9}{'exposed':>9}")
+    for r in rows:
+        print(f"{r['system']:<18}{r['tflops']:>8.1f}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.3f}"
+              f"{r.get('predicted_step_s') or float('nan'):>8.3f}{r['peak_gpu_gib']:>9.1f}{r['peak_host_gib']:>9.1f}"
+              f"{r['exposed_s'] if r['exposed_s'] is not None else float('nan'):>9.3f}")
+
+
+def cmd_table(args):
+    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    lines = ["| system | model | batch×seq | budget GiB | TFLOPS | tokens/s | step s (pred.) | peak GPU GiB (pred.) | peak host GiB | exposed s | date, device, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pred_s = f" ({r['predicted_step_s']:.2f})" if r.get("predicted_step_s") else ""
+        pred_m = f" ({r['predicted_peak_gib']:.1f})" if r.get("predicted_peak_gib") else ""
+        exposed = f"{r['exposed_s']:.2f}" if r.get("exposed_s") is not None else "-"
+        lines.append(f"| {r['system']} | {r['model']} | {r['batch']}×{r['seq']} | {r['budget_gib'] or '-'} | {r['tflops']:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['step_s']:.2f}{pred_s} | {r['peak_gpu_gib']:.1f}{pred_m} | "
+                     f"{r['peak_host_gib']:.1f} | {exposed} | {r['date']}, {r['device']}, {r['commit']} |")
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    start, end = text.index("<!-- results -->"), text.index("<!-- /results -->")
+    readme.write_text(text[:start] + "<!-- results -->\n" + "\n".join(lines) + "\n" + text[end:])
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, fn in (("compile", cmd_compile), ("run", cmd_run), ("run-one", cmd_run_one), ("table", cmd_table)):
+        s = sub.add_parser(name)
+        s.set_defaults(fn=fn)
+        if name == "table":
+            continue
+        s.add_argument("--model", default="qwen2.5-7b")
+        s.add_argument("--batch", type=int, default=32)
+        s.add_argument("--seq", type=int, default=1024)
+        s.add_argument("--budget", default="24GiB", help="a size in GiB (e.g. 24GiB) or max")
+        if name == "compile":
+            s.add_argument("--hardware", default="h200")
+            s.add_argument("--time-limit", type=float, default=120.0)
+        else:
+            s.add_argument("--steps", type=int, default=5)
+            s.add_argument("--warmup", type=int, default=2)
+            s.add_argument("--out", default=None)
+        if name == "run":
+            s.add_argument("--systems", default="resident,fixed,lazytrain")
+            s.add_argument("--timeout", type=float, default=400)
+        if name == "run-one":
+            s.add_argument("--system", choices=["resident", "fixed", "lazytrain"], required=True)
+    args = p.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Qwen2.5 model shapes for benchmarks, built without Hugging Face's slow init.
+
+`meta_model(name)` builds on the meta device (for compiling); `host_model(name)` materialises fp32
+weights on the host, filled with small random values in large chunks on the GPU when there is one
+(a 7B model is ready in seconds; Hugging Face's own init takes minutes on a CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
+    "qwen2.5-14b": (5120, 13824, 48, 40, 8, 152064, False),
+    "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064, False),
+}
+
+
+def config(name: str, seq: int) -> Qwen2Config:
+    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[name]
+    return Qwen2Config(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=max(seq, 4096),
+        rope_theta=1e6, rms_norm_eps=1e-6, use_cache=False, attn_implementation="sdpa",
+    )
+
+
+def meta_model(name: str, seq: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(config(name, seq))
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def fill_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights (std 0.02, norms at 1, rotary tables recomputed) on the model's device."""
+    gen_device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=gen_device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.device.type == gen_device:
+            p.normal_(0.0, 0.02, generator=g)
+        else:
+            p.copy_(torch.empty(p.shape, device=gen_device).normal_(0.0, 0.02, generator=g))
+    for module in model.modules():  # buffers come out of to_empty() uninitialised: rebuild them
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(module.config)
+            module.inv_freq.copy_(fresh.inv_freq)
+            module.original_inv_freq.copy_(fresh.original_inv_freq)
+    return model
+
+
+def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    model = meta_model(name, seq).to_empty(device=device).to(dtype)
+    model.train()
+    return fill_(model, seed)
+
+
+def batch(name: str, batch_size: int, seq: int, device: str = "cpu", seed: int = 0) -> dict:
+    vocab = SHAPES[name][5]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
