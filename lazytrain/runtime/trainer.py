@@ -136,14 +136,21 @@ class Trainer:
 
     def step(self, batch: dict) -> torch.Tensor:
         """One training step: fresh gradients, forward, backward, AdamW. Returns the loss."""
-        self.zero_grad()
+        # Stages whose host step still runs clear their own gradients when done; waiting here
+        # would serialise the host optimizer with this step's forward.
+        self._clear_grads(s for s in range(-1, len(self.stages)) if s not in self.cpu_jobs)
         return self._run(batch, optimize=True)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        for p, master in self.store.master.items():
-            master.grad = None
-            self.store.work[p].grad = None
+        self.synchronize()
+        self._clear_grads(range(-1, len(self.stages)))
+
+    def _clear_grads(self, stages) -> None:
+        for s in stages:
+            for p in self._names(s):
+                self.store.master[p].grad = None
+                self.store.home[p].grad = None
+                self.store.work[p].grad = None
 
     def synchronize(self) -> None:
         """Wait for the host optimizer steps still running (they overlap the next step)."""
@@ -383,6 +390,8 @@ class Trainer:
             def host_step():
                 step()
                 self.store.refresh_source(names)
+                for p in names:  # consumed: the next step starts from fresh gradients
+                    self.store.home[p].grad = None
             self.cpu_jobs[s] = self.streams.host(e, host_step)
         else:
             def device_step():
