@@ -153,6 +153,10 @@ def cmd_run_one(args):
     out.mkdir(parents=True, exist_ok=True)
     name = f"{case_name(args)}_{args.system}.json"
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
+    if args.system != "resident" and trainer.timeline:  # where the time goes: `lazytrain inspect --measured`
+        from lazytrain.timeline import save_measured
+
+        save_measured(out / f"{case_name(args)}_{args.system}.timeline.json", trainer.timeline, module.FINGERPRINT)
     print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "losses")}))
 
 
