@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lazytrain.codegen.render import render
+from lazytrain.ir.events import Kind, Phase
 from lazytrain.ir.plan import OutMode, StageDecision
 from lazytrain.passes.lower import lower
 from lazytrain.passes.solve import evaluate
@@ -28,6 +30,11 @@ from lazytrain.runtime.schedule import load_source
 ATOL = RTOL = 1e-5
 HW = "cpu"
 _names = itertools.count()
+
+
+def examples(n: int) -> int:
+    """Hypothesis example counts, scaled by LAZYTRAIN_HYPOTHESIS_SCALE (e.g. 10 for a long local run)."""
+    return max(1, int(n * float(os.environ.get("LAZYTRAIN_HYPOTHESIS_SCALE", "1"))))
 
 
 def unique_name(prefix: str = "lt_test_schedule") -> str:
@@ -63,8 +70,11 @@ def tiny_gpt_pair(seed: int = 0):
 
 
 def tiny_qwen_pair(seed: int = 0):
-    """The shipped example is 4 layers of width 128; tests use a smaller config of the same family."""
-    return hf_pair("qwen2", seed=seed)
+    """The shipped example (lazytrain/examples/tiny_qwen.py: 4 layers, hidden 128, vocabulary 512)."""
+    from lazytrain.examples import tiny_qwen
+
+    meta, real = model_pair(tiny_qwen.build_model, seed)
+    return meta, real, token_batch(tiny_qwen.BATCH, tiny_qwen.SEQ, tiny_qwen.config().vocab_size)
 
 
 def hf_config(family: str, layers: int = 2, vocab: int = 128, hidden: int = 32):
@@ -120,6 +130,18 @@ def assert_grads_match(model: nn.Module, loss, ref_loss, ref_grads, atol=ATOL, r
         assert torch.allclose(got, ref, atol=atol, rtol=rtol), f"{name}: gradient differs from eager by {err:.3g}"
 
 
+def adamw_reference(real: nn.Module, batch: dict, steps: int, **hp) -> nn.Module:
+    """A deepcopy of `real` after `steps` eager steps of a fresh torch.optim.AdamW over its parameters."""
+    model = copy.deepcopy(real)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), **hp)
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(model(**batch)).backward()
+        opt.step()
+    return model
+
+
 def bind_source(source_text: str, real: nn.Module, **optimizer_args):
     """Load a schedule and bind it to a deepcopy of `real`: (trainer, bound model)."""
     module = load_source(source_text, unique_name())
@@ -152,12 +174,13 @@ def producers(stages, s: int) -> set[int]:
 
 def repair(stages, raw) -> list[StageDecision]:
     """Turn any (stream, recompute, outputs) per stage into decisions that keep solve's rules:
-    stream only with weights; random stages neither recompute nor drop; offload only when every
+    stream only with weights, and (but for the last stage) only when recomputing; random stages neither recompute nor drop; offload only when every
     consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
     resident weights whose next stage recomputes and none of whose producers offload."""
     S = len(stages)
-    stream = [bool(r[0]) and stages[s].param_bytes > 0 for s, r in enumerate(raw)]
     rec = [bool(r[1]) and not stages[s].random for s, r in enumerate(raw)]
+    # streamed stages recompute, but for the last (its weights stay from forward to backward)
+    stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]
     for s, g in enumerate(stages):
         if outs[s] is OutMode.OFFLOAD and (
@@ -172,8 +195,9 @@ def repair(stages, raw) -> list[StageDecision]:
 
 
 def decisions(spec) -> list[StageDecision]:
-    """Shorthand: "sRk" per stage -> StageDecision. s/S: resident/streamed, r/R: saved/recomputed,
-    k/o/d: keep/offload/drop. E.g. ["-Rd", "-Rd", "SRk"]."""
+    """Shorthand, three letters per stage -> StageDecision. "-"/"S": resident/streamed weights,
+    "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
+    E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
@@ -192,7 +216,7 @@ class Forced:
 def forced(graph, stages, batch, decs, hw, budget: int = 1 << 40) -> Forced:
     """Evaluate fixed decisions, lower, verify at a budget of exactly the predicted peak, render."""
     plan = evaluate(stages, hw, budget, list(decs))
-    schedule = lower(stages, plan)
+    schedule = lower(stages, plan, hw)
     trace = verify(dataclasses.replace(schedule, budget=plan.peak_bytes))
     text = render(graph, stages, plan, schedule, batch, hw.name)
     return Forced(plan, schedule, trace, text)

@@ -87,4 +87,4 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
     )
-    return text.replace('"@CHECKSUM@"', f'"{checksum(text)}"')
+    return text.replace('CHECKSUM = "@CHECKSUM@"', f'CHECKSUM = "{checksum(text)}"')

@@ -173,6 +173,12 @@ def _encode(arg, where: str, names: dict[str, str]):
 
 
 def _convert(exported, gm, source: str) -> Graph:
+    mutated = [spec.target for spec in exported.graph_signature.output_specs if spec.kind.name != "USER_OUTPUT"]
+    if mutated:
+        raise TraceError(
+            f"forward() updates {', '.join(_strip(t) for t in mutated[:3] if t)} in place (e.g. BatchNorm running "
+            "statistics); lazytrain compiles a step without side effects: use LayerNorm/RMSNorm or freeze the "
+            "statistics (eval mode) for those modules")
     kinds = {}
     for spec in exported.graph_signature.input_specs:
         kind = {"PARAMETER": OpKind.PARAM, "BUFFER": OpKind.BUFFER, "CONSTANT_TENSOR": OpKind.BUFFER,
@@ -197,6 +203,8 @@ def _convert(exported, gm, source: str) -> Graph:
         module = paths[-1] if paths else ""
         if n.op == "placeholder":
             kind, target = kinds[n.name]
+            if kind is not OpKind.INPUT and not n.users:
+                continue  # a second name of a tied weight: the graph reads it under the other one
             nodes.append(Node(names[n.name], kind, target, value=_spec(n.meta.get("val"))))
         elif n.op == "call_function":
             if n.target is operator.getitem:

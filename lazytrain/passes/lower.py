@@ -17,7 +17,7 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
-from lazytrain.passes.solve import LOSS_BYTES, Layout, resident_bytes
+from lazytrain.passes.solve import LOSS_BYTES, Layout, cpu_step_s, resident_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +85,9 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
         if kind is Kind.OFFLOAD:
             return moved / hw.d2h_bandwidth
         if kind is Kind.OPT_STEP:
-            numel = g.param_numel if g is not None else stages.shared_numel
-            rate = hw.cpu_adamw_params_per_s if plan.decisions[stage].stream and g is not None else hw.gpu_adamw_params_per_s
-            return numel / rate
+            if g is not None and plan.decisions[stage].stream:
+                return cpu_step_s(g.param_bytes, g.param_numel, hw)
+            return (g.param_numel if g is not None else stages.shared_numel) / hw.gpu_adamw_params_per_s
         return 0.0
     return duration
 

@@ -26,6 +26,14 @@ import time
 from dataclasses import dataclass
 
 import mip
+from mip import cbc as _cbc
+
+# NOTE: [CBC deadlock guard] python-mip calls CBC through cffi's ABI mode, which resolves a C
+# function on first use under cffi's non-reentrant lock. `mip.Model` objects sit in reference
+# cycles; if the garbage collector first frees one while that lock is held, `__del__` asks for
+# `Cbc_deleteModel` and the process hangs. Resolving it once here makes `__del__` lock-free.
+if getattr(_cbc, "has_cbc", False):
+    _cbc.cbclib.Cbc_deleteModel  # noqa: B018
 
 from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
@@ -45,6 +53,14 @@ def resident_bytes(param_bytes: int, numel: int) -> int:
     also the fp32 master copy and its fp32 gradient (NOTE: [Parameter homes] in runtime/store.py)."""
     mixed = 2 * MASTER_BYTES * numel if param_bytes != MASTER_BYTES * numel else 0
     return 2 * param_bytes + ADAM_STATE_BYTES * numel + mixed
+
+
+def cpu_step_s(param_bytes: int, numel: int, hw: Hardware) -> float:
+    """A host optimizer step: AdamW itself, plus turning the compute-dtype gradient into the fp32
+    one it reads and the updated master into the compute-dtype copy the next prefetch sends
+    (measured on the H200 machine: these copies cost more than the fused step)."""
+    casts = 2 * (param_bytes + MASTER_BYTES * numel) if param_bytes != MASTER_BYTES * numel else param_bytes
+    return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth
 
 
 def host_bytes_streamed(param_bytes: int, numel: int) -> int:
@@ -132,7 +148,7 @@ class _Model:
                 h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
             d2h[L.bw(s - 1) if s > 0 else TAIL] += g.param_bytes * sig[s]
             self._spread(cpu, [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL],
-                         sig[s] * (g.param_numel / hw.cpu_adamw_params_per_s), f"cpu{s}")
+                         sig[s] * cpu_step_s(g.param_bytes, g.param_numel, hw), f"cpu{s}")
             # internals: saved from F(s) to B(s), or recomputed at B(s); backward needs twice them
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
@@ -181,6 +197,11 @@ def _vars(m: mip.Model, stages: Stages):
         m += off + drop <= 1
         if g.param_bytes == 0:
             m += sig == 0
+        elif s < S - 1:
+            # A streamed stage's weights leave between its forward and backward, but internals that
+            # autograd saved are views of them: such a stage must recompute (the last stage's
+            # weights stay from F to B, so it may save).
+            m += sig <= rec
         if g.random:
             m += rec == 0
             m += drop == 0
@@ -325,9 +346,12 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -
         return _plan(stages, hw, budget, m, v, model, exposed, info)
     if status is mip.OptimizationStatus.INFEASIBLE:
         need = smallest_budget(stages, hw)
+        have, want = format_size(budget), format_size(need, round_up=True)
+        if have == want:  # one decimal cannot tell them apart: give bytes too
+            have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
         raise InfeasibleBudget(
-            f"no plan fits a GPU budget of {format_size(budget)}; smallest feasible budget: "
-            f"{format_size(need, round_up=True)}. Raise --budget, or shrink the batch",
+            f"no plan fits a GPU budget of {have}; smallest feasible budget: {want}. "
+            "Raise --budget, or shrink the batch",
             need,
         )
     # Time-out without a solution: use the best heuristic policy that fits.

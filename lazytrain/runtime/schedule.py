@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,15 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
 
 FORMAT_VERSION = 1
-CHECKSUM_MARK = "CHECKSUM = "
+
+
+_CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
 
 
 def checksum(text: str) -> str:
-    """Hash of everything above the CHECKSUM line: edits and truncation are caught at bind."""
-    return hashlib.sha256(text.split(CHECKSUM_MARK, 1)[0].encode()).hexdigest()[:16]
+    """Hash of the whole module with the CHECKSUM line's value left out: any edit or truncation
+    anywhere is caught at load."""
+    return hashlib.sha256(_CHECKSUM_LINE.sub('CHECKSUM = ""', text).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,9 @@ class Trainer:
                 group["fused"] = fused if fused is not None else True
             groups.append(group)
         self.optimizer = StagedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
-        self.host_grad: dict[str, torch.Tensor] = {}
+        self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
+        self.grad_buffers: dict[str, torch.Tensor] = {}  # fp32 gradients of host-stepped parameters
+        self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.slot_released_by: dict[int, int] = {}  # slot -> FREE event that released it
@@ -95,13 +97,14 @@ class Trainer:
                 problems.append(f"{target} is on the meta device; load or initialise the weights first")
             else:
                 tensors[name] = t
-        bound = {id(t) for t in tensors.values()}
-        extra = [n for n, p in model.named_parameters() if id(p) not in bound and p.requires_grad]
+        known = {target for kind, target, *_ in self.m.PLACEHOLDERS.values() if kind == "param"}
+        known_ids = {id(found[t]) for t in known if t in found}
+        extra = [n for n, p in model.named_parameters() if id(p) not in known_ids and p.requires_grad]
         if extra:
             problems.append(f"it has parameters the schedule does not know: {', '.join(extra[:3])}")
         if problems:
             raise ScheduleMismatch(
-                f"schedule {self.m.SOURCE or ''} (fingerprint {self.m.FINGERPRINT}) does not fit this model: "
+                f"schedule {self.m.SOURCE or '<in memory>'} (fingerprint {self.m.FINGERPRINT}) does not fit this model: "
                 + "; ".join(problems[:4]) + ". Recompile the schedule for this model with `lazytrain compile`")
         return tensors
 
@@ -306,7 +309,6 @@ class Trainer:
         if buf.startswith("g:"):  # gradients of streamed weights go to page-locked host buffers
             for name, g in self.gbuf[e.stage].items():
                 if g is None:
-                    self.host_grad.pop(name, None)
                     continue
                 host = self.host_grad.get(name)
                 if host is None or host.shape != g.shape:
@@ -314,6 +316,7 @@ class Trainer:
                 if self.cuda:
                     g.record_stream(self.streams.stream(Stream.D2H))
                 host.copy_(g, non_blocking=True)
+                self.fresh.add(name)
         else:
             for name in self.stages[e.stage].outputs:
                 if name in self.env:
@@ -365,9 +368,19 @@ class Trainer:
         for s in stages:
             for p in self._names(s):
                 streamed = s >= 0 and self.stages[s].stream
-                src = self.host_grad.pop(p, None) if streamed else self.store.work[p].grad
+                if streamed:  # page-locked buffers stay (allocating them is slow); the mark is consumed
+                    src = self.host_grad[p] if p in self.fresh else None
+                    self.fresh.discard(p)
+                else:
+                    src = self.store.work[p].grad
                 target = self.store.master[p] if all_stages else self.store.home[p]
                 if src is None or (not streamed and target is self.store.work[p]):
+                    continue
+                if target.grad is None and streamed and not all_stages:  # a step: reuse an fp32 buffer
+                    buf = self.grad_buffers.get(p)
+                    if buf is None:
+                        buf = self.grad_buffers[p] = torch.empty(src.shape, dtype=torch.float32, device=target.device)
+                    target.grad = buf.copy_(src)
                     continue
                 g = src.to(target.device, torch.float32, copy=True)
                 target.grad = g if target.grad is None else target.grad + g

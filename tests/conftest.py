@@ -1,0 +1,30 @@
+"""Shared test setup.
+
+NOTE: [CBC deadlock guard]
+python-mip reaches CBC through cffi's ABI mode, which resolves each C function on first use while
+holding `ffi._lock`, and parses each new C type string under the same lock. `mip.Model` objects sit
+in reference cycles, so the garbage collector frees them at arbitrary allocations; if the first
+collection of a model happens while that lock is held, `Model.__del__` asks cffi for
+`Cbc_deleteModel` (never resolved yet), re-enters the non-reentrant lock and the test process
+hangs forever. Resolving `Cbc_deleteModel` once, up front, makes `__del__` lock-free. lazytrain
+does this in passes/solve.py; test_properties.py::test_solver_garbage_cannot_deadlock checks it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # `from models import ...` in every test file
+
+
+def _resolve_cbc_delete() -> None:
+    try:
+        from mip import cbc
+    except Exception:  # no python-mip: the solver tests fail on their own
+        return
+    if getattr(cbc, "has_cbc", False):
+        cbc.cbclib.Cbc_deleteModel  # noqa: B018  resolve the accessor outside any cffi lock
+
+
+_resolve_cbc_delete()
