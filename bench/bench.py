@@ -44,6 +44,7 @@ def cmd_compile(args):
     from bench.shapes import batch, meta_model
     from lazytrain import hardware
     from lazytrain.codegen.render import render
+    from lazytrain.errors import PlanError
     from lazytrain.passes.lower import lower
     from lazytrain.passes.solve import evaluate, heuristics
     from lazytrain.passes.verify import verify
@@ -59,7 +60,11 @@ def cmd_compile(args):
     (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
     print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
     graph, stages = analyse(meta, b, hw)
-    fixed = evaluate(stages, hw, budget, heuristics(stages)[FIXED_POLICY], status="fixed policy")
+    try:
+        fixed = evaluate(stages, hw, budget, heuristics(stages)[FIXED_POLICY], status="fixed policy")
+    except PlanError as exc:  # e.g. the host cannot hold fp32 AdamW states for every block
+        print(f"fixed policy: no plan ({exc})")
+        return
     schedule = lower(stages, fixed, hw)
     verify(schedule)
     (CASES / f"{case_name(args)}.fixed.py").write_text(render(graph, stages, fixed, schedule, b, hw.name))

@@ -59,6 +59,7 @@ def fill_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     model = meta_model(name, seq).to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty() gives each module its own tensor: tie the embeddings again
     model.train()
     return fill_(model, seed)
 
