@@ -17,6 +17,18 @@ from lazytrain.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
 TINY_GPT = "lazytrain/examples/tiny_gpt.py"
+UNTRACEABLE = (  # a Python `if` on a tensor's value, at line 6
+    "import torch\n"
+    "class M(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__(); self.w = torch.nn.Linear(4, 4)\n"
+    "    def forward(self, x):\n"
+    "        if x.sum() > 0:\n"
+    "            return self.w(x).sum()\n"
+    "        return x.sum()\n"
+    "def build_model(): return M()\n"
+    "def example_batch(): return {'x': torch.ones(2, 4)}\n"
+)
 
 
 def run(capsys, *argv):
@@ -65,17 +77,7 @@ def test_the_printed_minimum_is_feasible(tmp_path, capsys, in_root):
 
 @pytest.mark.parametrize("body, message", [
     ("x = 1\n", "must define build_model() and example_batch()"),
-    ("import torch\n"
-     "class M(torch.nn.Module):\n"
-     "    def __init__(self):\n"
-     "        super().__init__(); self.w = torch.nn.Linear(4, 4)\n"
-     "    def forward(self, x):\n"
-     "        if x.sum() > 0:\n"
-     "            return self.w(x).sum()\n"
-     "        return x.sum()\n"
-     "def build_model(): return M()\n"
-     "def example_batch(): return {'x': torch.ones(2, 4)}\n",
-     "data-dependent control flow"),
+    (UNTRACEABLE, "data-dependent control flow"),
     ("import torch\n"
      "class M(torch.nn.Module):\n"
      "    def __init__(self):\n"
@@ -97,17 +99,7 @@ def test_invalid_model_files(tmp_path, capsys, body, message):
 
 def test_untraceable_names_the_line(tmp_path, capsys):
     model = tmp_path / "model.py"
-    model.write_text(
-        "import torch\n"
-        "class M(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.w = torch.nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n"
-        "        if x.sum() > 0:\n"
-        "            return self.w(x).sum()\n"
-        "        return x.sum()\n"
-        "def build_model(): return M()\n"
-        "def example_batch(): return {'x': torch.ones(2, 4)}\n")
+    model.write_text(UNTRACEABLE)
     code, _, err = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--hardware", "cpu")
     assert code == 2 and "model.py:6 `if x.sum() > 0:`" in err
 
@@ -225,3 +217,28 @@ def test_70b_config_compiles_without_weights(tmp_path, capsys):
                        "--hardware", str(tmp_path / "hw.json"))
     assert code == 0 and "verified peak" in out
     assert (tmp_path / "s.py").stat().st_size > 100_000
+
+
+def test_train_from_exported_hf_directory(tmp_path, capsys):
+    """`--export-hf` writes a directory that `--model DIR` trains from again (config + safetensors),
+    starting from the exported weights."""
+    export = tmp_path / "hf"
+    code, _, _ = run(capsys, "train", "--steps", "10", "--export-hf", str(export))
+    assert code == 0 and (export / "config.json").is_file()
+    assert list(export.glob("*.safetensors"))
+    code, out, err = run(capsys, "train", "--model", str(export), "--batch-size", "4", "--seq-len", "32",
+                         "--steps", "2", "--print-every", "1")
+    assert code == 0, err
+    first = float(out.split("step     1  loss ")[1].split()[0])
+    assert first < 6.0  # trained weights, not a fresh init (ln 512 = 6.24)
+
+
+def test_corrupt_checkpoint_is_refused_on_resume(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run(capsys, "train", "--steps", "2", "--checkpoint-dir", str(run_dir), "--checkpoint-every", "1")[0] == 0
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "LATEST").read_text().strip() / "model.safetensors"
+    data = bytearray(latest.read_bytes())
+    data[-1] ^= 0xFF
+    latest.write_bytes(bytes(data))
+    code, _, err = run(capsys, "train", "--steps", "4", "--checkpoint-dir", str(run_dir), "--resume")
+    assert code == 2 and "corrupt" in err and "model.safetensors" in err
