@@ -151,6 +151,8 @@ def cmd_run_one(args):
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "reserved_gpu_gib": torch.cuda.max_memory_reserved() / 2**30,
         "peak_host_gib": _vm_hwm_gib(), "step_s": step_s, "step_times_s": measured, "losses": losses,
         "exposed_s": exposed, "build_s": build_s, "params": params,
+        **({"slot_gib": trainer.memory_report()["slot_bytes"] / 2**30,
+            "pinned_host_gib": trainer.memory_report()["pinned_bytes"] / 2**30} if args.system != "resident" else {}),
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "commit": _commit(),
         **predicted,
     }

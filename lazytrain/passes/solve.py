@@ -299,7 +299,8 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 
 def _plan(stages, hw, budget, m, v, model, exposed, info: SolverInfo) -> Plan:
     dec = _decisions(v, len(stages))
-    val = lambda e: e.x if hasattr(e, "x") else float(e)  # noqa: E731
+    def val(e) -> float:  # solver values carry tolerance noise: no negative seconds or bytes
+        return max(0.0, e.x if hasattr(e, "x") else float(e))
     mem = [int(round(val(t))) for t in model.mem]
     secs = [val(model.cap[t]) + val(exposed[t]) for t in range(len(mem))]
     edges = [("pre", 0, val(exposed[-2]))] + list(zip(model.L.labels(), mem, secs)) + [("tail", 0, val(exposed[-1]))]

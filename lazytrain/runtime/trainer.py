@@ -169,6 +169,13 @@ class Trainer:
         self.synchronize()
         self.optimizer.load_state_dict(state)
 
+    def memory_report(self) -> dict:
+        """What the runtime holds outside PyTorch's caching allocator: weight slots on the device
+        and page-locked host buffers (sources to prefetch from, gradient and activation pools)."""
+        pinned = [t for t in list(self.host_grad.values()) + list(self.host_act.values()) if t.is_pinned()]
+        return {"slot_bytes": self.store.slot_bytes,
+                "pinned_bytes": self.store.pinned_bytes() + sum(t.numel() * t.element_size() for t in pinned)}
+
     def sync_model(self) -> None:
         """Copy weights stepped on the device back into the model's own (master) parameters."""
         self.synchronize()

@@ -22,12 +22,12 @@ from lazytrain import examples
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import DataError
 from lazytrain.ir.capture import build_on_meta
-from lazytrain.pipeline import compile_model, minimum_budget
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.summary import summary
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.data import PackedBatches, builtin_tokenizer, load_tokenizer, CORPUS_PATH
 from lazytrain.train.source import ModelSource, load_weights, resolve
+from lazytrain.units import format_size
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -44,6 +44,8 @@ def _schedule(args, source: ModelSource, out: Path | None):
     if args.schedule:
         module = load_schedule(args.schedule)
         return module
+    from lazytrain.pipeline import compile_model, minimum_budget  # the solver: only to compile here
+
     default_hw = "h200" if torch.cuda.is_available() else "cpu"
     hw = hw_profiles.load(args.hardware or default_hw)
     batch = source.example_batch()
@@ -95,20 +97,26 @@ def train(args) -> dict:
     model = source.build_model()
     if source.weights is not None:
         load_weights(model, source.weights)
-    trainer = schedule.bind(model, lr=args.lr, weight_decay=args.weight_decay)
+    found = None
+    if run_dir is not None and args.resume:
+        found = ckpt.load_latest(run_dir / "checkpoints", schedule.FINGERPRINT)
+        if found is not None:  # weights first: binding copies them to the GPU
+            _restore_weights(found, model)
+    elif run_dir is not None and (run_dir / "checkpoints" / ckpt.LATEST_FILE).exists():
+        raise DataError(f"{run_dir} already holds checkpoints; pass --resume to continue that run, or another --checkpoint-dir")
+    device = "cuda" if torch.cuda.is_available() else None
+    trainer = schedule.bind(model, lr=args.lr, weight_decay=args.weight_decay, device=device)
     data = _data(args, source, model, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(warmup, args.steps, args.min_lr_ratio))
-
     start = 0
-    if run_dir is not None and args.resume:
-        found = ckpt.load_latest(run_dir / "checkpoints", schedule.FINGERPRINT)
-        if found is not None:
-            _restore(found, model, trainer, scheduler, data)
-            start = found.step
-            print(f"resumed from {found.path} at step {start}", flush=True)
-    elif run_dir is not None and (run_dir / "checkpoints" / ckpt.LATEST_FILE).exists():
-        raise DataError(f"{run_dir} already holds checkpoints; pass --resume to continue that run, or another --checkpoint-dir")
+    if found is not None:
+        _restore_state(found, trainer, scheduler, data)
+        start = found.step
+        print(f"resumed from {found.path} at step {start}", flush=True)
+    report = trainer.memory_report()
+    print(f"runtime on {trainer.device}: weight slots {format_size(report['slot_bytes'])}, "
+          f"page-locked host buffers {format_size(report['pinned_bytes'])}", flush=True)
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tokens = source.batch_shape[0] * source.batch_shape[1]
@@ -151,12 +159,14 @@ def train(args) -> dict:
     if log:
         log.close()
     if args.export_hf:
+        trainer.sync_model()
         ckpt.export_hf(model, args.export_hf)
         print(f"exported to {args.export_hf}")
     return record
 
 
 def _save(run_dir, step, model, trainer, scheduler, data, fingerprint):
+    trainer.sync_model()  # weights stepped on the GPU back into the model's masters
     ckpt.save_checkpoint(
         run_dir / "checkpoints", step, model_state={k: v.detach() for k, v in model.state_dict().items()},
         optimizer_state=trainer.state_dict(), fingerprint=fingerprint,
@@ -164,11 +174,14 @@ def _save(run_dir, step, model, trainer, scheduler, data, fingerprint):
     )
 
 
-def _restore(found, model, trainer, scheduler, data):
+def _restore_weights(found, model):
     with torch.no_grad():
         own = model.state_dict()
         for name, tensor in found.model_state.items():
             own[name].copy_(tensor)
+
+
+def _restore_state(found, trainer, scheduler, data):
     trainer.load_state_dict(found.optimizer_state)
     scheduler.load_state_dict(found.extra["scheduler"])
     data.load_state_dict(found.extra["data"])
