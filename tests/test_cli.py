@@ -242,3 +242,13 @@ def test_corrupt_checkpoint_is_refused_on_resume(tmp_path, capsys):
     latest.write_bytes(bytes(data))
     code, _, err = run(capsys, "train", "--steps", "4", "--checkpoint-dir", str(run_dir), "--resume")
     assert code == 2 and "corrupt" in err and "model.safetensors" in err
+
+
+def test_train_with_a_compiled_schedule_and_a_new_run_dir(tmp_path, capsys):
+    schedule = tmp_path / "s.py"
+    assert run(capsys, "compile", str(ROOT / "lazytrain/examples/tiny_qwen.py"), "-o", str(schedule),
+               "--hardware", "cpu")[0] == 0
+    code, _, err = run(capsys, "train", "--schedule", str(schedule), "--steps", "2",
+                       "--checkpoint-dir", str(tmp_path / "new" / "run"))
+    assert code == 0, err
+    assert (tmp_path / "new" / "run" / "log.jsonl").is_file()

@@ -90,6 +90,8 @@ def _host_gib() -> float:
 def train(args) -> dict:
     source = resolve(args.model or examples.DEFAULT, args.batch_size, args.seq_len, args.weights)
     run_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
     schedule = _schedule(args, source, run_dir)
     print(summary(schedule), end="", flush=True)
 
