@@ -33,9 +33,6 @@ from lazytrain.passes.lower import Schedule, lower
 from lazytrain.passes.solve import smallest_budget, solve
 from lazytrain.passes.verify import verify
 
-STAGES = ("capture", "costs", "liveness", "blocks", "solve", "lower", "verify", "codegen")
-
-
 @dataclass(frozen=True)
 class Compiled:
     graph: Graph

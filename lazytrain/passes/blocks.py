@@ -189,13 +189,12 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int]) -
 
 
 def _peak(graph, names, costs, last_use, position) -> int:
-    """Largest sum of live non-view intermediates while the stage's forward runs."""
+    """Largest sum of live non-view intermediates while the stage's forward runs; a tensor stays
+    live until its last reader (in this stage or a later one)."""
     live, peak = {}, 0
-    first, end = position[names[0]], position[names[-1]]
     for n in names:
         if not costs[n].alias:
             live[n] = value_bytes(graph[n].value)
         peak = max(peak, sum(live.values()))
-        live = {k: v for k, v in live.items() if last_use[k] > position[n] or last_use[k] > end}
-    del first
+        live = {k: v for k, v in live.items() if last_use[k] > position[n]}
     return peak
