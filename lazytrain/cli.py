@@ -30,7 +30,8 @@ def cmd_compile(args) -> int:
 
     compiled = compile_file(args.model, args.output, budget=args.budget, hardware=args.hardware,
                             time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
-                            dtype=getattr(torch, args.dtype) if args.dtype else None)
+                            dtype=getattr(torch, args.dtype) if args.dtype else None,
+                            optimizer_states=args.optimizer_states)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -87,6 +88,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after every stage into DIR")
     c.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
+    c.add_argument("--optimizer-states", choices=["32bit", "8bit"], default="32bit",
+                   help="AdamW state precision: 32bit (torch AdamW) or 8bit (bitsandbytes, blockwise quantised)")
     c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: the model's); master weights stay fp32")
     c.set_defaults(fn=cmd_compile)

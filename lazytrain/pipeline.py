@@ -9,6 +9,7 @@ after lower), dumps it on request (`--dump-ir DIR`: one file per stage, determin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -68,7 +69,16 @@ class _Hook:
             (self.dir / f"{index:02d}-{name}.txt").write_text(text)
 
 
-def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None):
+def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
+    """The profile with the optimizer rates of the chosen state precision."""
+    if optimizer_states == "8bit":
+        return dataclasses.replace(hw, cpu_adamw_params_per_s=hw.cpu_adamw8bit_params_per_s,
+                                   gpu_adamw_params_per_s=hw.gpu_adamw8bit_params_per_s)
+    return hw
+
+
+def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None,
+            optimizer_states: str = "32bit"):
     """The stages before the solver: capture, costs, liveness, blocks."""
     hook = hook or _Hook(None, False)
     graph = hook.run("capture", capture, model, batch, source)
@@ -80,37 +90,38 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook.dump(1, "costs", dump.text(graph, node_costs))
     last_use = hook.run("liveness", liveness, graph, node_costs)
     hook.dump(2, "liveness", "".join(f"{n} {i}\n" for n, i in last_use.items()))
-    stages = hook.run("blocks", blocks, graph, node_costs, last_use)
+    stages = hook.run("blocks", blocks, graph, node_costs, last_use, optimizer_states)
     hook.dump(3, "blocks", stages_text(stages))
     return graph, stages
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
-                  dtype: torch.dtype | None = None) -> Compiled:
+                  dtype: torch.dtype | None = None, optimizer_states: str = "32bit") -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
-    `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters."""
-    hw = hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
+    `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
+    `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW)."""
+    hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
-    graph, stages = analyse(model, batch, hw, source, hook)
+    graph, stages = analyse(model, batch, hw, source, hook, optimizer_states)
     budget = hw.gpu_memory_bytes if budget is None else int(budget)
     plan = hook.run("solve", solve, stages, hw, budget, time_limit)
     hook.dump(4, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
     hook.dump(5, "lower", "".join(f"{e}\n" for e in schedule.events))
-    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name)
+    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states)
     return Compiled(graph, stages, plan, schedule, trace, text, hw)
 
 
 def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None,
-                   dtype: torch.dtype | None = None) -> int:
-    hw = hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
+                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit") -> int:
+    hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
-    _, stages = analyse(model, batch, hw)
+    _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states)
     return smallest_budget(stages, hw)
 
 

@@ -6,6 +6,7 @@ solver. Deterministic (no timings of the compile itself), so golden tests can pi
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 from lazytrain.units import format_size
@@ -28,6 +29,7 @@ def summary(schedule: ModuleType) -> str:
         f"predicted step {_ms(m.PREDICTED_STEP_S)} = compute {_ms(p['compute_s'])} + recompute {_ms(p['recompute_s'])}"
         f" + exposed transfer {_ms(p['exposed_s'])} + optimizer {_ms(p['optimizer_s'])}",
         f"solver: {m.SOLVER['status']}, gap {m.SOLVER['gap']:.2%}" + (f" ({m.SOLVER['message']})" if m.SOLVER["message"] else ""),
+        _states_line(m),
         "",
         f"{'stage':<28}{'kind':<6}{'weights':>11}  {'placement':<10}{'internals':<12}{'outputs':<9}optimizer",
     ]
@@ -46,3 +48,14 @@ def summary(schedule: ModuleType) -> str:
         bar = "#" * round(_WIDTH * nbytes / top)
         lines.append(f"  {label:>5} {format_size(nbytes):>10} {_ms(secs):>12}  {bar}")
     return "\n".join(lines) + "\n"
+
+
+def _states_line(m: ModuleType) -> str:
+    """AdamW state bytes by tier: resident stages (and shared weights) keep theirs on the GPU,
+    streamed stages on the host."""
+    per = getattr(m, "STATE_BYTES", 8.0)
+    numel = lambda shape: math.prod(shape)  # noqa: E731
+    gpu = sum(s.param_numel for s in m.STAGES if not s.stream) + sum(numel(m.PLACEHOLDERS[p][2]) for p in m.SHARED)
+    host = sum(s.param_numel for s in m.STAGES if s.stream)
+    return (f"optimizer states ({getattr(m, 'OPTIMIZER_STATES', '32bit')} AdamW): GPU {format_size(gpu * per)}, "
+            f"host {format_size(host * per)}")

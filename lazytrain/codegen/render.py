@@ -46,7 +46,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: dict, hardware: str) -> str:
+def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: dict, hardware: str,
+           optimizer_states: str = "32bit") -> str:
     buffers = {b.name: b for b in schedule.buffers}
     names = [s.name for s in stages]
     decision_lines = []
@@ -63,7 +64,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
-        f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}),"
+        f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}),"
         for s, d in zip(stages, plan.decisions)
     ]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"
@@ -75,7 +76,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         source=graph.source, fingerprint=graph.fingerprint(), budget=plan.budget, budget_text=format_size(plan.budget),
         batch_text=", ".join(f"{k}={v.dtype}{list(v.shape)}".replace("torch.", "") for k, v in batch.items()),
         batch=[(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in batch.items()],
-        hardware=hardware, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
+        hardware=hardware, optimizer_states=optimizer_states, state_bytes=stages.state_bytes, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
         step_text=_ms(plan.step_s), compute_text=_ms(plan.compute_s), recompute_text=_ms(plan.recompute_s),
         exposed_text=_ms(plan.exposed_s), optimizer_text=_ms(plan.optimizer_s), solver_text=solver_text,
         decision_lines=decision_lines, format_version=FORMAT_VERSION, loss=graph.output,

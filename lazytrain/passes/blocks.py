@@ -62,6 +62,7 @@ class Stages:
     shared_params: tuple[str, ...]  # read by several stages: always resident
     shared_numel: int
     shared_bytes: int
+    state_bytes: float  # optimizer state per parameter: 8 for fp32 AdamW, about 2 for 8-bit
     fixed_bytes: int  # batch inputs and buffers: resident for the whole step
     requires_grad: frozenset[str]
 
@@ -120,7 +121,10 @@ def _kind_key(graph: Graph, names: tuple[str, ...]) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int]) -> Stages:
+STATE_BYTES = {"32bit": 8.0, "8bit": 2.0 + 8.0 / 256}  # 8-bit: a byte per moment, fp32 absmax per 256
+
+
+def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], optimizer_states: str = "32bit") -> Stages:
     where = _assign(graph)
     order = list(dict.fromkeys(where.values()))
     index = {name: i for i, name in enumerate(order)}
@@ -185,7 +189,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int]) -
         ))
     fixed = sum(n.spec.nbytes for n in graph.of(OpKind.INPUT, OpKind.BUFFER))
     return Stages(tuple(stages), shared, sum(graph[p].spec.numel for p in shared),
-                  sum(graph[p].spec.nbytes for p in shared), fixed, rg)
+                  sum(graph[p].spec.nbytes for p in shared), STATE_BYTES[optimizer_states], fixed, rg)
 
 
 def _peak(graph, names, costs, last_use, position) -> int:

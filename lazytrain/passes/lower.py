@@ -104,10 +104,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         acc += secs
 
     b.buffer("fixed", "gpu", stages.fixed_bytes + LOSS_BYTES, persistent=True)
-    b.buffer("shared", "gpu", resident_bytes(stages.shared_bytes, stages.shared_numel), persistent=True)
+    b.buffer("shared", "gpu", resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes), persistent=True)
     for s, g in enumerate(stages):
         if not dec[s].stream:
-            b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel), persistent=True)
+            b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes), persistent=True)
         else:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)

@@ -41,18 +41,17 @@ from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
 from lazytrain.passes.blocks import Stages
 from lazytrain.units import format_size
 
-ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per parameter
 LOSS_BYTES = 4
 
 
 MASTER_BYTES = 4  # fp32 master weights, per parameter
 
 
-def resident_bytes(param_bytes: int, numel: int) -> int:
+def resident_bytes(param_bytes: int, numel: int, state_bytes: float) -> int:
     """A resident parameter set on the GPU: weights, gradients and AdamW states; in mixed precision
     also the fp32 master copy and its fp32 gradient (NOTE: [Parameter homes] in runtime/store.py)."""
     mixed = 2 * MASTER_BYTES * numel if param_bytes != MASTER_BYTES * numel else 0
-    return 2 * param_bytes + ADAM_STATE_BYTES * numel + mixed
+    return 2 * param_bytes + int(state_bytes * numel) + mixed
 
 
 def cpu_step_s(param_bytes: int, numel: int, hw: Hardware) -> float:
@@ -63,11 +62,11 @@ def cpu_step_s(param_bytes: int, numel: int, hw: Hardware) -> float:
     return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth
 
 
-def host_bytes_streamed(param_bytes: int, numel: int) -> int:
+def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float) -> int:
     """Host memory a streamed stage adds beyond its fp32 master: AdamW states, the page-locked
     gradient buffer and fp32 gradient, and in mixed precision the compute-dtype copy to prefetch."""
     mixed = param_bytes if param_bytes != MASTER_BYTES * numel else 0
-    return ADAM_STATE_BYTES * numel + param_bytes + MASTER_BYTES * numel + mixed
+    return int(state_bytes * numel) + param_bytes + MASTER_BYTES * numel + mixed
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ class Layout:
 
 def fixed_bytes(stages: Stages) -> int:
     """Resident for the whole step: the batch, buffers, the loss, and shared (tied) parameters."""
-    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(stages.shared_bytes, stages.shared_numel)
+    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes)
 
 
 class _Model:
@@ -113,7 +112,7 @@ class _Model:
         # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
         # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
         # and time in `unit_s` (the step's compute), so coefficients stay near 1.
-        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel) + g.saved_bytes
+        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes) + g.saved_bytes
                                                           for g in stages)) / 1000.0)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
@@ -133,7 +132,7 @@ class _Model:
             cap[L.bw(s)] += g.bwd_s + g.fwd_s * rec[s]
             self.recompute = self.recompute + g.fwd_s * (rec[s] + drop[s])
             # weights: resident (weights, grads, states) or a streamed buffer
-            res = resident_bytes(g.param_bytes, g.param_numel)
+            res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes)
             self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
             for t in range(T):
                 mem[t] = mem[t] + res * (1 - sig[s])
@@ -175,7 +174,8 @@ class _Model:
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
         self.mem = mem
         self.host = sum(MASTER_BYTES * g.param_numel for g in stages) + sum(
-            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel) + off[s] * g.out_bytes for s, g in enumerate(stages))
+            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes) + off[s] * g.out_bytes
+            for s, g in enumerate(stages))
         self.h2d, self.d2h, self.cpu, self.cap = h2d, d2h, cpu, cap
 
     def _spread(self, table, windows, volume, tag):

@@ -49,6 +49,7 @@ class Stage:
     outputs_mode: str = "keep"
     kind: str = ""
     param_bytes: int = 0
+    param_numel: int = 0
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

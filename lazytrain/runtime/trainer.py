@@ -29,7 +29,7 @@ import torch
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind, Phase, Stream
-from lazytrain.runtime.optim import StagedAdamW
+from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
@@ -67,7 +67,8 @@ class Trainer:
             if fused is not None or self.cuda:
                 group["fused"] = fused if fused is not None else True
             groups.append(group)
-        self.optimizer = StagedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+        self.optimizer = staged_optimizer(getattr(module, "OPTIMIZER_STATES", "32bit"), groups, lr=lr, betas=betas,
+                                          eps=eps, weight_decay=weight_decay, foreach=foreach)
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # fp32 gradients of host-stepped parameters
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
