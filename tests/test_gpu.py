@@ -14,7 +14,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PREBUILT = ROOT / ".gpu"
-CASES = {"fp32_max": (None, 1 << 40), "fp32_min": (None, "min"), "bf16_min": (torch.bfloat16, "min")}
+CASES = {"fp32_max": (None, 1 << 40), "fp32_min": (None, "min"), "bf16_min": (torch.bfloat16, "min"),
+         "fp32_max_8bit": (None, 1 << 40)}
 
 
 def tiny_qwen():
@@ -44,9 +45,10 @@ def schedule_source(case: str) -> str:
         meta = tiny_qwen()
     if dtype is not None:
         meta = meta.to(dtype)
+    states = "8bit" if case.endswith("8bit") else "32bit"
     if budget == "min":
-        budget = minimum_budget(meta, tiny_batch(), "h200")
-    return compile_model(meta, tiny_batch(), budget, "h200").source_text
+        budget = minimum_budget(meta, tiny_batch(), "h200", optimizer_states=states)
+    return compile_model(meta, tiny_batch(), budget, "h200", optimizer_states=states).source_text
 
 
 def bind(case: str, model, **kw):
@@ -121,6 +123,32 @@ def test_bf16_losses_track_eager_over_20_steps():
     assert ours[-1] < ours[0] - 0.5  # it trains
     for a, b in zip(ours, theirs):
         assert abs(a - b) < 0.05 * abs(b), (ours, theirs)
+
+
+@needs_gpu
+def test_eight_bit_steps_equal_bitsandbytes_on_gpu():
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = tiny_qwen()
+    start = copy.deepcopy(model)
+    ref = copy.deepcopy(model).cuda()
+    opt = bnb.optim.AdamW8bit(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    trainer = bind("fp32_max_8bit", model, lr=1e-3, eps=1e-6, weight_decay=0.1, max_grad_norm=0.5)
+    for i in range(5):
+        batch = tiny_batch(i)
+        trainer.step(batch)
+        opt.zero_grad()
+        ref(**{k: v.cuda() for k, v in batch.items()}).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+    trainer.sync_model()
+    # GPU gradients are not bitwise reproducible (atomic adds), and 8-bit moments turn ulp-level
+    # differences into quantisation-step ones; on the CPU the steps are bit-identical
+    # (test_optim8bit.py). Here the whole update must agree within 2 %, as bitsandbytes' own tests
+    # allow between its 8-bit and 32-bit optimizers.
+    for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), start.parameters()):
+        ours, theirs = p.detach() - p0, q.detach().cpu() - p0
+        assert (ours - theirs).norm() <= 0.02 * theirs.norm() + 1e-7, name
 
 
 if __name__ == "__main__":  # prebuild schedules for a GPU machine without the solver
