@@ -84,13 +84,15 @@ def test_gradients_match_eager_on_gpu(case):
         assert torch.allclose(p.grad, q.grad.cpu(), atol=1e-5, rtol=1e-4), name
 
 
-@needs_gpu
-def test_clipped_steps_match_torch_adamw_on_gpu():
+def clipped_steps(case: str, make_optimizer, **hp):
+    """Five clipped steps of a bound trainer and of eager PyTorch with `make_optimizer`; returns
+    (start, ours, reference) models, all on the host."""
     torch.manual_seed(0)
     model = tiny_qwen()
+    start = copy.deepcopy(model)
     ref = copy.deepcopy(model).cuda()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
-    trainer = bind("fp32_min", model, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5)
+    opt = make_optimizer(ref.parameters(), **hp)
+    trainer = bind(case, model, max_grad_norm=0.5, **hp)
     for i in range(5):
         batch = tiny_batch(i)
         trainer.step(batch)
@@ -99,8 +101,14 @@ def test_clipped_steps_match_torch_adamw_on_gpu():
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         opt.step()
     trainer.sync_model()
+    return start, model, ref.cpu()
+
+
+@needs_gpu
+def test_clipped_steps_match_torch_adamw_on_gpu():
+    _, model, ref = clipped_steps("fp32_min", torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.detach(), q.detach().cpu(), atol=1e-4), name
+        assert torch.allclose(p.detach(), q.detach(), atol=1e-4), name
 
 
 @needs_gpu
@@ -128,26 +136,13 @@ def test_bf16_losses_track_eager_over_20_steps():
 @needs_gpu
 def test_eight_bit_steps_equal_bitsandbytes_on_gpu():
     bnb = pytest.importorskip("bitsandbytes")
-    torch.manual_seed(0)
-    model = tiny_qwen()
-    start = copy.deepcopy(model)
-    ref = copy.deepcopy(model).cuda()
-    opt = bnb.optim.AdamW8bit(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
-    trainer = bind("fp32_max_8bit", model, lr=1e-3, eps=1e-6, weight_decay=0.1, max_grad_norm=0.5)
-    for i in range(5):
-        batch = tiny_batch(i)
-        trainer.step(batch)
-        opt.zero_grad()
-        ref(**{k: v.cuda() for k, v in batch.items()}).loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-    trainer.sync_model()
+    start, model, ref = clipped_steps("fp32_max_8bit", bnb.optim.AdamW8bit, lr=1e-3, eps=1e-6, weight_decay=0.1)
     # GPU gradients are not bitwise reproducible (atomic adds), and 8-bit moments turn ulp-level
     # differences into quantisation-step ones; on the CPU the steps are bit-identical
     # (test_optim8bit.py). Here the whole update must agree within 2 %, as bitsandbytes' own tests
     # allow between its 8-bit and 32-bit optimizers.
     for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), start.parameters()):
-        ours, theirs = p.detach() - p0, q.detach().cpu() - p0
+        ours, theirs = p.detach() - p0, q.detach() - p0
         assert (ours - theirs).norm() <= 0.02 * theirs.norm() + 1e-7, name
 
 
