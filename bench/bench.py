@@ -35,7 +35,8 @@ FIXED_POLICY = "stream every block, checkpoint every block"
 
 
 def case_name(args) -> str:
-    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}"
+    states = "" if getattr(args, "states", "32bit") == "32bit" else f"_{args.states}"
+    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}{states}"
 
 
 def cmd_compile(args):
@@ -56,9 +57,12 @@ def cmd_compile(args):
     b = batch(args.model, args.batch, args.seq)
     budget = hw.gpu_memory_bytes if args.budget == "max" else parse_size(args.budget)
     CASES.mkdir(exist_ok=True)
-    compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit)
+    compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit,
+                             optimizer_states=args.states)
     (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
     print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
+    if args.states != "32bit":
+        return  # the fixed-policy baseline is the 32-bit one
     graph, stages = analyse(meta, b, hw)
     try:
         fixed = evaluate(stages, hw, budget, heuristics(stages)[FIXED_POLICY], status="fixed policy")
@@ -144,7 +148,8 @@ def cmd_run_one(args):
                 end = b
         exposed = max(0.0, end - covered)
     result = {
-        "system": {"resident": "pytorch-resident", "fixed": "fixed-policy", "lazytrain": "lazytrain"}[args.system],
+        "system": {"resident": "pytorch-resident", "fixed": "fixed-policy", "lazytrain": "lazytrain"}[args.system]
+        + ("-8bit" if args.states == "8bit" and args.system == "lazytrain" else ""),
         "model": args.model, "batch": args.batch, "seq": args.seq,
         "budget_gib": None if args.budget == "max" or args.system == "resident" else float(args.budget.removesuffix("GiB")),
         "tflops": 6 * params * tokens / step_s / 1e12, "tokens_per_s": tokens / step_s,
@@ -171,7 +176,8 @@ def cmd_run(args):
     rows = []
     for system in args.systems.split(","):
         cmd = [sys.executable, str(HERE / "bench.py"), "run-one", "--system", system, "--model", args.model,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--steps", str(args.steps),
+               "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--states", args.states,
+               "--steps", str(args.steps),
                "--warmup", str(args.warmup)] + (["--out", args.out] if args.out else [])
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -217,6 +223,7 @@ def main(argv=None):
         s.add_argument("--batch", type=int, default=32)
         s.add_argument("--seq", type=int, default=1024)
         s.add_argument("--budget", default="24GiB", help="a size in GiB (e.g. 24GiB) or max")
+        s.add_argument("--states", choices=["32bit", "8bit"], default="32bit", help="lazytrain's optimizer states")
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)
