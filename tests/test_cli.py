@@ -252,3 +252,26 @@ def test_train_with_a_compiled_schedule_and_a_new_run_dir(tmp_path, capsys):
                        "--checkpoint-dir", str(tmp_path / "new" / "run"))
     assert code == 0, err
     assert (tmp_path / "new" / "run" / "log.jsonl").is_file()
+
+
+def test_profile_writes_a_profile_compile_accepts(tmp_path, capsys, in_root):
+    hw = tmp_path / "hw.json"
+    code, out, _ = run(capsys, "profile", "-o", str(hw), "--quick")
+    assert code == 0 and "measured by `lazytrain profile`" in out
+    import json
+
+    data = json.loads(hw.read_text())
+    assert data["flops"]["float32"] > 0 and data["h2d_bandwidth"] > 0 and data["cpu_adamw_params_per_s"] > 0
+    code, out, _ = run(capsys, "compile", TINY_GPT, "-o", str(tmp_path / "s.py"), "--hardware", str(hw))
+    assert code == 0 and f"hardware {data['name']}" in out
+
+
+def test_inspect_writes_trace_and_png(tmp_path, capsys, in_root):
+    schedule = tmp_path / "s.py"
+    assert run(capsys, "compile", TINY_GPT, "-o", str(schedule), "--hardware", "cpu", "--budget", "420KiB")[0] == 0
+    code, out, _ = run(capsys, "inspect", str(schedule), "--trace", str(tmp_path / "t.json"), "--png", str(tmp_path / "t.png"))
+    assert code == 0
+    import json
+
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
