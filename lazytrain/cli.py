@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from lazytrain.errors import LazytrainError
 from lazytrain.units import format_size, parse_size

@@ -46,7 +46,7 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
     flops = {}
     for dtype in (torch.bfloat16, torch.float32):
         a = torch.randn(n, n, device=dev, dtype=dtype)
-        t = _median_time(lambda: a @ a, sync=sync)
+        t = _median_time(lambda a=a: a @ a, sync=sync)
         flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / t
     flops["float16"] = flops["bfloat16"]
 

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lazytrain.codegen.render import render
-from lazytrain.ir.events import Kind, Phase
 from lazytrain.ir.plan import OutMode, StageDecision
 from lazytrain.passes.lower import lower
 from lazytrain.passes.solve import evaluate

@@ -17,7 +17,7 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
-from lazytrain.passes.solve import LOSS_BYTES, Layout, cpu_step_s, resident_bytes
+from lazytrain.passes.solve import LOSS_BYTES, cpu_step_s, resident_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,6 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
 
 def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     S = len(stages)
-    L = Layout(S)
     dec = plan.decisions
     b = _Builder()
     b.duration = _durations(stages, plan, hw)

@@ -62,7 +62,7 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         groups = []
-        for names, on_host in [(s.params, s.stream) for s in self.stages] + [(module.SHARED, False)]:
+        for names in [s.params for s in self.stages] + [module.SHARED]:
             group = {"params": [self.store.home[p] for p in names]}
             if fused is not None or self.cuda:
                 group["fused"] = fused if fused is not None else True
