@@ -168,7 +168,7 @@ def replay_equals_eager(meta: nn.Module, real: nn.Module, batch: dict, budget: i
 
 def producers(stages, s: int) -> set[int]:
     g = stages[s]
-    return {p.index for p in stages if set(p.outputs) & set(g.inputs)}
+    return set(g.producers)
 
 
 def repair(stages, raw) -> list[StageDecision]:

@@ -40,6 +40,7 @@ class Stage:
     grad_outputs: tuple[str, ...]  # outputs that carry gradient
     grad_inputs: tuple[str, ...]  # inputs that carry gradient
     consumers: tuple[int, ...]  # stages reading an output
+    producers: tuple[int, ...]  # stages whose outputs this one reads
     param_numel: int
     param_bytes: int
     saved_bytes: int  # activations autograd keeps from forward to backward (non-view intermediates)
@@ -167,6 +168,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             src for n in names for src in graph[n].inputs() if src in stage_of and stage_of[src] < i))
         outputs = tuple(n for n in names if any(u == "<output>" or stage_of.get(u, i) > i for u in users[n]))
         consumers = tuple(sorted({stage_of[u] for n in outputs for u in users[n] if u != "<output>" and stage_of[u] > i}))
+        producers = tuple(sorted({stage_of[x] for x in inputs}))
         params = tuple(p for p in placeholders if graph[p].op is OpKind.PARAM and p not in shared)
         owned = [graph[n] for n in names if not costs[n].alias]
         key = _kind_key(graph, names)
@@ -176,7 +178,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             inputs=inputs, outputs=outputs,
             grad_outputs=tuple(o for o in outputs if o in rg and o != graph.output),
             grad_inputs=tuple(x for x in inputs if x in rg),
-            consumers=consumers,
+            consumers=consumers, producers=producers,
             param_numel=sum(graph[p].spec.numel for p in params),
             param_bytes=sum(graph[p].spec.nbytes for p in params),
             saved_bytes=sum(value_bytes(n.value) for n in owned),

@@ -117,7 +117,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if dec[s].outputs is OutMode.OFFLOAD:
             b.buffer(f"host:act:{s}", "host", g.out_bytes)
 
-    producers = {s: sorted({p.index for p in stages if set(p.outputs) & set(g.inputs)}) for s, g in enumerate(stages)}
+    producers = {s: g.producers for s, g in enumerate(stages)}
     weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",)  # noqa: E731
     acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
 

@@ -214,7 +214,7 @@ def _vars(m: mip.Model, stages: Stages):
         else:
             m += drop <= v["recompute"][s + 1]
             m += drop <= 1 - sig
-            for p in {p.index for p in stages if set(p.outputs) & set(g.inputs)}:
+            for p in g.producers:
                 m += drop <= 1 - v["off"][p]
     m += v["R"][0] == 0
     for c in range(1, S):

@@ -227,7 +227,7 @@ class Trainer:
         self.env = self.grads = self.saved = self.gbuf = None
         return loss
 
-    def _weight(self, stage, name):
+    def _weight(self, name):
         work = self.store.work.get(name)
         return work if work is not None else self.env[name]
 
@@ -235,11 +235,11 @@ class Trainer:
         """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records."""
         if grad:
             leaves = {x: self.env[x].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs}
-            args = [self._weight(stage, p) for p in stage.placeholders] + [leaves[x] for x in stage.inputs]
+            args = [self._weight(p) for p in stage.placeholders] + [leaves[x] for x in stage.inputs]
             with torch.enable_grad():
                 outs = stage.fn(self.device, *args)
             return leaves, outs
-        args = [self._weight(stage, p) for p in stage.placeholders] + [self.env[x] for x in stage.inputs]
+        args = [self._weight(p) for p in stage.placeholders] + [self.env[x] for x in stage.inputs]
         with torch.no_grad():
             return None, stage.fn(self.device, *args)
 
