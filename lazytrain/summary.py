@@ -37,7 +37,7 @@ def summary(schedule: ModuleType) -> str:
         lines.append(
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{'recomputed' if s.recompute else 'saved':<12}"
-            f"{s.outputs_mode:<9}{'cpu' if s.stream else 'gpu'}")
+            f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}")
     counts = {}
     for e in m.EVENTS:
         counts[e.kind.value] = counts.get(e.kind.value, 0) + 1

@@ -172,7 +172,7 @@ def producers(stages, s: int) -> set[int]:
 
 
 def repair(stages, raw) -> list[StageDecision]:
-    """Turn any (stream, recompute, outputs) per stage into decisions that keep solve's rules:
+    """Turn any (stream, recompute, outputs[, gpu_step]) per stage into decisions that keep solve's rules:
     stream only with weights, and (but for the last stage) only when recomputing; random stages neither recompute nor drop; offload only when every
     consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
     resident weights whose next stage recomputes and none of whose producers offload."""
@@ -190,17 +190,20 @@ def repair(stages, raw) -> list[StageDecision]:
     for s in range(S):
         if outs[s] is OutMode.DROP and any(outs[p] is OutMode.OFFLOAD for p in producers(stages, s)):
             outs[s] = OutMode.KEEP
-    return [StageDecision(stream[s], rec[s], outs[s]) for s in range(S)]
+    gpu_step = [stream[s] and len(r) > 3 and bool(r[3]) for s, r in enumerate(raw)]
+    return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s]) for s in range(S)]
 
 
 def decisions(spec) -> list[StageDecision]:
-    """Shorthand, three letters per stage -> StageDecision. "-"/"S": resident/streamed weights,
+    """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
+    (G: streamed, optimizer step on the GPU),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream == "S", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode]))
+        out.append(StageDecision(stream in "SG", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+                                 stream == "G"))
     return out
 
 

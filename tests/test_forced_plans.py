@@ -10,6 +10,7 @@ Invalid vectors (breaking one of solve's rules) are refused with `PlanError`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -22,7 +23,7 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError, VerifyError
 from lazytrain.ir.events import Kind, Phase
 from lazytrain.ir.plan import OutMode
-from lazytrain.passes.solve import evaluate
+from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse
 from models import (
@@ -45,7 +46,8 @@ def gpt():
 
 
 def raw_decisions(n: int):
-    return st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode))), min_size=n, max_size=n)
+    return st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans()),
+                    min_size=n, max_size=n)
 
 
 def check_forced(graph, stages, batch, real, decs):
@@ -235,3 +237,100 @@ def test_streamed_stage_that_saves_is_refused():
     with pytest.raises(PlanError, match="not a valid plan"):
         forced(graph, stages, batch, decisions(["Srk", "Srk", "-rk", "-rk"]), HW)
     check_forced(graph, stages, batch, real, decisions(["SRk", "SRk", "-rk", "Srk"]))
+
+
+# ---- GPU-stepped streamed stages -----------------------------------------------------------------
+
+def clipped_adamw_reference(real, batch, lrs, max_norm, **hp):
+    """Eager steps of torch.optim.AdamW after clip_grad_norm_, with lr[i] at step i."""
+    model = copy.deepcopy(real)
+    opt = torch.optim.AdamW(model.parameters(), lr=lrs[0], **hp)
+    for lr in lrs:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        model(**batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return model
+
+
+def check_steps(source_text, real, batch, steps=3):
+    """`steps` clipped steps under a decaying LR schedule equal eager AdamW + clip_grad_norm_.
+    The scheduler steps right after each step(), before deferred updates run: they must use the LR
+    of the step they belong to."""
+    hp = dict(eps=1e-6, weight_decay=0.05)
+    lrs = [3e-3 * 0.5 ** i for i in range(steps)]
+    trainer, model = bind_source(source_text, real, lr=lrs[0], max_grad_norm=0.05, **hp)
+    sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda i: 0.5 ** i)
+    for _ in range(steps):
+        trainer.step(batch)
+        sched.step()
+    trainer.synchronize()
+    ref = clipped_adamw_reference(real, batch, lrs, 0.05, **hp)
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), name
+
+
+def test_gpu_stepped_stage_events(gpt):
+    """A GPU-stepped streamed stage has no host step: its update comes in with the next prefetch
+    (master, states and gradient), runs on the compute stream and goes back out on D2H."""
+    graph, stages, batch, real = gpt
+    f = check_forced(graph, stages, batch, real, decisions(["-Rk", "GRk", "SRk", "GRk", "-rk"]))
+    events = f.schedule.events
+    for s in (1, 3):
+        mine = [e for e in events if e.stage == s]
+        assert not any(e.kind is Kind.OPT_STEP and e.device == "cpu" for e in mine)
+        fetch = next(e for e in mine if e.kind is Kind.PREFETCH and e.allocs[0] == f"opt:{s}")
+        step = next(e for e in mine if e.kind is Kind.OPT_STEP)
+        outs = [e for e in mine if e.kind is Kind.OFFLOAD and e.reads[0] in (f"w:{s}", f"opt:{s}")]
+        fwd = next(e for e in mine if e.kind is Kind.COMPUTE and e.phase is Phase.FWD)
+        assert fetch.id < step.id < fwd.id and step.device == "gpu" and step.stream.value == "compute"
+        assert [e.reads[0] for e in outs] == [f"w:{s}", f"opt:{s}"] and all(step.id in e.waits for e in outs)
+    assert any(e.kind is Kind.OPT_STEP and e.stage == 2 and e.device == "cpu" for e in events)
+    check_steps(f.source_text, real, batch)
+
+
+@settings(max_examples=examples(20), **SETTINGS)
+@given(data=st.data())
+def test_random_decisions_steps_equal_clipped_adamw(gpt, data):
+    graph, stages, batch, real = gpt
+    decs = repair(stages, data.draw(raw_decisions(len(stages))))
+    if currently_in_test_context():
+        event(f"{sum(d.gpu_step for d in decs)} GPU-stepped streamed stages")
+    check_steps(forced(graph, stages, batch, decs, HW).source_text, real, batch)
+
+
+def test_pending_updates_reach_checkpoints_and_forward(gpt):
+    """After step(), a GPU-stepped stage's update is pending: forward_backward applies it before
+    computing, and state_dict() applies it before saving."""
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(["GRk", "GRk", "GRk", "GRk", "Grk"]), HW).source_text
+    hp = dict(lr=1e-3, eps=1e-6)
+    t1, m1 = bind_source(text, real, **hp)
+    t1.step(batch)
+    assert t1.stepper.pending
+    t1.zero_grad()  # applies them
+    assert not t1.stepper.pending
+    ref = adamw_reference(real, batch, 1, **hp)
+    ref_loss, ref_grads = eager_grads(ref, batch)
+    assert_grads_match(m1, t1.forward_backward(batch), ref_loss, ref_grads, 1e-5, 1e-5)
+    t2, _ = bind_source(text, real, **hp)
+    t2.step(batch)
+    loss = t2.forward_backward(batch)  # the pending updates are applied at the prefetches
+    assert not t2.stepper.pending and torch.allclose(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    t3, _ = bind_source(text, real, **hp)
+    t3.step(batch)
+    state = t3.state_dict()
+    assert all(len(v) > 0 for v in state["state"].values())
+
+
+@pytest.mark.parametrize("cpu_rate, gpu_steps", [(1e3, True), (1e15, False)])
+def test_solver_places_streamed_steps_by_rate(gpt, cpu_rate, gpu_steps):
+    """Where a streamed stage's optimizer runs follows the measured rates: a slow host step (like
+    8-bit AdamW on a CPU) moves it to the GPU; a host step that costs nothing keeps it there."""
+    graph, stages, batch, real = gpt
+    hw = dataclasses.replace(HW, cpu_adamw_params_per_s=cpu_rate)
+    plan = solve(stages, hw, smallest_budget(stages, hw) * 3 // 2)
+    streamed = [d for d in plan.decisions if d.stream]
+    assert streamed and all(d.gpu_step == gpu_steps for d in streamed)

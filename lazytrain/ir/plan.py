@@ -18,11 +18,15 @@ class StageDecision:
     stream: bool  # weights live on the host and are prefetched for forward and backward
     recompute: bool  # internals recomputed in backward (True) or saved by autograd (False)
     outputs: OutMode
+    # Streamed stages only: the optimizer step runs on the GPU, with the fp32 master weights,
+    # optimizer states and gradients streamed in at the next step's prefetch and back out after
+    # (NOTE: [GPU-stepped streamed stages] in solve.py); else on the CPU beside the masters.
+    gpu_step: bool = False
 
     @property
     def optimizer(self) -> str:
-        """Where the stage's optimizer step runs: beside its master weights."""
-        return "cpu" if self.stream else "gpu"
+        """Where the stage's optimizer step runs."""
+        return "cpu" if self.stream and not self.gpu_step else "gpu"
 
 
 @dataclass(frozen=True, slots=True)

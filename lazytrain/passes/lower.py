@@ -17,7 +17,7 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
-from lazytrain.passes.solve import LOSS_BYTES, cpu_step_s, resident_bytes
+from lazytrain.passes.solve import LOSS_BYTES, cpu_step_s, gpu_step_bytes, gpu_step_state_bytes, resident_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +42,10 @@ class _Builder:
         self.buffers.setdefault(name, Buffer(name, pool, int(nbytes), persistent))
         return name
 
-    def emit(self, stream, kind, stage, phase=None, reads=(), allocs=(), frees=(), workspace=0, device=""):
+    def emit(self, stream, kind, stage, phase=None, reads=(), allocs=(), frees=(), workspace=0, device="", moved=None,
+             after=()):
         eid = len(self.events)
-        waits = set()
+        waits = set(after)
         for b in reads:
             if b in self.last_writer:
                 waits.add(self.last_writer[b])
@@ -58,7 +59,8 @@ class _Builder:
         waits = tuple(sorted(w for w in waits if self.events[w].stream is not stream))
         # predicted timing: after the window opens, the stream is free and what it waits on is done
         start = max([self.t, self.stream_free.get(stream, 0.0)] + [self.end[w] for w in waits])
-        moved = self.buffers[(allocs or reads or ("fixed",))[0]].bytes
+        if moved is None:
+            moved = self.buffers[(allocs or reads or ("fixed",))[0]].bytes
         duration = self.duration(kind, stage, phase, moved)
         self.stream_free[stream] = start + duration
         self.end.append(start + duration)
@@ -85,7 +87,7 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
         if kind is Kind.OFFLOAD:
             return moved / hw.d2h_bandwidth
         if kind is Kind.OPT_STEP:
-            if g is not None and plan.decisions[stage].stream:
+            if g is not None and plan.decisions[stage].stream and not plan.decisions[stage].gpu_step:
                 return cpu_step_s(g.param_bytes, g.param_numel, hw)
             return (g.param_numel if g is not None else stages.shared_numel) / hw.gpu_adamw_params_per_s
         return 0.0
@@ -110,7 +112,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         else:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
-            b.buffer(f"host:grad:{s}", "host", g.param_bytes)
+            # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
+            b.buffer(f"host:grad:{s}", "host", g.param_bytes, persistent=dec[s].gpu_step)
+            if dec[s].gpu_step:
+                b.buffer(f"opt:{s}", "gpu", gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
@@ -121,14 +126,42 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",)  # noqa: E731
     acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
 
+    # A GPU-stepped streamed stage applies last step's update at its forward prefetch
+    # (NOTE: [GPU-stepped streamed stages] in solve.py).
+    stepped: dict[int, int] = {}  # stage -> its OPT_STEP event
+
+    def prefetch(s: int):
+        if not dec[s].gpu_step:
+            b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",))
+            return
+        g = stages[s]
+        b.emit(Stream.H2D, Kind.PREFETCH, s, reads=(f"host:grad:{s}",), allocs=(f"opt:{s}", f"w:{s}"),
+               moved=gpu_step_state_bytes(g.param_numel, stages.state_bytes) + g.param_bytes)
+        b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
+
+    def gpu_step(s: int):
+        if dec[s].gpu_step:
+            stepped[s] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"opt:{s}", f"w:{s}"), device="gpu")
+
+    def step_out(s: int):
+        if dec[s].gpu_step:
+            g = stages[s]
+            # the new weights first: the slot's FREE after this forward waits for this copy only
+            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],))
+            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
+                   moved=gpu_step_state_bytes(g.param_numel, stages.state_bytes))
+            b.emit(Stream.D2H, Kind.FREE, s, frees=(f"opt:{s}",))
+
     # ---- forward ----------------------------------------------------------------------------
     b.t = win_start["pre"]
     if dec[0].stream:
-        b.emit(Stream.H2D, Kind.PREFETCH, 0, allocs=("w:0",))
+        prefetch(0)
+        gpu_step(0)
     for s, g in enumerate(stages):
         b.t = win_start[f"F{s}"]
         if s + 1 < S and dec[s + 1].stream:
-            b.emit(Stream.H2D, Kind.PREFETCH, s + 1, allocs=(f"w:{s + 1}",))
+            prefetch(s + 1)
+        step_out(s)
         for p in producers[s]:
             if dec[p].outputs is OutMode.OFFLOAD and s == p + 1:
                 b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
@@ -138,6 +171,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                allocs=allocs, workspace=0 if save else g.peak_bytes)
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
+        if s + 1 < S:
+            gpu_step(s + 1)
         for p in producers[s]:
             mode = dec[p].outputs
             if (mode is OutMode.OFFLOAD and stages[p].consumers[-1] == s) or (mode is OutMode.DROP and s == p + 1):
@@ -179,14 +214,16 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
-            b.emit(Stream.CPU, Kind.OPT_STEP, s + 1, reads=(f"host:grad:{s + 1}",), device="cpu")
+            if not dec[s + 1].gpu_step:
+                b.emit(Stream.CPU, Kind.OPT_STEP, s + 1, reads=(f"host:grad:{s + 1}",), device="cpu")
         if not dec[s].stream:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}",), device="gpu")
     b.t = win_start["tail"]
     if dec[0].stream:
         b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
         b.emit(Stream.COMPUTE, Kind.FREE, 0, frees=("g:0",))
-        b.emit(Stream.CPU, Kind.OPT_STEP, 0, reads=("host:grad:0",), device="cpu")
+        if not dec[0].gpu_step:
+            b.emit(Stream.CPU, Kind.OPT_STEP, 0, reads=("host:grad:0",), device="cpu")
     if stages.shared_params:
         b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared",), device="gpu")
     return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget)

@@ -17,6 +17,15 @@ Transfers are continuous volumes per window; a window's exposed time is the most
 directions together, or CPU work overruns its compute (DESIGN.md). Memory per window is the sum of
 the buffers `lower` keeps live there, so `verify` can check the plan event by event.
 A fixed plan (the heuristic fallback) is evaluated by the same model with its binaries pinned.
+
+NOTE: [GPU-stepped streamed stages]
+gstep[s] (only with stream[s]) moves a streamed stage's AdamW step from the CPU to the GPU. Its
+gradients still go to the host during B(s-1); the update itself waits for the next step's prefetch
+at F(s-1): the fp32 master, the optimizer states and the gradient come in (instead of the bf16
+weights), the GPU steps them and writes the new compute-dtype weights into the stage's slot, and
+the master, states and new weights go back out during F(s). Gradient clipping's global norm is
+known by then, and nothing waits for the host. Cost: (master + states) more bytes each way, an
+`opt:S` buffer (`gpu_step_bytes`) at F(s-1) and F(s), and the GPU's step rate instead of the CPU's.
 """
 
 from __future__ import annotations
@@ -64,9 +73,22 @@ def cpu_step_s(param_bytes: int, numel: int, hw: Hardware) -> float:
 
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float) -> int:
     """Host memory a streamed stage adds beyond its fp32 master: AdamW states, the page-locked
-    gradient buffer and fp32 gradient, and in mixed precision the compute-dtype copy to prefetch."""
+    gradient buffer and fp32 gradient (only a CPU step needs it: `gpu_step` subtracts it), and in
+    mixed precision the compute-dtype copy to prefetch."""
     mixed = param_bytes if param_bytes != MASTER_BYTES * numel else 0
     return int(state_bytes * numel) + param_bytes + MASTER_BYTES * numel + mixed
+
+
+def gpu_step_state_bytes(numel: int, state_bytes: float) -> int:
+    """What a GPU-stepped streamed stage moves each way beyond its weights or gradient: the fp32
+    master and the optimizer states."""
+    return MASTER_BYTES * numel + int(state_bytes * numel)
+
+
+def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float) -> int:
+    """The `opt:S` GPU buffer of a GPU-stepped streamed stage: master and states, the gradient as
+    it arrives, and the fp32 gradient the optimizer reads."""
+    return gpu_step_state_bytes(numel, state_bytes) + param_bytes + MASTER_BYTES * numel
 
 
 @dataclass(frozen=True)
@@ -116,7 +138,7 @@ class _Model:
                                                           for g in stages)) / 1000.0)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
-        sig, rec, off, drop = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"]
+        sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
         mem = [fixed_bytes(stages) for _ in range(T)]
         h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
         d2h = [0.0] * (T + 2)
@@ -147,7 +169,14 @@ class _Model:
                 h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
             d2h[L.bw(s - 1) if s > 0 else TAIL] += g.param_bytes * sig[s]
             self._spread(cpu, [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL],
-                         sig[s] * cpu_step_s(g.param_bytes, g.param_numel, hw), f"cpu{s}")
+                         (sig[s] - gst[s]) * cpu_step_s(g.param_bytes, g.param_numel, hw), f"cpu{s}")
+            # GPU-stepped streamed: state in at the prefetch, out one window later
+            extra = gpu_step_state_bytes(g.param_numel, stages.state_bytes)
+            h2d[L.fw(s - 1) if s > 0 else PRE] += extra * gst[s]
+            d2h[L.fw(s)] += (extra + g.param_bytes) * gst[s]
+            for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
+                mem[t] = mem[t] + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes) * gst[s]
+            self.optimizer = self.optimizer + gst[s] * (g.param_numel / hw.gpu_adamw_params_per_s)
             # internals: saved from F(s) to B(s), or recomputed at B(s); backward needs twice them
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
@@ -174,7 +203,8 @@ class _Model:
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
         self.mem = mem
         self.host = sum(MASTER_BYTES * g.param_numel for g in stages) + sum(
-            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes) + off[s] * g.out_bytes
+            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes)
+            - gst[s] * MASTER_BYTES * g.param_numel + off[s] * g.out_bytes
             for s, g in enumerate(stages))
         self.h2d, self.d2h, self.cpu, self.cap = h2d, d2h, cpu, cap
 
@@ -189,12 +219,14 @@ class _Model:
 
 def _vars(m: mip.Model, stages: Stages):
     S = len(stages)
-    v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)] for k in ("stream", "recompute", "off", "drop")}
+    v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)]
+         for k in ("stream", "recompute", "off", "drop", "gstep")}
     v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]
     big = sum(g.out_bytes for g in stages) + 1
     for s, g in enumerate(stages):
         sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
         m += off + drop <= 1
+        m += v["gstep"][s] <= sig
         if g.param_bytes == 0:
             m += sig == 0
         elif s < S - 1:
@@ -247,6 +279,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["recompute"][s] == int(d.recompute)
             m += v["off"][s] == int(d.outputs is OutMode.OFFLOAD)
             m += v["drop"][s] == int(d.outputs is OutMode.DROP)
+            m += v["gstep"][s] == int(d.gpu_step)
     model = _Model(stages, hw, v, m)
     exposed = _exposure(m, model, hw)
     u = 1.0 / model.unit
@@ -269,17 +302,19 @@ def _decisions(v, S) -> list[StageDecision]:
     out = []
     for s in range(S):
         mode = OutMode.OFFLOAD if v["off"][s].x > 0.5 else OutMode.DROP if v["drop"][s].x > 0.5 else OutMode.KEEP
-        out.append(StageDecision(v["stream"][s].x > 0.5, v["recompute"][s].x > 0.5, mode))
+        out.append(StageDecision(v["stream"][s].x > 0.5, v["recompute"][s].x > 0.5, mode, v["gstep"][s].x > 0.5))
     return out
 
 
 def heuristics(stages: Stages) -> dict[str, list[StageDecision]]:
     """Fixed policies, as layer-streaming trainers use: warm starts for the MIP and the fallback
     when it finds nothing in time."""
-    def policy(stream: bool, recompute: bool) -> list[StageDecision]:
-        return [StageDecision(stream and g.param_bytes > 0, recompute and not g.random, OutMode.KEEP) for g in stages]
+    def policy(stream: bool, recompute: bool, gpu_step: bool = False) -> list[StageDecision]:
+        return [StageDecision(stream and g.param_bytes > 0, recompute and not g.random, OutMode.KEEP,
+                              gpu_step and stream and g.param_bytes > 0) for g in stages]
     return {
         "stream every block, checkpoint every block": policy(True, True),
+        "stream every block, optimizer on the GPU, checkpoint every block": policy(True, True, gpu_step=True),
         "everything resident, checkpoint every block": policy(False, True),
         "everything resident and saved": policy(False, False),
     }
@@ -338,7 +373,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -
     if warm is not None:
         m.start = [(v[key][s], float(value)) for s, d in enumerate(warm[1].decisions) for key, value in (
             ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-            ("drop", d.outputs is OutMode.DROP))]
+            ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step))]
     status = m.optimize(max_seconds=max(1.0, time_limit - (time.perf_counter() - start)))
     took = time.perf_counter() - start
     if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):

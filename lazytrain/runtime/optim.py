@@ -20,28 +20,48 @@ class _Staged:
     """Mixin over an optimizer class: per-group steps through views."""
 
     def _make_views(self) -> list:
-        views = []
-        for group in self.param_groups:
-            view = type(self).__mro__[2].__new__(type(self).__mro__[2])
-            # hooks and defaults as the parent's; not an instance-level `step` (LR schedulers patch one in)
-            view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_views", "step")})
-            view.param_groups = [group]
-            view.state = self.state
-            views.append(view)
-        return views
+        # hooks and defaults as the parent's; not an instance-level `step` (LR schedulers patch one in)
+        base = {k: v for k, v in self.__dict__.items() if k not in ("_views", "step")}
+        return [_view(type(self).__mro__[2], base, [group], self.state) for group in self.param_groups]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._views = self._make_views()
 
-    def step_group(self, index: int) -> None:
+    def step_group(self, index: int, hyper: dict | None = None) -> None:
+        """Step group `index` alone; `hyper` overrides its hyperparameters (values snapshotted when
+        the step was asked for, for steps that run later)."""
         # the parent's instance `step` (LR schedulers wrap it to count calls) is not run here
         self._opt_called = True
-        self._views[index].step()
+        view = self._views[index]
+        if hyper is not None:
+            view = _view(type(view), view.__dict__, [{**view.param_groups[0], **hyper}], view.state)
+        self._run_view(view)
+
+    def step_on(self, index: int, params: list, state: dict, hyper: dict) -> None:
+        """Group `index`'s step applied to stand-ins: `params` (with `.grad`) and `state` (param ->
+        its state) replace the group's own, e.g. device twins of host masters."""
+        self._opt_called = True
+        view = self._views[index]
+        self._run_view(_view(type(view), view.__dict__, [{**view.param_groups[0], **hyper, "params": params}], state))
+
+    def hyperparameters(self, index: int) -> dict:
+        return {k: v for k, v in self.param_groups[index].items() if k != "params"}
+
+    def _run_view(self, view) -> None:
+        view.step()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._views = self._make_views()
+
+
+def _view(cls, attrs: dict, groups: list, state: dict):
+    view = cls.__new__(cls)
+    view.__dict__.update(attrs)
+    view.param_groups = groups
+    view.state = state
+    return view
 
 
 class StagedAdamW(_Staged, torch.optim.AdamW):
@@ -55,7 +75,22 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
         import bitsandbytes as bnb
 
         class StagedAdamW8bit(_Staged, bnb.optim.AdamW8bit):
-            pass
+            def _run_view(self, view) -> None:
+                # bitsandbytes' own step synchronises the whole device after every parameter, which
+                # stalls the copy streams the runtime overlaps with it; this is that step without it.
+                if not view.initialized:
+                    view.check_overrides()
+                    view.to_gpu()
+                    view.initialized = True
+                with torch.no_grad():
+                    for gindex, group in enumerate(view.param_groups):
+                        for pindex, p in enumerate(group["params"]):
+                            if p.grad is None:
+                                continue
+                            if len(view.state[p]) == 0:
+                                view.init_state(group, p, gindex, pindex)
+                            view.prefetch_state(p)
+                            view.update_step(group, p, gindex, pindex)
 
         kwargs.pop("foreach", None)
         for group in groups:

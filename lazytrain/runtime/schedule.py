@@ -50,6 +50,7 @@ class Stage:
     kind: str = ""
     param_bytes: int = 0
     param_numel: int = 0
+    gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

@@ -21,10 +21,67 @@ import torch
 from lazytrain.ir.events import Kind
 
 _ALIGN = 256
+_OPT_SLACK = 16 << 10
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _peak_live(events, prefix: str) -> int:
+    """Most buffers named `prefix...` the schedule ever has live at once."""
+    live = peak = 0
+    for e in events:
+        live += sum(a.startswith(prefix) for a in e.allocs)
+        peak = max(peak, live)
+        live -= sum(f.startswith(prefix) for f in e.frees)
+    return peak
+
+
+class SlotPool:
+    """`count` device buffers of `size` bytes, allocated once and lent to one stage at a time."""
+
+    def __init__(self, size: int, count: int, device: torch.device):
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.free = list(range(count))
+        self.owner: dict[int, int] = {}  # stage -> slot
+        self.bytes = size * count
+
+    def take(self, stage: int) -> int:
+        slot = self.free.pop(0)
+        self.owner[stage] = slot
+        return slot
+
+    def release(self, stage: int) -> int:
+        slot = self.owner.pop(stage)
+        self.free.append(slot)
+        return slot
+
+    def buffer(self, stage: int) -> torch.Tensor:
+        return self.slots[self.owner[stage]]
+
+
+class Carver:
+    """Cuts aligned tensors out of a byte buffer in order; past its end, falls back to allocating."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.offset = buf, 0
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = int(torch.Size(shape).numel()) * _itemsize(dtype)
+        if self.offset + n > self.buf.numel():
+            return torch.empty(shape, dtype=dtype, device=self.buf.device)
+        t = self.buf[self.offset:self.offset + n].view(dtype).view(shape)
+        self.offset += _aligned(n)
+        return t
 
 
 class ParamStore:
@@ -62,7 +119,7 @@ class ParamStore:
         return out
 
     def _plan_slots(self, module) -> None:
-        """Replay the schedule's PREFETCH/FREE of weight buffers to size the slot pool."""
+        """Size the weight-slot and optimizer-slot pools from the schedule's buffers and events."""
         self.layout: dict[int, dict[str, int]] = {}
         size = 0
         for s in module.STAGES:
@@ -70,38 +127,22 @@ class ParamStore:
                 offset, layout = 0, {}
                 for p in s.params:
                     layout[p] = offset
-                    nbytes = self.master[p].numel() * torch.empty(0, dtype=self.dtype[p]).element_size()
-                    offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+                    offset += _aligned(self.master[p].numel() * _itemsize(self.dtype[p]))
                 self.layout[s.index] = layout
                 size = max(size, offset)
-        live, peak = 0, 0
-        for e in module.EVENTS:
-            if e.kind is Kind.PREFETCH:
-                live += 1
-                peak = max(peak, live)
-            elif e.kind is Kind.FREE and e.frees[0].startswith("w:"):
-                live -= 1
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(peak)]
-        self.free_slots = list(range(peak))
-        self.slot_of: dict[int, int] = {}
-        self.slot_bytes = size * peak
-
-    def take_slot(self, stage: int) -> int:
-        slot = self.free_slots.pop(0)
-        self.slot_of[stage] = slot
-        return slot
-
-    def release_slot(self, stage: int) -> int:
-        slot = self.slot_of.pop(stage)
-        self.free_slots.append(slot)
-        return slot
+        self.weights = SlotPool(size, _peak_live(module.EVENTS, "w:"), self.device)
+        # opt:S holds master, states and gradients of a GPU-stepped streamed stage; the slack covers
+        # per-tensor alignment and the optimizer's small extras (8-bit quantisation maps, absmax).
+        opt = [b.bytes + _OPT_SLACK * len(s.params) for b in module.BUFFERS if b.name.startswith("opt:")
+               for s in [module.STAGES[int(b.name[4:])]]]
+        self.opt = SlotPool(max(opt, default=0), _peak_live(module.EVENTS, "opt:"), self.device)
+        self.slot_bytes = self.weights.bytes + self.opt.bytes
 
     def slot_view(self, stage: int, p: str) -> torch.Tensor:
-        buf = self.slots[self.slot_of[stage]]
-        t = self.master[p]
-        nbytes = t.numel() * torch.empty(0, dtype=self.dtype[p]).element_size()
+        buf = self.weights.buffer(stage)
+        nbytes = self.master[p].numel() * _itemsize(self.dtype[p])
         start = self.layout[stage][p]
-        return buf[start:start + nbytes].view(self.dtype[p]).view(t.shape)
+        return buf[start:start + nbytes].view(self.dtype[p]).view(self.master[p].shape)
 
     def refresh_source(self, names) -> None:
         """After a host optimizer step: the prefetch copies of updated masters."""

@@ -29,6 +29,7 @@ import torch
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind, Phase, Stream
+from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
@@ -74,7 +75,10 @@ class Trainer:
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
-        self.slot_released_by: dict[int, int] = {}  # slot -> FREE event that released it
+        self.slot_released_by: dict[int, int] = {}  # weight slot -> FREE event that released it
+        self.opt_released_by: dict[int, int] = {}  # optimizer slot -> FREE event that released it
+        self.stepper = GpuStepper(self.store, self.optimizer,
+                                  {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad)
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
         self.skipped_steps = 0
@@ -139,7 +143,10 @@ class Trainer:
         return self._run(batch, optimize=False)
 
     def step(self, batch: dict) -> torch.Tensor:
-        """One training step: fresh gradients, forward, backward, AdamW. Returns the loss."""
+        """One training step: fresh gradients, forward, backward, AdamW. Returns the loss.
+        Host steps may still run when it returns, and GPU-stepped streamed stages apply their update
+        at the next forward's prefetch; `synchronize()` (which `state_dict`, `sync_model` and
+        `zero_grad` call) finishes both."""
         # Stages whose host step still runs clear their own gradients when done; waiting here
         # would serialise the host optimizer with this step's forward.
         self._clear_grads(s for s in range(-1, len(self.stages)) if s not in self.cpu_jobs)
@@ -157,10 +164,31 @@ class Trainer:
                 self.store.work[p].grad = None
 
     def synchronize(self) -> None:
-        """Wait for the host optimizer steps still running (they overlap the next step)."""
+        """Finish every optimizer step: wait for host steps still running (they overlap the next
+        step), and apply GPU steps of streamed stages still waiting for the next prefetch."""
         for job in self.cpu_jobs.values():
             job.result()
         self.cpu_jobs.clear()
+        if self.stepper.pending:
+            self._flush_gpu_steps()
+
+    def _flush_gpu_steps(self) -> None:
+        """The pending updates' events, run back to back on the current stream."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for s in sorted(self.stepper.pending):
+            self.store.weights.take(s)
+            self.store.opt.take(s)
+            for p in self.stages[s].params:
+                self.store.work[p].data = self.store.slot_view(s, p)
+            self.stepper.fetch(s, self.store.opt.buffer(s))
+            self.stepper.step(s, self._group(s))
+            self.stepper.write_weights(s)
+            self.stepper.write_back(s)
+            self._release_weights(s)
+            self.store.opt.release(s)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def state_dict(self) -> dict:
         self.synchronize()
@@ -202,6 +230,10 @@ class Trainer:
         deferred = []
         self.streams.begin(self.record_timeline)
         for event in self.events:
+            if event.kind is Kind.OPT_STEP and event.stage >= 0 and self.stages[event.stage].gpu_step:
+                # last step's update of a GPU-stepped streamed stage, at its prefetch
+                self.streams.run(event, lambda s=event.stage: self.stepper.step(s, self._group(s)))
+                continue
             if event.kind is Kind.OPT_STEP:
                 if optimize and self.max_grad_norm is None and not self.serial_optimizer:
                     self._opt_step(event, 1.0)
@@ -209,14 +241,16 @@ class Trainer:
                     deferred.append(event)
                 continue
             self.streams.run(event, lambda e=event: handlers[e.kind](e))
-        if optimize and deferred:
+        if optimize and (deferred or self.stepper.params):
             coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
             if coef is None:
                 self.skipped_steps += 1
+                self.fresh.clear()
                 self.zero_grad()
             else:
                 for event in sorted(deferred, key=lambda e: (e.stage < 0, e.stage)):
                     self._opt_step(event, coef)
+                self._record_gpu_steps(coef)
                 if self.serial_optimizer:
                     self.synchronize()
         timeline = self.streams.finish()
@@ -304,17 +338,27 @@ class Trainer:
         job = self.cpu_jobs.pop(e.stage, None)
         if job is not None:  # the previous step's host optimizer must finish updating the source
             job.result()
-        slot = self.store.take_slot(e.stage)
+        slot = self.store.weights.take(e.stage)
         self.streams.wait_for(Stream.H2D, self.slot_released_by.get(slot))
+        update = e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending
+        if update:  # master, states and gradient in; the step writes the weights
+            slot = self.store.opt.take(e.stage)
+            self.streams.wait_for(Stream.H2D, self.opt_released_by.get(slot))
+            self.stepper.fetch(e.stage, self.store.opt.buffer(e.stage))
         with torch.no_grad():
             for p in self.stages[e.stage].params:
                 view = self.store.slot_view(e.stage, p)
-                view.copy_(self.store.source[p], non_blocking=True)
+                if not update:
+                    view.copy_(self.store.source[p], non_blocking=True)
                 self.store.work[p].data = view
 
     def _offload(self, e: Event):
         buf = e.reads[0]
-        if buf.startswith("g:"):  # gradients of streamed weights go to page-locked host buffers
+        if buf.startswith("w:"):
+            self.stepper.write_weights(e.stage)
+        elif buf.startswith("opt:"):
+            self.stepper.write_back(e.stage)
+        elif buf.startswith("g:"):  # gradients of streamed weights go to page-locked host buffers
             for name, g in self.gbuf[e.stage].items():
                 if g is None:
                     continue
@@ -346,11 +390,14 @@ class Trainer:
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
+        if kind == "host":  # host buffers are kept for the next step
+            return
         stage = self.stages[int(idx)]
         if kind == "w":
-            for p in stage.params:
-                self.store.work[p].data = torch.empty(0, device=self.device, dtype=self.store.dtype[p])
-            self.slot_released_by[self.store.release_slot(stage.index)] = e.id
+            self.slot_released_by[self._release_weights(stage.index)] = e.id
+        elif kind == "opt":
+            if stage.index in self.store.opt.owner:
+                self.opt_released_by[self.store.opt.release(stage.index)] = e.id
         elif kind == "g":
             self.gbuf.pop(stage.index, None)
         elif kind == "act":
@@ -362,7 +409,19 @@ class Trainer:
             for name in stage.outputs:
                 self.grads.pop(name, None)
 
+    def _release_weights(self, stage: int) -> int:
+        for p in self.stages[stage].params:
+            self.store.work[p].data = torch.empty(0, device=self.device, dtype=self.store.dtype[p])
+        return self.store.weights.release(stage)
+
     # ---- optimizer ------------------------------------------------------------------------------
+    def _record_gpu_steps(self, coef: float) -> None:
+        """GPU-stepped streamed stages: their gradients wait on the host for the next prefetch."""
+        for s, names in self.stepper.params.items():
+            if any(p in self.fresh for p in names):
+                self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
+                self.fresh.difference_update(names)
+
     def _names(self, stage: int) -> tuple[str, ...]:
         return self.stages[stage].params if stage >= 0 else self.m.SHARED
 
@@ -398,6 +457,7 @@ class Trainer:
     def _opt_step(self, e: Event, coef: float):
         s = e.stage
         names = self._names(s)
+        hyper = self.optimizer.hyperparameters(self._group(s))  # a later LR scheduler step must not reach it
 
         def step():
             self._absorb_grads(stage=s)
@@ -405,7 +465,7 @@ class Trainer:
                 for p in names:
                     if self.store.home[p].grad is not None:
                         self.store.home[p].grad.mul_(coef)
-            self.optimizer.step_group(self._group(s))
+            self.optimizer.step_group(self._group(s), hyper)
 
         if e.device == "cpu":
             def host_step():

@@ -1,0 +1,110 @@
+"""Optimizer steps of streamed stages on the device (NOTE: [GPU-stepped streamed stages] in solve.py).
+
+`step()` leaves such a stage's gradient in its page-locked host buffer and records a *pending*
+update: the clipping coefficient and the stage's hyperparameters at that moment (an LR scheduler
+stepped afterwards must not change them). The next forward's prefetch of the stage applies it:
+
+    PREFETCH opt:S (h2d)      fp32 master, optimizer states and the gradient into an opt slot
+    OPT_STEP S     (compute)  AdamW on those device twins; new compute-dtype weights into the weight slot
+    OFFLOAD w:S    (d2h)      the new weights to the host copy the backward prefetch reads
+    OFFLOAD opt:S  (d2h)      master and states back to their homes on the host
+
+Without a pending update the prefetch is a plain weight prefetch. `flush()` applies pending
+updates at once (checkpoints, `sync_model`), so nothing is lost when training stops.
+The optimizer's own state dict keeps holding the host tensors, so `state_dict()` sees them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from lazytrain.runtime.store import Carver, ParamStore
+
+
+@dataclass
+class _Update:
+    hyper: dict  # the group's hyperparameters when step() was called
+    coef: float  # gradient clipping coefficient
+    master: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 twins on the device
+    grad: dict[str, torch.Tensor] = field(default_factory=dict)  # gradients as they arrived
+    grad32: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
+
+
+class GpuStepper:
+    def __init__(self, store: ParamStore, optimizer, params: dict[int, tuple[str, ...]], host_grad: dict):
+        self.store, self.optimizer, self.params, self.host_grad = store, optimizer, params, host_grad
+        self.pending: dict[int, _Update] = {}  # recorded by step(), not yet fetched
+        self.live: dict[int, _Update] = {}  # fetched, not yet written back
+
+    def record(self, stage: int, hyper: dict, coef: float) -> None:
+        self.pending[stage] = _Update(hyper, coef)
+
+    def fetch(self, stage: int, slot: torch.Tensor) -> None:
+        """Copy master, gradient and states of `stage` into `slot` (on the current stream)."""
+        u = self.pending.pop(stage)
+        carve = Carver(slot)
+        for p in self.params[stage]:
+            master = self.store.master[p]
+            u.master[p] = carve.take(master.shape, torch.float32).copy_(master.detach(), non_blocking=True)
+            host = self.host_grad[p]
+            u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
+            u.grad32[p] = carve.take(master.shape, torch.float32)
+            home = self.optimizer.state.get(self.store.home[p], {})
+            u.state[p] = {k: carve.take(v.shape, v.dtype).copy_(v, non_blocking=True) if torch.is_tensor(v) else v
+                          for k, v in home.items()}
+        self.live[stage] = u
+
+    def step(self, stage: int, group: int) -> None:
+        """AdamW on the twins, then the compute-dtype weights into the stage's weight slot."""
+        u = self.live.get(stage)
+        if u is None:
+            return
+        names = self.params[stage]
+        with torch.no_grad():
+            for p in names:
+                g = u.grad32[p].copy_(u.grad[p])
+                if u.coef != 1.0:
+                    g.mul_(u.coef)
+                u.master[p].grad = g
+        state = defaultdict(dict, {u.master[p]: u.state[p] for p in names})
+        self.optimizer.step_on(group, [u.master[p] for p in names], state, u.hyper)
+        with torch.no_grad():
+            for p in names:
+                u.state[p] = state[u.master[p]]  # the first step creates the state
+                u.master[p].grad = None
+                self.store.work[p].data.copy_(u.master[p])
+
+    def write_weights(self, stage: int) -> None:
+        """New compute-dtype weights to the host copy that prefetches read (on the current stream)."""
+        if stage not in self.live:
+            return
+        for p in self.params[stage]:
+            source = self.store.source[p]
+            if source is not self.store.master[p]:
+                source.copy_(self.store.work[p].data, non_blocking=True)
+
+    def write_back(self, stage: int) -> None:
+        """Master and states to their host homes (on the current stream)."""
+        u = self.live.pop(stage, None)
+        if u is None:
+            return
+        pin = self.store.cuda
+        for p in self.params[stage]:
+            self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
+            home = self.store.home[p]
+            host = self.optimizer.state.get(home)
+            if not host:  # first update: the host copies are made once
+                host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) if torch.is_tensor(v) else v
+                        for k, v in u.state[p].items()}
+                self.optimizer.state[home] = host
+            for k, v in u.state[p].items():
+                if torch.is_tensor(v):
+                    if pin:
+                        v.record_stream(torch.cuda.current_stream())
+                    host[k].copy_(v, non_blocking=True)
+                else:
+                    host[k] = v
