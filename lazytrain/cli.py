@@ -30,7 +30,7 @@ def cmd_compile(args) -> int:
     compiled = compile_file(args.model, args.output, budget=args.budget, hardware=args.hardware,
                             time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
                             dtype=getattr(torch, args.dtype) if args.dtype else None,
-                            optimizer_states=args.optimizer_states)
+                            optimizer_states=args.optimizer_states, master_weights=args.master_weights)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -89,8 +89,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
     c.add_argument("--optimizer-states", choices=["32bit", "8bit"], default="32bit",
                    help="AdamW state precision: 32bit (torch AdamW) or 8bit (bitsandbytes, blockwise quantised)")
+    c.add_argument("--master-weights", choices=["fp32", "bf16"], default="fp32",
+                   help="precision of the weights the optimizer updates: fp32 (default), or bf16 with stochastic "
+                        "rounding (half the host memory and traffic; the model's parameters become bf16)")
     c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="compute dtype (default: the model's); master weights stay fp32")
+                   help="compute dtype (default: the model's); master weights stay fp32 unless --master-weights bf16")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")

@@ -27,7 +27,7 @@ from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
-from lazytrain.passes.blocks import Stages, blocks
+from lazytrain.passes.blocks import MASTER_BYTES, Stages, blocks
 from lazytrain.passes.costs import costs
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import Schedule, lower
@@ -78,7 +78,7 @@ def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
 
 
 def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None,
-            optimizer_states: str = "32bit"):
+            optimizer_states: str = "32bit", master_weights: str = "fp32"):
     """The stages before the solver: capture, costs, liveness, blocks."""
     hook = hook or _Hook(None, False)
     graph = hook.run("capture", capture, model, batch, source)
@@ -91,37 +91,39 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     last_use = hook.run("liveness", liveness, graph, node_costs)
     hook.dump(2, "liveness", "".join(f"{n} {i}\n" for n, i in last_use.items()))
     stages = hook.run("blocks", blocks, graph, node_costs, last_use, optimizer_states)
+    stages = dataclasses.replace(stages, master_bytes=MASTER_BYTES[master_weights])
     hook.dump(3, "blocks", stages_text(stages))
     return graph, stages
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
-                  dtype: torch.dtype | None = None, optimizer_states: str = "32bit") -> Compiled:
+                  dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32") -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
-    `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW)."""
+    `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
+    `master_weights` "fp32" or "bf16" (updated with stochastic rounding)."""
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
-    graph, stages = analyse(model, batch, hw, source, hook, optimizer_states)
+    graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights)
     budget = hw.gpu_memory_bytes if budget is None else int(budget)
     plan = hook.run("solve", solve, stages, hw, budget, time_limit)
     hook.dump(4, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
     hook.dump(5, "lower", "".join(f"{e}\n" for e in schedule.events))
-    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states)
+    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states, master_weights)
     return Compiled(graph, stages, plan, schedule, trace, text, hw)
 
 
 def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None,
-                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit") -> int:
+                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32") -> int:
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
-    _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states)
+    _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights)
     return smallest_budget(stages, hw)
 
 

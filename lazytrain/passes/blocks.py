@@ -66,6 +66,8 @@ class Stages:
     state_bytes: float  # optimizer state per parameter: 8 for fp32 AdamW, about 2 for 8-bit
     fixed_bytes: int  # batch inputs and buffers: resident for the whole step
     requires_grad: frozenset[str]
+    master_bytes: int = 4  # master weights per parameter: 4 (fp32) or 2 (bf16, stochastic rounding)
+    largest_param_numel: int = 0  # the biggest single parameter tensor (a bf16 master's fp32 twin)
 
     def __iter__(self):
         return iter(self.stages)
@@ -122,6 +124,7 @@ def _kind_key(graph: Graph, names: tuple[str, ...]) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+MASTER_BYTES = {"fp32": 4, "bf16": 2}  # master weights per parameter (`--master-weights`)
 STATE_BYTES = {"32bit": 8.0, "8bit": 2.0 + 8.0 / 256}  # 8-bit: a byte per moment, fp32 absmax per 256
 
 
@@ -191,7 +194,8 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
         ))
     fixed = sum(n.spec.nbytes for n in graph.of(OpKind.INPUT, OpKind.BUFFER))
     return Stages(tuple(stages), shared, sum(graph[p].spec.numel for p in shared),
-                  sum(graph[p].spec.nbytes for p in shared), STATE_BYTES[optimizer_states], fixed, rg)
+                  sum(graph[p].spec.nbytes for p in shared), STATE_BYTES[optimizer_states], fixed, rg,
+                  largest_param_numel=max((n.spec.numel for n in graph.of(OpKind.PARAM)), default=0))
 
 
 def _peak(graph, names, costs, last_use, position) -> int:

@@ -17,7 +17,9 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
-from lazytrain.passes.solve import LOSS_BYTES, cpu_step_s, gpu_step_bytes, gpu_step_state_bytes, resident_bytes
+from lazytrain.passes.solve import (
+    cpu_step_s, fixed_bytes, gpu_step_bytes, gpu_step_out_bytes, gpu_step_state_bytes, resident_bytes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,7 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return moved / hw.d2h_bandwidth
         if kind is Kind.OPT_STEP:
             if g is not None and plan.decisions[stage].stream and not plan.decisions[stage].gpu_step:
-                return cpu_step_s(g.param_bytes, g.param_numel, hw)
+                return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes)
             return (g.param_numel if g is not None else stages.shared_numel) / hw.gpu_adamw_params_per_s
         return 0.0
     return duration
@@ -104,18 +106,20 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         win_start[label] = acc
         acc += secs
 
-    b.buffer("fixed", "gpu", stages.fixed_bytes + LOSS_BYTES, persistent=True)
-    b.buffer("shared", "gpu", resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes), persistent=True)
+    M = stages.master_bytes
+    shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
+    b.buffer("fixed", "gpu", fixed_bytes(stages) - shared, persistent=True)
+    b.buffer("shared", "gpu", shared, persistent=True)
     for s, g in enumerate(stages):
         if not dec[s].stream:
-            b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes), persistent=True)
+            b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M), persistent=True)
         else:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
             b.buffer(f"host:grad:{s}", "host", g.param_bytes, persistent=dec[s].gpu_step)
             if dec[s].gpu_step:
-                b.buffer(f"opt:{s}", "gpu", gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes))
+                b.buffer(f"opt:{s}", "gpu", gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
@@ -136,7 +140,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             return
         g = stages[s]
         b.emit(Stream.H2D, Kind.PREFETCH, s, reads=(f"host:grad:{s}",), allocs=(f"opt:{s}", f"w:{s}"),
-               moved=gpu_step_state_bytes(g.param_numel, stages.state_bytes) + g.param_bytes)
+               moved=gpu_step_state_bytes(g.param_numel, stages.state_bytes, stages.master_bytes) + g.param_bytes)
         b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
 
     def gpu_step(s: int):
@@ -149,7 +153,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],))
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
-                   moved=gpu_step_state_bytes(g.param_numel, stages.state_bytes))
+                   moved=gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes)
+                   - g.param_bytes)
             b.emit(Stream.D2H, Kind.FREE, s, frees=(f"opt:{s}",))
 
     # ---- forward ----------------------------------------------------------------------------

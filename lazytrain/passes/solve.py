@@ -53,42 +53,60 @@ from lazytrain.units import format_size
 LOSS_BYTES = 4
 
 
-MASTER_BYTES = 4  # fp32 master weights, per parameter
+MASTER_BYTES = 4  # fp32 master weights, per parameter (`--master-weights bf16`: 2, NOTE: [Master weights])
+
+# NOTE: [Master weights]
+# `master` below is the bytes per parameter of the master weights the optimizer updates: 4 (fp32),
+# or 2 (bf16 with stochastic rounding). A bf16 master *is* the bf16 compute copy: no second copy on
+# the host, and nothing extra beside resident weights; its step runs through fp32 twins one tensor
+# at a time (the `fixed_bytes` workspace).
 
 
-def resident_bytes(param_bytes: int, numel: int, state_bytes: float) -> int:
+def resident_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
     """A resident parameter set on the GPU: weights, gradients and AdamW states; in mixed precision
     also the fp32 master copy and its fp32 gradient (NOTE: [Parameter homes] in runtime/store.py)."""
-    mixed = 2 * MASTER_BYTES * numel if param_bytes != MASTER_BYTES * numel else 0
+    mixed = 2 * master * numel if param_bytes != master * numel else 0
     return 2 * param_bytes + int(state_bytes * numel) + mixed
 
 
-def cpu_step_s(param_bytes: int, numel: int, hw: Hardware) -> float:
+def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_BYTES) -> float:
     """A host optimizer step: AdamW itself, plus turning the compute-dtype gradient into the fp32
     one it reads and the updated master into the compute-dtype copy the next prefetch sends
-    (measured on the H200 machine: these copies cost more than the fused step)."""
-    casts = 2 * (param_bytes + MASTER_BYTES * numel) if param_bytes != MASTER_BYTES * numel else param_bytes
+    (measured on the H200 machine: these copies cost more than the fused step); a bf16 master
+    goes to fp32 and back instead."""
+    if param_bytes == MASTER_BYTES * numel:
+        casts = param_bytes
+    else:
+        casts = 2 * (param_bytes + MASTER_BYTES * numel) + (2 * (master + MASTER_BYTES) * numel if master != MASTER_BYTES else 0)
     return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth
 
 
-def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float) -> int:
-    """Host memory a streamed stage adds beyond its fp32 master: AdamW states, the page-locked
-    gradient buffer and fp32 gradient (only a CPU step needs it: `gpu_step` subtracts it), and in
-    mixed precision the compute-dtype copy to prefetch."""
-    mixed = param_bytes if param_bytes != MASTER_BYTES * numel else 0
-    return int(state_bytes * numel) + param_bytes + MASTER_BYTES * numel + mixed
+def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
+    buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts
+    it), and in mixed precision the compute-dtype copy to prefetch."""
+    mixed = param_bytes if param_bytes != master * numel else 0
+    return int(state_bytes * numel) + param_bytes + master * numel + mixed
 
 
-def gpu_step_state_bytes(numel: int, state_bytes: float) -> int:
-    """What a GPU-stepped streamed stage moves each way beyond its weights or gradient: the fp32
-    master and the optimizer states."""
-    return MASTER_BYTES * numel + int(state_bytes * numel)
+def gpu_step_state_bytes(numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """What a GPU-stepped streamed stage moves each way beyond its weights or gradient: the master
+    and the optimizer states."""
+    return master * numel + int(state_bytes * numel)
 
 
-def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float) -> int:
+def gpu_step_out_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """What goes back to the host after a GPU step: new weights, master and states (a master in the
+    compute dtype goes back once, as the weights)."""
+    out = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
+    return out - param_bytes if param_bytes == master * numel else out
+
+
+def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
     """The `opt:S` GPU buffer of a GPU-stepped streamed stage: master and states, the gradient as
-    it arrives, and the fp32 gradient the optimizer reads."""
-    return gpu_step_state_bytes(numel, state_bytes) + param_bytes + MASTER_BYTES * numel
+    it arrives, the fp32 gradient the optimizer reads, and an fp32 twin of a bf16 master."""
+    twin = MASTER_BYTES * numel if master != MASTER_BYTES else 0
+    return gpu_step_state_bytes(numel, state_bytes, master) + param_bytes + MASTER_BYTES * numel + twin
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,9 @@ class Layout:
 
 def fixed_bytes(stages: Stages) -> int:
     """Resident for the whole step: the batch, buffers, the loss, and shared (tied) parameters."""
-    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes)
+    twins = 2 * MASTER_BYTES * stages.largest_param_numel if stages.master_bytes != MASTER_BYTES else 0
+    return stages.fixed_bytes + LOSS_BYTES + twins + resident_bytes(
+        stages.shared_bytes, stages.shared_numel, stages.state_bytes, stages.master_bytes)
 
 
 class _Model:
@@ -134,7 +154,7 @@ class _Model:
         # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
         # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
         # and time in `unit_s` (the step's compute), so coefficients stay near 1.
-        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes) + g.saved_bytes
+        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes) + g.saved_bytes
                                                           for g in stages)) / 1000.0)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
@@ -154,7 +174,8 @@ class _Model:
             cap[L.bw(s)] += g.bwd_s + g.fwd_s * rec[s]
             self.recompute = self.recompute + g.fwd_s * (rec[s] + drop[s])
             # weights: resident (weights, grads, states) or a streamed buffer
-            res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes)
+            M = stages.master_bytes
+            res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
             for t in range(T):
                 mem[t] = mem[t] + res * (1 - sig[s])
@@ -169,13 +190,12 @@ class _Model:
                 h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
             d2h[L.bw(s - 1) if s > 0 else TAIL] += g.param_bytes * sig[s]
             self._spread(cpu, [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL],
-                         (sig[s] - gst[s]) * cpu_step_s(g.param_bytes, g.param_numel, hw), f"cpu{s}")
+                         (sig[s] - gst[s]) * cpu_step_s(g.param_bytes, g.param_numel, hw, M), f"cpu{s}")
             # GPU-stepped streamed: state in at the prefetch, out one window later
-            extra = gpu_step_state_bytes(g.param_numel, stages.state_bytes)
-            h2d[L.fw(s - 1) if s > 0 else PRE] += extra * gst[s]
-            d2h[L.fw(s)] += (extra + g.param_bytes) * gst[s]
+            h2d[L.fw(s - 1) if s > 0 else PRE] += gpu_step_state_bytes(g.param_numel, stages.state_bytes, M) * gst[s]
+            d2h[L.fw(s)] += gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
-                mem[t] = mem[t] + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes) * gst[s]
+                mem[t] = mem[t] + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
             self.optimizer = self.optimizer + gst[s] * (g.param_numel / hw.gpu_adamw_params_per_s)
             # internals: saved from F(s) to B(s), or recomputed at B(s); backward needs twice them
             for t in range(L.fw(s), L.bw(s) + 1):
@@ -202,9 +222,10 @@ class _Model:
         for c in range(1, S):
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
         self.mem = mem
-        self.host = sum(MASTER_BYTES * g.param_numel for g in stages) + sum(
-            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes)
-            - gst[s] * MASTER_BYTES * g.param_numel + off[s] * g.out_bytes
+        M = stages.master_bytes
+        self.host = sum(M * g.param_numel for g in stages) + sum(
+            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
+            - gst[s] * M * g.param_numel + off[s] * g.out_bytes
             for s, g in enumerate(stages))
         self.h2d, self.d2h, self.cpu, self.cap = h2d, d2h, cpu, cap
 
@@ -355,7 +376,7 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     m.max_mip_gap = 1e-2
     status = m.optimize(max_seconds=time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        weights = MASTER_BYTES * (sum(g.param_numel for g in stages) + stages.shared_numel)
+        weights = stages.master_bytes * (sum(g.param_numel for g in stages) + stages.shared_numel)
         if weights > hw.host_memory_bytes:
             raise PlanError(
                 f"the model's fp32 master weights alone ({format_size(weights)}) exceed the host memory of hardware profile "

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lazytrain.runtime.optim import round_stochastic_
 from lazytrain.runtime.store import Carver, ParamStore
 
 
@@ -48,8 +49,12 @@ class GpuStepper:
         u = self.pending.pop(stage)
         carve = Carver(slot)
         for p in self.params[stage]:
-            master = self.store.master[p]
-            u.master[p] = carve.take(master.shape, torch.float32).copy_(master.detach(), non_blocking=True)
+            master = self.store.master[p].detach()
+            if master.dtype == torch.float32:
+                u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
+            else:  # a bf16 master comes in as it is and is stepped through an fp32 twin
+                arrived = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
+                u.master[p] = carve.take(master.shape, torch.float32).copy_(arrived)
             host = self.host_grad[p]
             u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
             u.grad32[p] = carve.take(master.shape, torch.float32)
@@ -76,7 +81,10 @@ class GpuStepper:
             for p in names:
                 u.state[p] = state[u.master[p]]  # the first step creates the state
                 u.master[p].grad = None
-                self.store.work[p].data.copy_(u.master[p])
+                if self.store.master[p].dtype == torch.float32:
+                    self.store.work[p].data.copy_(u.master[p])
+                else:  # NOTE: [bf16 master weights] in optim.py
+                    round_stochastic_(self.store.work[p].data, u.master[p])
 
     def write_weights(self, stage: int) -> None:
         """New compute-dtype weights to the host copy that prefetches read (on the current stream)."""
@@ -94,7 +102,9 @@ class GpuStepper:
             return
         pin = self.store.cuda
         for p in self.params[stage]:
-            self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
+            master = self.store.master[p].detach()
+            if master.data_ptr() != self.store.source[p].data_ptr():  # else it went back as the weights
+                master.copy_(u.master[p], non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
             if not host:  # first update: the host copies are made once

@@ -9,11 +9,28 @@ of different groups may run concurrently.
 
 Two precisions of state: "32bit" wraps `torch.optim.AdamW`; "8bit" wraps bitsandbytes'
 `AdamW8bit` (blockwise-quantised moments; imported only when asked for).
+
+NOTE: [bf16 master weights]
+With `--master-weights bf16` the parameters the optimizer updates are bf16. Each is stepped
+through an fp32 twin (one tensor at a time, so the extra memory is one tensor's) and rounded back
+stochastically: up or down to a neighbouring bf16 with probability given by the distance, so the
+rounding is unbiased and small updates accumulate in expectation instead of vanishing.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
+
+
+def round_stochastic_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`dst` (bf16) <- `src` (fp32) with stochastic rounding: random low 16 bits are added to the
+    fp32 bit pattern, then truncated; a value 1/4 of the way between two bf16 numbers rounds up
+    with probability 1/4. Infinities stay infinite."""
+    bits = src.view(torch.int32)
+    noisy = bits + torch.randint_like(bits, 0, 1 << 16)
+    return dst.copy_(noisy.bitwise_and_(-65536).view(torch.float32))
 
 
 class _Staged:
@@ -49,6 +66,22 @@ class _Staged:
         return {k: v for k, v in self.param_groups[index].items() if k != "params"}
 
     def _run_view(self, view) -> None:
+        params = view.param_groups[0]["params"]
+        if all(p.dtype == torch.float32 for p in params):
+            self._step(view)
+            return
+        for p in params:  # NOTE: [bf16 master weights]
+            if p.grad is None:
+                continue
+            twin = p.detach().float()
+            twin.grad = p.grad.float()
+            state = defaultdict(dict, {twin: view.state[p]})
+            self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
+            view.state[p] = state[twin]
+            with torch.no_grad():
+                round_stochastic_(p.detach(), twin)
+
+    def _step(self, view) -> None:
         view.step()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -75,7 +108,7 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
         import bitsandbytes as bnb
 
         class StagedAdamW8bit(_Staged, bnb.optim.AdamW8bit):
-            def _run_view(self, view) -> None:
+            def _step(self, view) -> None:
                 # bitsandbytes' own step synchronises the whole device after every parameter, which
                 # stalls the copy streams the runtime overlaps with it; this is that step without it.
                 if not view.initialized:

@@ -1,11 +1,12 @@
 """Where parameters live while a schedule runs: fp32 masters, compute copies, weight slots.
 
 NOTE: [Parameter homes]
-Every parameter has a *master* (the model's own fp32 tensor, on the host), a *work* tensor the
+Every parameter has a *master* (the model's own tensor, on the host: fp32, or bf16 with
+`--master-weights bf16`), a *work* tensor the
 stage functions compute with (in the schedule's dtype, on the compute device), and a *home*: the
-fp32 tensor its optimizer updates.
+tensor its optimizer updates (in the master's dtype).
   - resident stage: work is a persistent device tensor; home is the master when work *is* the
-    master (CPU, fp32), else an fp32 copy beside work on the device (the GPU optimizer step).
+    master (CPU, same dtype), else a copy in the master's dtype beside work on the device (the GPU optimizer step).
   - streamed stage: work is a persistent leaf whose storage is a view into a weight *slot* while the
     stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in trainer.py); home is the
     master on the host, stepped by the CPU optimizer; `source` is what PREFETCH copies from (the
@@ -107,10 +108,10 @@ class ParamStore:
                 self.work[p] = torch.nn.Parameter(master.detach().to(device, self.dtype[p], copy=True))
                 if master.device == device:
                     self.home[p] = master
-                elif self.dtype[p] == torch.float32:
+                elif self.dtype[p] == master.dtype:  # fp32 compute, or bf16 masters
                     self.home[p] = self.work[p]
                 else:
-                    self.home[p] = torch.nn.Parameter(master.detach().to(device, torch.float32, copy=True))
+                    self.home[p] = torch.nn.Parameter(master.detach().to(device, master.dtype, copy=True))
         self._plan_slots(module)
 
     def _host_copy(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,7 +152,7 @@ class ParamStore:
                 self.source[p].copy_(self.master[p].detach())
 
     def refresh_work(self, names) -> None:
-        """After a device optimizer step: compute copies of updated fp32 homes."""
+        """After a device optimizer step: compute copies of updated homes."""
         with torch.no_grad():
             for p in names:
                 if self.work[p] is not self.home[p]:

@@ -44,7 +44,7 @@ class Trainer:
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
     `device` (default: where the model is) is where compute runs; the model's own parameters stay
-    the fp32 masters."""
+    the masters (fp32; bf16 if compiled with `--master-weights bf16`)."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
@@ -54,6 +54,10 @@ class Trainer:
         self.stages = module.STAGES
         self.events: tuple[Event, ...] = module.EVENTS
         tensors = self._bind_tensors(model)
+        if getattr(module, "MASTER_WEIGHTS", "fp32") == "bf16":  # NOTE: [bf16 master weights] in optim.py
+            for name, t in tensors.items():
+                if module.PLACEHOLDERS[name][0] == "param" and t.is_floating_point():
+                    t.data = t.data.to(torch.bfloat16)
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -71,7 +75,7 @@ class Trainer:
         self.optimizer = staged_optimizer(getattr(module, "OPTIMIZER_STATES", "32bit"), groups, lr=lr, betas=betas,
                                           eps=eps, weight_decay=weight_decay, foreach=foreach)
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
-        self.grad_buffers: dict[str, torch.Tensor] = {}  # fp32 gradients of host-stepped parameters
+        self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
@@ -443,13 +447,13 @@ class Trainer:
                 target = self.store.master[p] if all_stages else self.store.home[p]
                 if src is None or (not streamed and target is self.store.work[p]):
                     continue
-                if target.grad is None and streamed and not all_stages:  # a step: reuse an fp32 buffer
+                if target.grad is None and streamed and not all_stages:  # a step: reuse a buffer
                     buf = self.grad_buffers.get(p)
                     if buf is None:
-                        buf = self.grad_buffers[p] = torch.empty(src.shape, dtype=torch.float32, device=target.device)
+                        buf = self.grad_buffers[p] = torch.empty(src.shape, dtype=target.dtype, device=target.device)
                     target.grad = buf.copy_(src)
                     continue
-                g = src.to(target.device, torch.float32, copy=True)
+                g = src.to(target.device, target.dtype, copy=True)
                 target.grad = g if target.grad is None else target.grad + g
                 if not streamed:
                     self.store.work[p].grad = None
