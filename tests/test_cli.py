@@ -60,7 +60,7 @@ def test_dump_ir_writes_every_stage(tmp_path, capsys, in_root):
     assert code == 0
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
     assert names == ["00-capture.json", "00-capture.txt", "01-costs.txt", "02-liveness.txt", "03-blocks.txt",
-                     "04-solve.txt", "05-lower.txt"]
+                     "04-chunk.txt", "05-solve.txt", "06-lower.txt"]
 
 
 def test_budget_below_minimum_names_the_minimum(tmp_path, capsys, in_root):

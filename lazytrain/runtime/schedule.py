@@ -50,6 +50,7 @@ class Stage:
     kind: str = ""
     param_bytes: int = 0
     param_numel: int = 0
+    chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:
