@@ -22,15 +22,28 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _chunk_bytes(text: str) -> int:
+    """--loss-chunk-bytes: a size, or 0 / off for no chunking."""
+    if text.strip().lower() == "off":
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'off'") from None
+
+
 def cmd_compile(args) -> int:
     import torch
 
     from lazytrain.compile_file import compile_file
+    from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 
+    chunk_bytes = LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes
     compiled = compile_file(args.model, args.output, budget=args.budget, hardware=args.hardware,
                             time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
                             dtype=getattr(torch, args.dtype) if args.dtype else None,
-                            optimizer_states=args.optimizer_states, master_weights=args.master_weights)
+                            optimizer_states=args.optimizer_states, master_weights=args.master_weights,
+                            loss_chunk_bytes=chunk_bytes)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -94,6 +107,9 @@ def parser() -> argparse.ArgumentParser:
                         "rounding (half the host memory and traffic; the model's parameters become bf16)")
     c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: the model's); master weights stay fp32 unless --master-weights bf16")
+    c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
+                   help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of the batch, each at most "
+                        "this working set (default 1GiB); 0 or 'off' never chunks")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")

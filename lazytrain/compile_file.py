@@ -7,11 +7,13 @@ from pathlib import Path
 
 from lazytrain import hardware as hw_profiles
 from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 from lazytrain.pipeline import Compiled, compile_model, minimum_budget
 
 
 def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.0, dump_dir=None,
-                 time_passes=False, dtype=None, optimizer_states="32bit", master_weights="fp32") -> Compiled:
+                 time_passes=False, dtype=None, optimizer_states="32bit", master_weights="fp32",
+                 loss_chunk_bytes=LOSS_CHUNK_BYTES) -> Compiled:
     """Compile `model_path` for `budget` (bytes, "min" or "max") and write the schedule to `output`."""
     build_model, example_batch = load_model_file(model_path)
     batch = check_batch(example_batch())
@@ -22,10 +24,11 @@ def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.
     if budget == "max" or budget is None:
         budget = hw.gpu_memory_bytes
     elif budget == "min":
-        budget = minimum_budget(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights)
+        budget = minimum_budget(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights,
+                                loss_chunk_bytes=loss_chunk_bytes)
     compiled = compile_model(model, batch, budget, hw, source=str(model_path), time_limit=time_limit,
                              dump_dir=dump_dir, time_passes=time_passes, optimizer_states=optimizer_states,
-                             master_weights=master_weights)
+                             master_weights=master_weights, loss_chunk_bytes=loss_chunk_bytes)
     if compiled.plan.solver.message:
         print(f"lazytrain: note: {compiled.plan.solver.message}")
     output = Path(output)

@@ -1,6 +1,6 @@
 """The compiler pipeline: one straight-line function of named stages.
 
-    capture -> costs -> liveness -> blocks -> solve -> lower -> verify -> codegen
+    capture -> costs -> liveness -> blocks -> chunk -> solve -> lower -> verify -> codegen
 
 Between stages a hook checks the stage's output (the IR lint after capture, the schedule verifier
 after lower), dumps it on request (`--dump-ir DIR`: one file per stage, deterministic) and times it
@@ -28,6 +28,7 @@ from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
 from lazytrain.passes.blocks import MASTER_BYTES, Stages, blocks
+from lazytrain.passes.chunk import LOSS_CHUNK_BYTES, chunk, decide
 from lazytrain.passes.costs import costs
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import Schedule, lower
@@ -78,8 +79,8 @@ def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
 
 
 def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None,
-            optimizer_states: str = "32bit", master_weights: str = "fp32"):
-    """The stages before the solver: capture, costs, liveness, blocks."""
+            optimizer_states: str = "32bit", master_weights: str = "fp32", loss_chunk_bytes: int = LOSS_CHUNK_BYTES):
+    """The stages before the solver: capture, costs, liveness, blocks, chunk."""
     hook = hook or _Hook(None, False)
     graph = hook.run("capture", capture, model, batch, source)
     lint(graph)
@@ -93,37 +94,43 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     stages = hook.run("blocks", blocks, graph, node_costs, last_use, optimizer_states)
     stages = dataclasses.replace(stages, master_bytes=MASTER_BYTES[master_weights])
     hook.dump(3, "blocks", stages_text(stages))
-    return graph, stages
+    chunked = hook.run("chunk", chunk, graph, stages, loss_chunk_bytes)
+    hook.dump(4, "chunk", f"# last stage: {decide(graph, stages, loss_chunk_bytes).reason}\n" + stages_text(chunked))
+    return graph, chunked
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
-                  dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32") -> Compiled:
+                  dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
+                  loss_chunk_bytes: int = LOSS_CHUNK_BYTES) -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
     `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
-    `master_weights` "fp32" or "bf16" (updated with stochastic rounding)."""
+    `master_weights` "fp32" or "bf16" (updated with stochastic rounding).
+    `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk)."""
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
-    graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights)
+    graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
     budget = hw.gpu_memory_bytes if budget is None else int(budget)
     plan = hook.run("solve", solve, stages, hw, budget, time_limit)
-    hook.dump(4, "solve", plan_text(stages, plan))
+    hook.dump(5, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
-    hook.dump(5, "lower", "".join(f"{e}\n" for e in schedule.events))
+    hook.dump(6, "lower", "".join(f"{e}\n" for e in schedule.events))
     text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states, master_weights)
     return Compiled(graph, stages, plan, schedule, trace, text, hw)
 
 
 def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None,
-                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32") -> int:
+                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
+                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
-    _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights)
+    _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights,
+                        loss_chunk_bytes=loss_chunk_bytes)
     return smallest_budget(stages, hw)
 
 
@@ -133,7 +140,7 @@ def stages_text(stages: Stages) -> str:
         lines.append(
             f"{s.index} {s.name} kind={s.kind} nodes={len(s.nodes)} params={s.param_bytes}B saved={s.saved_bytes}B "
             f"peak={s.peak_bytes}B out={s.out_bytes}B inputs={list(s.inputs)} outputs={list(s.outputs)} "
-            f"consumers={list(s.consumers)} fwd={s.fwd_s:.3g}s bwd={s.bwd_s:.3g}s")
+            f"consumers={list(s.consumers)} fwd={s.fwd_s:.3g}s bwd={s.bwd_s:.3g}s chunks={s.chunks}")
     return "\n".join(lines) + "\n"
 
 

@@ -61,6 +61,18 @@ def token_batch(batch: int, seq: int, vocab: int, seed: int = 1) -> dict[str, to
     }
 
 
+def ragged(batch: dict) -> dict:
+    """The batch with labels ignored (-100) unevenly: row 0 entirely, row 1 not at all, the others
+    in growing runs, so every row counts its own number of targets (a chunked loss must divide by
+    the global count, not average the chunks' means)."""
+    labels = batch["labels"].clone()
+    rows, seq = labels.shape
+    labels[0] = -100
+    for r in range(2, rows):
+        labels[r, : (r * seq) // (rows + 1)] = -100
+    return dict(batch, labels=labels)
+
+
 def tiny_gpt_pair(seed: int = 0):
     from lazytrain.examples import tiny_gpt
 
@@ -87,11 +99,11 @@ def hf_config(family: str, layers: int = 2, vocab: int = 128, hidden: int = 32):
     )
 
 
-def hf_pair(family: str, layers: int = 2, seed: int = 0, batch: int = 2, seq: int = 8):
+def hf_pair(family: str, layers: int = 2, seed: int = 0, batch: int = 2, seq: int = 8, vocab: int = 128):
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[family]
-    cfg = hf_config(family, layers)
+    cfg = hf_config(family, layers, vocab)
     meta, real = model_pair(lambda: cls(cfg), seed)
     return meta, real, token_batch(batch, seq, cfg.vocab_size)
 
@@ -173,11 +185,12 @@ def producers(stages, s: int) -> set[int]:
 
 def repair(stages, raw) -> list[StageDecision]:
     """Turn any (stream, recompute, outputs[, gpu_step]) per stage into decisions that keep solve's rules:
-    stream only with weights, and (but for the last stage) only when recomputing; random stages neither recompute nor drop; offload only when every
+    stream only with weights, and (but for the last stage) only when recomputing; random and chunked
+    stages do not recompute, random ones do not drop either; offload only when every
     consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
     resident weights whose next stage recomputes and none of whose producers offload."""
     S = len(stages)
-    rec = [bool(r[1]) and not stages[s].random for s, r in enumerate(raw)]
+    rec = [bool(r[1]) and not stages[s].random and stages[s].chunks == 1 for s, r in enumerate(raw)]
     # streamed stages recompute, but for the last (its weights stay from forward to backward)
     stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]

@@ -60,7 +60,22 @@ def test_dump_ir_writes_every_stage(tmp_path, capsys, in_root):
     assert code == 0
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
     assert names == ["00-capture.json", "00-capture.txt", "01-costs.txt", "02-liveness.txt", "03-blocks.txt",
-                     "04-solve.txt", "05-lower.txt"]
+                     "04-chunk.txt", "05-solve.txt", "06-lower.txt"]
+
+
+def test_loss_chunk_bytes(tmp_path, capsys, in_root):
+    """--loss-chunk-bytes 1 splits the tiny GPT's loss stage into its 2 batch rows; 0 and off never
+    chunk; a size that does not parse is refused by argparse."""
+    for value, chunks in (("1", 2), ("0", 1), ("off", 1)):
+        out_file = tmp_path / f"s_{value}.py"
+        code, out, _ = run(capsys, "compile", TINY_GPT, "-o", str(out_file), "--hardware", "cpu",
+                           "--loss-chunk-bytes", value)
+        assert code == 0
+        assert f"chunks={chunks})," in out_file.read_text()
+        assert ("2 chunks" in out) == (chunks == 2)
+    with pytest.raises(SystemExit):
+        main(["compile", TINY_GPT, "-o", str(tmp_path / "s.py"), "--loss-chunk-bytes", "lots"])
+    assert "or 'off'" in capsys.readouterr().err
 
 
 def test_budget_below_minimum_names_the_minimum(tmp_path, capsys, in_root):

@@ -28,7 +28,7 @@ from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse
 from models import (
     BlockSpec, ModelSpec, adamw_reference, assert_grads_match, bind_source, check_replay, decisions, eager_grads,
-    examples, forced, model_pair, model_specs, random_block_model, repair, tiny_gpt_pair,
+    examples, forced, model_pair, model_specs, ragged, random_block_model, repair, tiny_gpt_pair,
 )
 
 HW = hardware.load("cpu")
@@ -224,6 +224,39 @@ def test_random_stage_rules():
     torch.manual_seed(7)
     loss = trainer.forward_backward(batch)
     assert_grads_match(model, loss, ref_loss, ref_grads)
+
+
+# ---- a chunked loss stage ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_chunked():
+    """The tiny GPT with its epilogue in 2 chunks (a 1-byte limit) and unevenly ignored labels."""
+    meta, real, batch = tiny_gpt_pair()
+    batch = ragged(batch)
+    graph, stages = analyse(meta, batch, HW, loss_chunk_bytes=1)
+    assert stages[len(stages) - 1].chunks == 2
+    return graph, stages, batch, real
+
+
+@settings(max_examples=examples(30), **SETTINGS)
+@given(data=st.data())
+def test_random_decisions_chunked_loss(gpt_chunked, data):
+    """Any valid plan around a chunked loss stage: verify agrees with the solver's memory, and the
+    replay equals eager."""
+    graph, stages, batch, real = gpt_chunked
+    check_forced(graph, stages, batch, real, repair(stages, data.draw(raw_decisions(len(stages)))))
+
+
+def test_chunked_loss_stage_streamed_and_its_rules(gpt_chunked):
+    """Streamed, the chunked stage's weights stay from its forward window to its backward, where its
+    whole work happens; it never recomputes (its forward already runs inside its backward)."""
+    graph, stages, batch, real = gpt_chunked
+    f = check_forced(graph, stages, batch, real, decisions(["-Rk", "SRk", "SRk", "-Rk", "Srk"]))
+    fwd, bwd = [e for e in f.schedule.events if e.kind is Kind.COMPUTE and e.stage == len(stages) - 1]
+    assert (fwd.phase, fwd.workspace, fwd.allocs) == (Phase.FWD, 0, ())
+    assert (bwd.phase, bwd.workspace) == (Phase.BWD, stages[len(stages) - 1].peak_bytes)
+    with pytest.raises(PlanError):
+        evaluate(stages, HW, 1 << 40, decisions(["-Rk", "-Rk", "-Rk", "-Rk", "-Rk"]))
 
 
 # ---- weight slots ---------------------------------------------------------------------------------

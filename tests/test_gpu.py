@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PREBUILT = ROOT / ".gpu"
 CASES = {"fp32_max": (None, 1 << 40), "fp32_min": (None, "min"), "bf16_min": (torch.bfloat16, "min"),
          "fp32_max_8bit": (None, 1 << 40), "fp32_min_8bit": (None, "min"),
-         "fp32_gpu_step": (None, "gpu_step")}  # every stage streamed, optimizer steps on the GPU
+         "fp32_gpu_step": (None, "gpu_step"),  # every stage streamed, optimizer steps on the GPU
+         "fp32_min_chunked": (None, "min"), "bf16_min_chunked": (torch.bfloat16, "min")}  # loss stage in chunks
 
 
 def tiny_qwen():
@@ -33,6 +34,14 @@ def tiny_batch(seed=0):
     return {"input_ids": ids, "labels": torch.randint(0, 256, (4, 32), generator=g)}
 
 
+def ragged_batch(seed=0):
+    """Labels ignored (-100) unevenly over the rows: a chunked loss must divide by the global count."""
+    batch = tiny_batch(seed)
+    for row, start in enumerate((0, 32, 8, 20)):
+        batch["labels"][row, start:] = -100
+    return batch
+
+
 def schedule_source(case: str) -> str:
     try:
         from lazytrain.pipeline import compile_model, minimum_budget
@@ -46,12 +55,14 @@ def schedule_source(case: str) -> str:
         meta = tiny_qwen()
     if dtype is not None:
         meta = meta.to(dtype)
-    states = "8bit" if case.endswith("8bit") else "32bit"
     if budget == "gpu_step":
         return _gpu_stepped(meta)
+    opts = {"optimizer_states": "8bit" if case.endswith("8bit") else "32bit"}
+    if case.endswith("chunked"):  # the loss stage in one chunk per row (NOTE: [Chunked loss])
+        opts["loss_chunk_bytes"] = 1
     if budget == "min":
-        budget = minimum_budget(meta, tiny_batch(), "h200", optimizer_states=states)
-    return compile_model(meta, tiny_batch(), budget, "h200", optimizer_states=states).source_text
+        budget = minimum_budget(meta, tiny_batch(), "h200", **opts)
+    return compile_model(meta, tiny_batch(), budget, "h200", **opts).source_text
 
 
 def _gpu_stepped(meta) -> str:
@@ -88,12 +99,12 @@ def exact_fp32():
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", ["fp32_max", "fp32_min"])
+@pytest.mark.parametrize("case", ["fp32_max", "fp32_min", "fp32_min_chunked"])
 def test_gradients_match_eager_on_gpu(case):
     torch.manual_seed(0)
     model = tiny_qwen()
     ref = copy.deepcopy(model).cuda()
-    batch = tiny_batch()
+    batch = tiny_batch() if "chunked" not in case else ragged_batch()
     loss_ref = ref(**{k: v.cuda() for k, v in batch.items()}).loss
     loss_ref.backward()
     trainer = bind(case, model)
@@ -140,12 +151,13 @@ def test_gpu_stepped_streamed_stages_match_torch_adamw():
 
 
 @needs_gpu
-def test_bf16_losses_track_eager_over_20_steps():
+@pytest.mark.parametrize("case", ["bf16_min", "bf16_min_chunked"])
+def test_bf16_losses_track_eager_over_20_steps(case):
     torch.manual_seed(0)
     model = tiny_qwen()
     ref = copy.deepcopy(model).cuda()
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    trainer = bind("bf16_min", model, lr=3e-3)
+    trainer = bind(case, model, lr=3e-3)
     ours, theirs = [], []
     for i in range(20):
         batch = tiny_batch(i % 4)

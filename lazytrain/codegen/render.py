@@ -15,6 +15,7 @@ from lazytrain.ir.dump import format_arg, format_call, format_value
 from lazytrain.ir.graph import Graph, OpKind
 from lazytrain.ir.plan import Plan
 from lazytrain.passes.blocks import Stages
+from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
 from lazytrain.units import format_size
@@ -26,20 +27,40 @@ _ENV = jinja2.Environment(
 
 
 def stage_function(graph: Graph, stage) -> str:
-    args = ", ".join(("device",) + stage.placeholders + stage.inputs)
-    lines = [f"def stage_{stage.index}({args}):", f'    """{stage.name} (kind {stage.kind})"""']
+    """The stage as a function of ATen calls. A chunked stage also takes `loss_sum`: then its loss is
+    the sum over targets, returned with the number of targets counted (NOTE: [Chunked loss] in
+    runtime/trainer.py)."""
+    chunked = stage.chunks > 1
+    args = ", ".join(("device",) + stage.placeholders + stage.inputs + (("loss_sum=False",) if chunked else ()))
+    doc = f"{stage.name} (kind {stage.kind})"
+    if chunked:
+        doc += f"; runs in {stage.chunks} chunks: with loss_sum, returns (sum of the losses, targets counted)"
+    lines = [f"def stage_{stage.index}({args}):", f'    """{doc}"""']
     for name in stage.nodes:
         node = graph[name]
         if node.op is OpKind.GETITEM:
             src, idx = node.args
             expr = f"{format_arg(src)}[{idx}]"
+        elif chunked and name == graph.output:
+            a = loss_args(node)
+            parts = [format_arg(a.input), format_arg(a.target), format_arg(a.weight), f"{SUM} if loss_sum else {MEAN}",
+                     format_arg(a.ignore_index), format_arg(a.label_smoothing)]
+            expr = f"{node.target}({', '.join(parts)})"
         else:
             call = format_call(node)
             expr = call if call.startswith("aten.") else f"torch.ops.{call}"
         lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
+    if chunked:
+        a = loss_args(graph[graph.output])
+        lines.append("    if loss_sum:  # the mean's numerator and denominator: chunks add them up exactly")
+        lines.append(f"        return ({graph.output}, ({format_arg(a.target)} != {a.ignore_index!r}).sum())")
     outs = "".join(f"{o}, " for o in stage.outputs)
     lines.append(f"    return ({outs.rstrip(' ')})")
     return "\n".join(lines)
+
+
+def _internals(chunks: int, recompute: bool) -> str:
+    return f"{chunks} chunks" if chunks > 1 else "recomputed" if recompute else "saved"
 
 
 def _ms(seconds: float) -> str:
@@ -54,7 +75,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     for s, d in zip(stages, plan.decisions):
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
-            f"{'streamed' if d.stream else 'resident':<8}  internals {'recomputed' if d.recompute else 'saved':<10}  "
+            f"{'streamed' if d.stream else 'resident':<8}  internals {_internals(s.chunks, d.recompute):<10}  "
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}")
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
@@ -64,8 +85,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
-        f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}"
-        + (", gpu_step=True" if d.gpu_step else "") + "),"
+        f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
+        f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "") + "),"
         for s, d in zip(stages, plan.decisions)
     ]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"

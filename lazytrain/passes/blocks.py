@@ -50,6 +50,7 @@ class Stage:
     fwd_s: float
     bwd_s: float
     random: bool  # draws random numbers: recomputing would change results
+    chunks: int = 1  # >1: forward and backward run together in chunks of the batch, at B(s) (pass `chunk`)
 
     @property
     def chain(self) -> bool:

@@ -81,9 +81,10 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
     def duration(kind: Kind, stage: int, phase: Phase | None, moved: int) -> float:
         g = stages[stage] if stage >= 0 else None
         if kind is Kind.COMPUTE:
+            chunked = g.chunks > 1  # its forward runs inside its backward
             if phase is Phase.BWD:
-                return g.bwd_s + (g.fwd_s if plan.decisions[stage].recompute else 0.0)
-            return g.fwd_s
+                return g.bwd_s + (g.fwd_s if plan.decisions[stage].recompute or chunked else 0.0)
+            return 0.0 if chunked else g.fwd_s
         if kind in (Kind.PREFETCH, Kind.RELOAD):
             return moved / hw.h2d_bandwidth
         if kind is Kind.OFFLOAD:
@@ -170,10 +171,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         for p in producers[s]:
             if dec[p].outputs is OutMode.OFFLOAD and s == p + 1:
                 b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
-        save = not dec[s].recompute
+        save = not dec[s].recompute and g.chunks == 1
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
-               allocs=allocs, workspace=0 if save else g.peak_bytes)
+               allocs=allocs, workspace=0 if save or g.chunks > 1 else g.peak_bytes)
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if s + 1 < S:
@@ -201,13 +202,14 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             for i in range(j, s):  # regenerate the dropped segment bottom-up
                 b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + weights(i) + acts_in(i),
                        allocs=(f"act:{i}",), workspace=stages[i].peak_bytes)
-        save = not dec[s].recompute
+        save = not dec[s].recompute and g.chunks == 1
         reads = ("fixed",) + weights(s) + acts_in(s) + ((f"saved:{s}",) if save else ()) + \
             ((f"grad:{s}",) if g.grad_outputs else ())
         allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].consumers[-1] == s) + \
             ((f"g:{s}",) if dec[s].stream else ())
+        # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
-               workspace=g.saved_bytes * (1 if save else 2))
+               workspace=g.peak_bytes if g.chunks > 1 else g.saved_bytes * (1 if save else 2))
         if save:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"saved:{s}",))
         for p in producers[s]:

@@ -13,6 +13,10 @@ F0) and `tail` (after B0), which hide nothing. Per stage s:
   recompute[s]  internals recomputed at B(s) (else autograd keeps them from F(s) to B(s))
   off[s]        outputs offloaded during F(s+1)..F(cmax), reloaded during B(cmax+1)
   drop[s]       outputs freed after F(s+1) and recomputed at the top of their drop segment
+A chunked last stage (`chunks` > 1, pass `chunk`) runs forward and backward together, chunk by
+chunk, at B(s): its compute moves there, it saves nothing from F(s) (saved_bytes 0, recompute 0)
+and its working set at B(s) is one chunk's (its peak_bytes); the full-size gradient of its input is
+its producers' grad_out, already counted from B(s) on.
 Transfers are continuous volumes per window; a window's exposed time is the most its H2D, D2H, both
 directions together, or CPU work overruns its compute (DESIGN.md). Memory per window is the sum of
 the buffers `lower` keeps live there, so `verify` can check the plan event by event.
@@ -170,8 +174,9 @@ class _Model:
         self.optimizer = stages.shared_numel / hw.gpu_adamw_params_per_s
         PK = max((s.peak_bytes for s in stages), default=0)
         for s, g in enumerate(stages):
-            cap[L.fw(s)] += g.fwd_s
-            cap[L.bw(s)] += g.bwd_s + g.fwd_s * rec[s]
+            chunked = g.chunks > 1
+            cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
+            cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.fwd_s * rec[s])
             self.recompute = self.recompute + g.fwd_s * (rec[s] + drop[s])
             # weights: resident (weights, grads, states) or a streamed buffer
             M = stages.master_bytes
@@ -202,6 +207,8 @@ class _Model:
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
             mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s]
             mem[L.bw(s)] = mem[L.bw(s)] + g.saved_bytes * (1 + rec[s])
+            if chunked:  # one chunk's forward and backward
+                mem[L.bw(s)] = mem[L.bw(s)] + g.peak_bytes
             # output activations
             if g.consumers:
                 cmin, cmax = g.consumers[0], g.consumers[-1]
@@ -258,6 +265,8 @@ def _vars(m: mip.Model, stages: Stages):
         if g.random:
             m += rec == 0
             m += drop == 0
+        if g.chunks > 1:  # its forward runs inside its backward: nothing to recompute
+            m += rec == 0
         if not g.consumers or g.consumers[-1] == S - 1:
             m += off == 0
         for c in g.consumers:
@@ -331,7 +340,7 @@ def heuristics(stages: Stages) -> dict[str, list[StageDecision]]:
     """Fixed policies, as layer-streaming trainers use: warm starts for the MIP and the fallback
     when it finds nothing in time."""
     def policy(stream: bool, recompute: bool, gpu_step: bool = False) -> list[StageDecision]:
-        return [StageDecision(stream and g.param_bytes > 0, recompute and not g.random, OutMode.KEEP,
+        return [StageDecision(stream and g.param_bytes > 0, recompute and not g.random and g.chunks == 1, OutMode.KEEP,
                               gpu_step and stream and g.param_bytes > 0) for g in stages]
     return {
         "stream every block, checkpoint every block": policy(True, True),

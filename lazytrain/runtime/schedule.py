@@ -51,6 +51,7 @@ class Stage:
     param_bytes: int = 0
     param_numel: int = 0
     gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
+    chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

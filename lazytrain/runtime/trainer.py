@@ -17,6 +17,16 @@ With `max_grad_norm`, each stage's squared gradient norm is added up right after
 extra pass over the gradients); optimizer steps, which need the global norm, wait until backward
 ends, then run in forward order so the next step's forward can start on the first updated stages.
 A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
+
+NOTE: [Chunked loss]
+A stage with `chunks` = k > 1 (the last: final norm, lm_head, cross-entropy; pass `chunk`) runs its
+forward and backward together at its BWD event, over k slices of the batch, so only one slice's
+logits exist at a time. The mean over the whole batch is not the mean of the chunks' means when
+ignored targets (-100) are spread unevenly over the rows, so each chunk returns its loss as a *sum*
+with the *count* of targets it covers, and backward runs on the sum. Sums and their gradients add
+up over chunks exactly; scaling both by 1 / (total count) at the end gives the mean and its
+gradient, as one unchunked call would (up to float rounding). Gradients a parameter already held
+(tied weights, accumulation over calls) are set aside meanwhile, so only this stage's part is scaled.
 """
 
 from __future__ import annotations
@@ -291,12 +301,16 @@ class Trainer:
     def _compute(self, e: Event):
         stage = self.stages[e.stage]
         if e.phase is Phase.FWD:
+            if stage.chunks > 1:  # its loss comes out of its backward (NOTE: [Chunked loss])
+                return
             leaves, outs = self._call(stage, grad=not stage.recompute)
             if not stage.recompute:
                 self.saved[e.stage] = (leaves, outs)
             self._publish(stage, outs)
         elif e.phase is Phase.RECOMPUTE:
             self._publish(stage, self._call(stage, grad=False)[1])
+        elif stage.chunks > 1:
+            self._chunked_backward(stage)
         else:
             self._backward(stage)
 
@@ -314,6 +328,45 @@ class Trainer:
             g = leaves[x].grad
             if g is not None:
                 self.grads[x] = g if x not in self.grads else self.grads[x] + g
+        self._grads_done(stage)
+
+    def _chunked_backward(self, stage):
+        """Forward and backward of a chunked stage, slice by slice of the batch (NOTE: [Chunked loss])."""
+        k, work = stage.chunks, self.store.work
+        params = [p for p in stage.placeholders if p in work]  # shared (tied) ones too
+        held = {p: work[p].grad for p in params}
+        for p in params:
+            work[p].grad = None
+        rows = {x: self.env[x].chunk(k) for x in stage.inputs}  # activations and batch inputs: views
+        rows.update({p: self.env[p].chunk(k) for p in stage.placeholders if self.m.PLACEHOLDERS[p][0] == "input"})
+        grads = {x: torch.zeros_like(self.env[x]) for x in stage.grad_inputs}
+        loss_sum = count = 0
+        for c in range(k):
+            leaves = [rows[x][c].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs]
+            args = [rows[p][c] if p in rows else self._weight(p) for p in stage.placeholders] + leaves
+            with torch.enable_grad():
+                part, n = stage.fn(self.device, *args, loss_sum=True)
+            if part.requires_grad:
+                part.backward()
+            for x, leaf in zip(stage.inputs, leaves):
+                if x in grads and leaf.grad is not None:
+                    grads[x].chunk(k)[c].copy_(leaf.grad)
+            loss_sum, count = loss_sum + part.detach().float(), count + n  # fp32: k partial sums
+        scale = 1.0 / count
+        for x, g in grads.items():
+            g.mul_(scale)
+            self.grads[x] = g if x not in self.grads else self.grads[x] + g
+        for p in params:
+            g = work[p].grad
+            if g is not None:
+                g.mul_(scale)
+            if held[p] is not None:
+                work[p].grad = held[p] if g is None else held[p].add_(g)
+        self._publish(stage, ((loss_sum / count).to(part.dtype),))
+        self._grads_done(stage)
+
+    def _grads_done(self, stage):
+        """After a stage's backward: park streamed gradients for their offload; add to the norm."""
         work = self.store.work
         if stage.stream:  # gradients of streamed weights wait in g:S for their offload
             self.gbuf[stage.index] = {p: work[p].grad for p in stage.params}
