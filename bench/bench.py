@@ -36,7 +36,8 @@ FIXED_POLICY = "stream every block, checkpoint every block"
 
 def case_name(args) -> str:
     states = "" if getattr(args, "states", "32bit") == "32bit" else f"_{args.states}"
-    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}{states}"
+    master = "" if getattr(args, "master", "fp32") == "fp32" else f"_{args.master}master"
+    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}{states}{master}"
 
 
 def cmd_compile(args):
@@ -58,10 +59,10 @@ def cmd_compile(args):
     budget = hw.gpu_memory_bytes if args.budget == "max" else parse_size(args.budget)
     CASES.mkdir(exist_ok=True)
     compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit,
-                             optimizer_states=args.states)
+                             optimizer_states=args.states, master_weights=args.master)
     (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
     print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
-    if args.states != "32bit":
+    if args.states != "32bit" or args.master != "fp32":
         return  # the fixed-policy baseline is the 32-bit one
     graph, stages = analyse(meta, b, hw)
     try:
@@ -149,7 +150,8 @@ def cmd_run_one(args):
         exposed = max(0.0, end - covered)
     result = {
         "system": {"resident": "pytorch-resident", "fixed": "fixed-policy", "lazytrain": "lazytrain"}[args.system]
-        + ("-8bit" if args.states == "8bit" and args.system == "lazytrain" else ""),
+        + ("-8bit" if args.states == "8bit" and args.system == "lazytrain" else "")
+        + ("-bf16master" if args.master == "bf16" and args.system == "lazytrain" else ""),
         "model": args.model, "batch": args.batch, "seq": args.seq,
         "budget_gib": None if args.budget == "max" or args.system == "resident" else float(args.budget.removesuffix("GiB")),
         "tflops": 6 * params * tokens / step_s / 1e12, "tokens_per_s": tokens / step_s,
@@ -177,6 +179,7 @@ def cmd_run(args):
     for system in args.systems.split(","):
         cmd = [sys.executable, str(HERE / "bench.py"), "run-one", "--system", system, "--model", args.model,
                "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--states", args.states,
+               "--master", args.master,
                "--steps", str(args.steps),
                "--warmup", str(args.warmup)] + (["--out", args.out] if args.out else [])
         start = time.perf_counter()
@@ -224,6 +227,7 @@ def main(argv=None):
         s.add_argument("--seq", type=int, default=1024)
         s.add_argument("--budget", default="24GiB", help="a size in GiB (e.g. 24GiB) or max")
         s.add_argument("--states", choices=["32bit", "8bit"], default="32bit", help="lazytrain's optimizer states")
+        s.add_argument("--master", choices=["fp32", "bf16"], default="fp32", help="lazytrain's master weights")
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)

@@ -18,7 +18,7 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.solve import (
-    cpu_step_s, fixed_bytes, gpu_step_bytes, gpu_step_out_bytes, gpu_step_state_bytes, resident_bytes,
+    backward_workspace, cpu_step_s, fixed_bytes, gpu_step_bytes, gpu_step_out_bytes, gpu_step_state_bytes, resident_bytes,
 )
 
 
@@ -209,7 +209,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             ((f"g:{s}",) if dec[s].stream else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
-               workspace=g.peak_bytes if g.chunks > 1 else g.saved_bytes * (1 if save else 2))
+               workspace=g.peak_bytes if g.chunks > 1 else backward_workspace(g) + (0 if save else g.saved_bytes))
         if save:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"saved:{s}",))
         for p in producers[s]:

@@ -113,6 +113,13 @@ def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int
     return gpu_step_state_bytes(numel, state_bytes, master) + param_bytes + MASTER_BYTES * numel + twin
 
 
+def backward_workspace(g) -> int:
+    """Gradients of a stage's internals live during its backward. Walking the stage backwards, the
+    gradients alive at any point are those of the tensors alive at that point of the forward, so
+    they never exceed the forward's live peak (`peak_bytes`), nor everything it saved."""
+    return min(g.saved_bytes, g.peak_bytes)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Window positions and the constant per-stage facts the model and `lower` share."""
@@ -202,11 +209,11 @@ class _Model:
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
                 mem[t] = mem[t] + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
             self.optimizer = self.optimizer + gst[s] * (g.param_numel / hw.gpu_adamw_params_per_s)
-            # internals: saved from F(s) to B(s), or recomputed at B(s); backward needs twice them
+            # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
             mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s]
-            mem[L.bw(s)] = mem[L.bw(s)] + g.saved_bytes * (1 + rec[s])
+            mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + g.saved_bytes * rec[s]
             if chunked:  # one chunk's forward and backward
                 mem[L.bw(s)] = mem[L.bw(s)] + g.peak_bytes
             # output activations
