@@ -11,8 +11,14 @@ tensor its optimizer updates (in the master's dtype).
     stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in trainer.py); home is the
     master on the host, stepped by the CPU optimizer; `source` is what PREFETCH copies from (the
     master, or a pinned copy in the compute dtype that each CPU step refreshes).
-Slots are allocated once at bind: as many as the schedule ever has streamed stages live at once,
-each as large as the largest streamed stage. Nothing is allocated per step for weights.
+NOTE: [Slots]
+Weight slots (`w:S`) and optimizer slots (`opt:S`) come from PyTorch's caching allocator, from the
+compute stream's pool, at their PREFETCH and go back at their FREE: slots and activations share one
+pool exactly as the plan's windows count them, and after the first step the allocator serves them
+from its cache. (A static arena holds optimizer slots through backward as well: measured on the
+7B bench at 24 GiB, it put the peak 6 GiB over the budget.) Copy streams that fill or drain a slot
+wait for the compute work issued before it was made and are recorded as its users, so the
+allocator never hands its memory out early.
 """
 
 from __future__ import annotations
@@ -35,39 +41,6 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _peak_live(events, prefix: str) -> int:
-    """Most buffers named `prefix...` the schedule ever has live at once."""
-    live = peak = 0
-    for e in events:
-        live += sum(a.startswith(prefix) for a in e.allocs)
-        peak = max(peak, live)
-        live -= sum(f.startswith(prefix) for f in e.frees)
-    return peak
-
-
-class SlotPool:
-    """`count` device buffers of `size` bytes, allocated once and lent to one stage at a time."""
-
-    def __init__(self, size: int, count: int, device: torch.device):
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
-        self.free = list(range(count))
-        self.owner: dict[int, int] = {}  # stage -> slot
-        self.bytes = size * count
-
-    def take(self, stage: int) -> int:
-        slot = self.free.pop(0)
-        self.owner[stage] = slot
-        return slot
-
-    def release(self, stage: int) -> int:
-        slot = self.owner.pop(stage)
-        self.free.append(slot)
-        return slot
-
-    def buffer(self, stage: int) -> torch.Tensor:
-        return self.slots[self.owner[stage]]
 
 
 class Carver:
@@ -120,9 +93,10 @@ class ParamStore:
         return out
 
     def _plan_slots(self, module) -> None:
-        """Size the weight-slot and optimizer-slot pools from the schedule's buffers and events."""
+        """Sizes of the weight slots (per stage, its parameters in the compute dtype) and optimizer
+        slots (the schedule's `opt:S` bytes); NOTE: [Slots]."""
         self.layout: dict[int, dict[str, int]] = {}
-        size = 0
+        self.slot_sizes: dict[str, int] = {}
         for s in module.STAGES:
             if s.stream:
                 offset, layout = 0, {}
@@ -130,17 +104,25 @@ class ParamStore:
                     layout[p] = offset
                     offset += _aligned(self.master[p].numel() * _itemsize(self.dtype[p]))
                 self.layout[s.index] = layout
-                size = max(size, offset)
-        self.weights = SlotPool(size, _peak_live(module.EVENTS, "w:"), self.device)
-        # opt:S holds master, states and gradients of a GPU-stepped streamed stage; the slack covers
-        # per-tensor alignment and the optimizer's small extras (8-bit quantisation maps, absmax).
-        opt = [b.bytes + _OPT_SLACK * len(s.params) for b in module.BUFFERS if b.name.startswith("opt:")
-               for s in [module.STAGES[int(b.name[4:])]]]
-        self.opt = SlotPool(max(opt, default=0), _peak_live(module.EVENTS, "opt:"), self.device)
-        self.slot_bytes = self.weights.bytes + self.opt.bytes
+                self.slot_sizes[f"w:{s.index}"] = offset
+        # the slack covers per-tensor alignment and the optimizer's small extras (8-bit quantisation
+        # maps, absmax rounding)
+        for b in module.BUFFERS:
+            if b.name.startswith("opt:"):
+                self.slot_sizes[b.name] = b.bytes + _OPT_SLACK * len(module.STAGES[int(b.name[4:])].params)
+        self.slots: dict[str, torch.Tensor] = {}
+        self.slot_bytes = 0  # the most slot memory live at once
+
+    def take_slot(self, name: str, make) -> torch.Tensor:
+        self.slots[name] = make(self.slot_sizes[name])
+        self.slot_bytes = max(self.slot_bytes, sum(t.numel() for t in self.slots.values()))
+        return self.slots[name]
+
+    def release_slot(self, name: str) -> None:
+        del self.slots[name]
 
     def slot_view(self, stage: int, p: str) -> torch.Tensor:
-        buf = self.weights.buffer(stage)
+        buf = self.slots[f"w:{stage}"]
         nbytes = self.master[p].numel() * _itemsize(self.dtype[p])
         start = self.layout[stage][p]
         return buf[start:start + nbytes].view(self.dtype[p]).view(self.master[p].shape)

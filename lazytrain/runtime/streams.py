@@ -40,8 +40,8 @@ class SerialStreams:
         self.run(e, lambda: f.set_result(fn()))
         return f
 
-    def wait_for(self, stream: Stream, event_id: int | None):
-        return None
+    def slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def finish(self):
         return self.timeline
@@ -73,9 +73,19 @@ class CudaStreams:
     def stream(self, s: Stream) -> torch.cuda.Stream:
         return self.streams[s]
 
-    def wait_for(self, stream: Stream, event_id: int | None):
-        if event_id is not None and event_id in self.done:
-            self.streams[stream].wait_event(self.done[event_id])
+    def slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer from the compute stream's pool that the copy streams may fill and drain
+        (NOTE: [Slots] in store.py): H2D waits for the compute work issued so far (the memory's
+        previous users), and both copy streams are recorded as users."""
+        compute = self.streams[Stream.COMPUTE]
+        with torch.cuda.stream(compute):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        made = torch.cuda.Event()
+        made.record(compute)
+        self.streams[Stream.H2D].wait_event(made)
+        buf.record_stream(self.streams[Stream.H2D])
+        buf.record_stream(self.streams[Stream.D2H])
+        return buf
 
     def run(self, e: Event, fn):
         s = self.streams[e.stream]

@@ -89,8 +89,6 @@ class Trainer:
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
-        self.slot_released_by: dict[int, int] = {}  # weight slot -> FREE event that released it
-        self.opt_released_by: dict[int, int] = {}  # optimizer slot -> FREE event that released it
         self.stepper = GpuStepper(self.store, self.optimizer,
                                   {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad)
         self.record_timeline = False  # set True to time every event of each step
@@ -191,16 +189,15 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         for s in sorted(self.stepper.pending):
-            self.store.weights.take(s)
-            self.store.opt.take(s)
+            self._take_slot(f"w:{s}")
             for p in self.stages[s].params:
                 self.store.work[p].data = self.store.slot_view(s, p)
-            self.stepper.fetch(s, self.store.opt.buffer(s))
+            self.stepper.fetch(s, self._take_slot(f"opt:{s}"))
             self.stepper.step(s, self._group(s))
             self.stepper.write_weights(s)
             self.stepper.write_back(s)
             self._release_weights(s)
-            self.store.opt.release(s)
+            self.store.release_slot(f"opt:{s}")
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -213,8 +210,8 @@ class Trainer:
         self.optimizer.load_state_dict(state)
 
     def memory_report(self) -> dict:
-        """What the runtime holds outside PyTorch's caching allocator: weight slots on the device
-        and page-locked host buffers (sources to prefetch from, gradient and activation pools)."""
+        """The runtime's own buffers: the most weight and optimizer slot memory live at once on the
+        device, and page-locked host buffers (sources to prefetch from, gradient and activation pools)."""
         pinned = [t for t in list(self.host_grad.values()) + list(self.host_act.values()) if t.is_pinned()]
         return {"slot_bytes": self.store.slot_bytes,
                 "pinned_bytes": self.store.pinned_bytes() + sum(t.numel() * t.element_size() for t in pinned)}
@@ -395,13 +392,10 @@ class Trainer:
         job = self.cpu_jobs.pop(e.stage, None)
         if job is not None:  # the previous step's host optimizer must finish updating the source
             job.result()
-        slot = self.store.weights.take(e.stage)
-        self.streams.wait_for(Stream.H2D, self.slot_released_by.get(slot))
+        self._take_slot(f"w:{e.stage}")
         update = e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending
         if update:  # master, states and gradient in; the step writes the weights
-            slot = self.store.opt.take(e.stage)
-            self.streams.wait_for(Stream.H2D, self.opt_released_by.get(slot))
-            self.stepper.fetch(e.stage, self.store.opt.buffer(e.stage))
+            self.stepper.fetch(e.stage, self._take_slot(f"opt:{e.stage}"))
         with torch.no_grad():
             for p in self.stages[e.stage].params:
                 view = self.store.slot_view(e.stage, p)
@@ -451,10 +445,10 @@ class Trainer:
             return
         stage = self.stages[int(idx)]
         if kind == "w":
-            self.slot_released_by[self._release_weights(stage.index)] = e.id
+            self._release_weights(stage.index)
         elif kind == "opt":
-            if stage.index in self.store.opt.owner:
-                self.opt_released_by[self.store.opt.release(stage.index)] = e.id
+            if e.frees[0] in self.store.slots:
+                self.store.release_slot(e.frees[0])
         elif kind == "g":
             self.gbuf.pop(stage.index, None)
         elif kind == "act":
@@ -466,10 +460,13 @@ class Trainer:
             for name in stage.outputs:
                 self.grads.pop(name, None)
 
-    def _release_weights(self, stage: int) -> int:
+    def _take_slot(self, name: str) -> torch.Tensor:
+        return self.store.take_slot(name, lambda n: self.streams.slot(n, self.device))
+
+    def _release_weights(self, stage: int) -> None:
         for p in self.stages[stage].params:
             self.store.work[p].data = torch.empty(0, device=self.device, dtype=self.store.dtype[p])
-        return self.store.weights.release(stage)
+        self.store.release_slot(f"w:{stage}")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def _record_gpu_steps(self, coef: float) -> None:
