@@ -7,6 +7,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lazytrain.errors import LazytrainError
@@ -153,6 +154,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Weight and optimizer slots share the caching allocator's pool with activations (NOTE: [Slots]
+    # in runtime/store.py); growable segments keep its reserved memory near what is allocated.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
