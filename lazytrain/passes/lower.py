@@ -156,7 +156,6 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
                    moved=gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes)
                    - g.param_bytes)
-            b.emit(Stream.D2H, Kind.FREE, s, frees=(f"opt:{s}",))
 
     # ---- forward ----------------------------------------------------------------------------
     b.t = win_start["pre"]
@@ -177,6 +176,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                allocs=allocs, workspace=0 if save or g.chunks > 1 else g.peak_bytes)
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
+        if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late
+            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
         if s + 1 < S:
             gpu_step(s + 1)
         for p in producers[s]:

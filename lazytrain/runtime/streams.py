@@ -76,15 +76,13 @@ class CudaStreams:
     def slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer from the compute stream's pool that the copy streams may fill and drain
         (NOTE: [Slots] in store.py): H2D waits for the compute work issued so far (the memory's
-        previous users), and both copy streams are recorded as users."""
+        previous users)."""
         compute = self.streams[Stream.COMPUTE]
         with torch.cuda.stream(compute):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         made = torch.cuda.Event()
         made.record(compute)
         self.streams[Stream.H2D].wait_event(made)
-        buf.record_stream(self.streams[Stream.H2D])
-        buf.record_stream(self.streams[Stream.D2H])
         return buf
 
     def run(self, e: Event, fn):

@@ -416,8 +416,6 @@ class Trainer:
                 host = self.host_grad.get(name)
                 if host is None or host.shape != g.shape:
                     host = self.host_grad[name] = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.cuda)
-                if self.cuda:
-                    g.record_stream(self.streams.stream(Stream.D2H))
                 host.copy_(g, non_blocking=True)
                 self.fresh.add(name)
         else:
@@ -427,8 +425,6 @@ class Trainer:
                     host = self.host_act.get(name)
                     if host is None:
                         host = self.host_act[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
-                    if self.cuda:
-                        t.record_stream(self.streams.stream(Stream.D2H))
                     host.copy_(t, non_blocking=True)
 
     def _reload(self, e: Event):
