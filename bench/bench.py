@@ -201,15 +201,18 @@ def cmd_run(args):
 
 
 def cmd_table(args):
-    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
-    lines = ["| system | model | batch×seq | budget GiB | TFLOPS | tokens/s | step s (pred.) | peak GPU GiB (pred.) | peak host GiB | exposed s | date, device, commit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if not p.name.endswith(".timeline.json")]
+    lines = ["| system | model | batch×seq | budget GiB | TFLOPS | tokens/s | step s (pred.) | peak GPU GiB (pred.) "
+             "| reserved GPU GiB | peak host GiB | exposed s | date, device, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred_s = f" ({r['predicted_step_s']:.2f})" if r.get("predicted_step_s") else ""
         pred_m = f" ({r['predicted_peak_gib']:.1f})" if r.get("predicted_peak_gib") else ""
         exposed = f"{r['exposed_s']:.2f}" if r.get("exposed_s") is not None else "-"
+        reserved = f"{r['reserved_gpu_gib']:.1f}" if "reserved_gpu_gib" in r else "-"
         lines.append(f"| {r['system']} | {r['model']} | {r['batch']}×{r['seq']} | {r['budget_gib'] or '-'} | {r['tflops']:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {r['step_s']:.2f}{pred_s} | {r['peak_gpu_gib']:.1f}{pred_m} | "
+                     f"{reserved} | "
                      f"{r['peak_host_gib']:.1f} | {exposed} | {r['date']}, {r['device']}, {r['commit']} |")
     readme = HERE / "README.md"
     text = readme.read_text()
