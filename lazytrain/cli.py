@@ -131,6 +131,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--budget", type=_budget, default=None, help="GPU budget when compiling on the fly: a size, min (default) or max")
     t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
     t.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    t.add_argument("--optimizer-states", choices=["32bit", "8bit"], default=None,
+                   help="AdamW state precision when compiling on the fly (default 32bit; a given --schedule has its own)")
+    t.add_argument("--master-weights", choices=["fp32", "bf16"], default=None,
+                   help="master weight precision when compiling on the fly (default fp32; bf16 rounds stochastically)")
+    t.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm (exact; default off)")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of --steps)")

@@ -269,6 +269,25 @@ def test_train_with_a_compiled_schedule_and_a_new_run_dir(tmp_path, capsys):
     assert (tmp_path / "new" / "run" / "log.jsonl").is_file()
 
 
+def test_train_with_8bit_states_bf16_masters_and_clipping(tmp_path, capsys):
+    """Compile options reach the schedule compiled on the fly, and the run trains."""
+    code, out, err = run(capsys, "train", "--steps", "20", "--optimizer-states", "8bit", "--master-weights", "bf16",
+                         "--max-grad-norm", "1.0", "--log", str(tmp_path / "log.jsonl"), "--no-progress")
+    assert code == 0, err
+    assert "optimizer states (8bit AdamW)" in out
+    import json
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def test_train_refuses_flags_a_schedule_was_not_compiled_with(tmp_path, capsys):
+    schedule = tmp_path / "s.py"
+    assert run(capsys, "compile", str(ROOT / "lazytrain/examples/tiny_qwen.py"), "-o", str(schedule),
+               "--hardware", "cpu")[0] == 0
+    code, _, err = run(capsys, "train", "--schedule", str(schedule), "--steps", "1", "--optimizer-states", "8bit")
+    assert code == 2 and "compiled with --optimizer-states 32bit, not 8bit" in err
+
+
 def test_profile_writes_a_profile_compile_accepts(tmp_path, capsys, in_root):
     hw = tmp_path / "hw.json"
     code, out, _ = run(capsys, "profile", "-o", str(hw), "--quick")

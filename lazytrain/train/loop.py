@@ -43,6 +43,12 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 def _schedule(args, source: ModelSource, out: Path | None):
     if args.schedule:
         module = load_schedule(args.schedule)
+        for flag, key, value in (("--optimizer-states", "OPTIMIZER_STATES", args.optimizer_states),
+                                 ("--master-weights", "MASTER_WEIGHTS", args.master_weights)):
+            compiled = getattr(module, key, {"OPTIMIZER_STATES": "32bit", "MASTER_WEIGHTS": "fp32"}[key])
+            if value is not None and value != compiled:
+                raise DataError(f"{args.schedule} was compiled with {flag} {compiled}, not {value}; recompile it "
+                                f"with `lazytrain compile ... {flag} {value}`, or drop {flag}")
         return module
     from lazytrain.pipeline import compile_model, minimum_budget  # the solver: only to compile here
 
@@ -50,13 +56,14 @@ def _schedule(args, source: ModelSource, out: Path | None):
     hw = hw_profiles.load(args.hardware or default_hw)
     batch = source.example_batch()
     meta_model = build_on_meta(source.build_model)
+    opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32"}
     budget = args.budget if args.budget not in (None, "min", "max") else None
     if args.budget in (None, "min"):
-        budget = minimum_budget(meta_model, batch, hw)
+        budget = minimum_budget(meta_model, batch, hw, **opts)
     elif args.budget == "max":
         budget = hw.gpu_memory_bytes
     print(f"compiling {source.path} for batch {list(source.batch_shape)} ...", flush=True)
-    compiled = compile_model(meta_model, batch, budget, hw, source=str(source.path), time_limit=args.time_limit)
+    compiled = compile_model(meta_model, batch, budget, hw, source=str(source.path), time_limit=args.time_limit, **opts)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "schedule.py").write_text(compiled.source_text)
@@ -107,7 +114,8 @@ def train(args) -> dict:
     elif run_dir is not None and (run_dir / "checkpoints" / ckpt.LATEST_FILE).exists():
         raise DataError(f"{run_dir} already holds checkpoints; pass --resume to continue that run, or another --checkpoint-dir")
     device = "cuda" if torch.cuda.is_available() else None
-    trainer = schedule.bind(model, lr=args.lr, weight_decay=args.weight_decay, device=device)
+    trainer = schedule.bind(model, lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                            device=device)
     data = _data(args, source, model, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(warmup, args.steps, args.min_lr_ratio))
