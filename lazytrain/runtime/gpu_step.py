@@ -78,13 +78,13 @@ class GpuStepper:
         state = defaultdict(dict, {u.master[p]: u.state[p] for p in names})
         self.optimizer.step_on(group, [u.master[p] for p in names], state, u.hyper)
         with torch.no_grad():
-            for p in names:
+            for i, p in enumerate(names):
                 u.state[p] = state[u.master[p]]  # the first step creates the state
                 u.master[p].grad = None
                 if self.store.master[p].dtype == torch.float32:
                     self.store.work[p].data.copy_(u.master[p])
                 else:  # NOTE: [bf16 master weights] in optim.py
-                    round_stochastic_(self.store.work[p].data, u.master[p])
+                    round_stochastic_(self.store.work[p].data, u.master[p], self.optimizer.sr_seed(group, i, u.state[p]))
 
     def write_weights(self, stage: int) -> None:
         """New compute-dtype weights to the host copy that prefetches read (on the current stream)."""

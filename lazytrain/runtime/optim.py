@@ -14,7 +14,9 @@ NOTE: [bf16 master weights]
 With `--master-weights bf16` the parameters the optimizer updates are bf16. Each is stepped
 through an fp32 twin (one tensor at a time, so the extra memory is one tensor's) and rounded back
 stochastically: up or down to a neighbouring bf16 with probability given by the distance, so the
-rounding is unbiased and small updates accumulate in expectation instead of vanishing.
+rounding is unbiased and small updates accumulate in expectation instead of vanishing. The noise
+is a function of (group, parameter, step) alone (`sr_seed`), not of the order steps run in, so a
+run resumed from a checkpoint (which applies pending updates early) stays bit-identical.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from collections import defaultdict
 import torch
 
 
-def round_stochastic_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = None) -> torch.Tensor:
     """`dst` (bf16) <- `src` (fp32) with stochastic rounding: random low 16 bits are added to the
     fp32 bit pattern, then truncated; a value 1/4 of the way between two bf16 numbers rounds up
-    with probability 1/4. Infinities stay infinite."""
+    with probability 1/4. Infinities stay infinite. `seed`: draw the noise from its own generator."""
     bits = src.view(torch.int32)
-    noisy = bits + torch.randint_like(bits, 0, 1 << 16)
-    return dst.copy_(noisy.bitwise_and_(-65536).view(torch.float32))
+    gen = torch.Generator(device=src.device).manual_seed(seed) if seed is not None else None
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32, device=src.device)
+    return dst.copy_(noise.add_(bits).bitwise_and_(-65536).view(torch.float32))
 
 
 class _Staged:
@@ -44,6 +47,19 @@ class _Staged:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._views = self._make_views()
+        self._sr_steps: dict[tuple[int, int], int] = {}
+
+    def sr_seed(self, group: int, index: int, state: dict) -> int:
+        """The rounding noise's seed for parameter `index` of `group`, just stepped (NOTE: [bf16
+        master weights]). The step count is read from its state once (a device tensor: reading
+        it waits for the device), then counted on the host."""
+        key = (group, index)
+        if key in self._sr_steps:
+            self._sr_steps[key] += 1
+        else:
+            step = state.get("step", 0)
+            self._sr_steps[key] = int(step.item()) if torch.is_tensor(step) else int(step)
+        return ((group * 1_000_003 + index) * 1_000_000_007 + self._sr_steps[key]) % (1 << 63)
 
     def step_group(self, index: int, hyper: dict | None = None) -> None:
         """Step group `index` alone; `hyper` overrides its hyperparameters (values snapshotted when
@@ -53,24 +69,24 @@ class _Staged:
         view = self._views[index]
         if hyper is not None:
             view = _view(type(view), view.__dict__, [{**view.param_groups[0], **hyper}], view.state)
-        self._run_view(view)
+        self._run_view(view, index)
 
     def step_on(self, index: int, params: list, state: dict, hyper: dict) -> None:
         """Group `index`'s step applied to stand-ins: `params` (with `.grad`) and `state` (param ->
         its state) replace the group's own, e.g. device twins of host masters."""
         self._opt_called = True
         view = self._views[index]
-        self._run_view(_view(type(view), view.__dict__, [{**view.param_groups[0], **hyper, "params": params}], state))
+        self._run_view(_view(type(view), view.__dict__, [{**view.param_groups[0], **hyper, "params": params}], state), index)
 
     def hyperparameters(self, index: int) -> dict:
         return {k: v for k, v in self.param_groups[index].items() if k != "params"}
 
-    def _run_view(self, view) -> None:
+    def _run_view(self, view, index: int) -> None:
         params = view.param_groups[0]["params"]
         if all(p.dtype == torch.float32 for p in params):
             self._step(view)
             return
-        for p in params:  # NOTE: [bf16 master weights]
+        for i, p in enumerate(params):  # NOTE: [bf16 master weights]
             if p.grad is None:
                 continue
             twin = p.detach().float()
@@ -79,14 +95,23 @@ class _Staged:
             self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
             view.state[p] = state[twin]
             with torch.no_grad():
-                round_stochastic_(p.detach(), twin)
+                round_stochastic_(p.detach(), twin, self.sr_seed(index, i, view.state[p]))
 
     def _step(self, view) -> None:
         view.step()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        # torch casts floating state to each parameter's dtype; bf16 masters keep fp32 moments
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for p, i in zip(params, saved):
+            if p.dtype != torch.float32 and i in state_dict["state"]:
+                for k, v in state_dict["state"][i].items():
+                    if k != "step" and torch.is_tensor(v) and v.is_floating_point():
+                        self.state[p][k] = v.to(p.device, copy=True)
         self._views = self._make_views()
+        self._sr_steps = {}
 
 
 def _view(cls, attrs: dict, groups: list, state: dict):
