@@ -184,7 +184,7 @@ def producers(stages, s: int) -> set[int]:
 
 
 def repair(stages, raw) -> list[StageDecision]:
-    """Turn any (stream, recompute, outputs[, gpu_step]) per stage into decisions that keep solve's rules:
+    """Turn any (stream, recompute, outputs[, gpu_step[, fetch ahead]]) per stage into decisions that keep solve's rules:
     stream only with weights, and (but for the last stage) only when recomputing; random and chunked
     stages do not recompute, random ones do not drop either; offload only when every
     consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
@@ -204,19 +204,20 @@ def repair(stages, raw) -> list[StageDecision]:
         if outs[s] is OutMode.DROP and any(outs[p] is OutMode.OFFLOAD for p in producers(stages, s)):
             outs[s] = OutMode.KEEP
     gpu_step = [stream[s] and len(r) > 3 and bool(r[3]) for s, r in enumerate(raw)]
-    return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s]) for s in range(S)]
+    ahead = [2 if gpu_step[s] and s >= 2 and len(r) > 4 and r[4] else 1 for s, r in enumerate(raw)]
+    return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s], ahead[s]) for s in range(S)]
 
 
 def decisions(spec) -> list[StageDecision]:
     """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
-    (G: streamed, optimizer step on the GPU),
+    (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SG", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
-                                 stream == "G"))
+        out.append(StageDecision(stream in "SGE", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+                                 stream in "GE", 2 if stream == "E" else 1))
     return out
 
 

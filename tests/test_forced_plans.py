@@ -46,7 +46,7 @@ def gpt():
 
 
 def raw_decisions(n: int):
-    return st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans()),
+    return st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans(), st.booleans()),
                     min_size=n, max_size=n)
 
 
@@ -367,3 +367,19 @@ def test_solver_places_streamed_steps_by_rate(gpt, cpu_rate, gpu_steps):
     plan = solve(stages, hw, smallest_budget(stages, hw) * 2)
     streamed = [d for d in plan.decisions if d.stream]
     assert streamed and all(d.gpu_step == gpu_steps for d in streamed)
+
+
+def test_states_fetched_two_windows_ahead(gpt):
+    """lookahead 2: the prefetch of master, states and gradient starts at the forward of the stage
+    two before, so the transfer has two windows; memory and results as the plan says."""
+    graph, stages, batch, real = gpt
+    f = check_forced(graph, stages, batch, real, decisions(["-Rk", "GRk", "SRk", "ERk", "-rk"]))
+    events = f.schedule.events
+    fetch = next(e for e in events if e.kind is Kind.PREFETCH and e.allocs[0] == "opt:3")
+    fwd = {e.stage: e.id for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.FWD}
+    assert fwd[0] < fetch.id < fwd[1]
+    near = forced(graph, stages, batch, decisions(["-Rk", "GRk", "SRk", "GRk", "-rk"]), HW)
+    assert f.plan.windows[2][1] > near.plan.windows[2][1]  # F1 holds stage 3's slots too
+    check_steps(f.source_text, real, batch)
+    with pytest.raises(PlanError):  # nothing two windows before stage 1
+        forced(graph, stages, batch, decisions(["-Rk", "ERk", "SRk", "SRk", "-rk"]), HW)

@@ -76,7 +76,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
             f"{'streamed' if d.stream else 'resident':<8}  internals {_internals(s.chunks, d.recompute):<10}  "
-            f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}")
+            f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
+            + (", fetched 2 windows ahead" if d.lookahead == 2 else ""))
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
         for n in graph.of(OpKind.PARAM, OpKind.BUFFER, OpKind.INPUT)

@@ -22,6 +22,9 @@ class StageDecision:
     # optimizer states and gradients streamed in at the next step's prefetch and back out after
     # (NOTE: [GPU-stepped streamed stages] in solve.py); else on the CPU beside the masters.
     gpu_step: bool = False
+    # GPU-stepped only: the prefetch that brings master, states and gradient in starts this many
+    # forward windows ahead (1, or 2 to give the transfer two windows)
+    lookahead: int = 1
 
     @property
     def optimizer(self) -> str:

@@ -164,8 +164,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         gpu_step(0)
     for s, g in enumerate(stages):
         b.t = win_start[f"F{s}"]
-        if s + 1 < S and dec[s + 1].stream:
+        if s + 1 < S and dec[s + 1].stream and dec[s + 1].lookahead == 1:
             prefetch(s + 1)
+        if s + 2 < S and dec[s + 2].lookahead == 2:
+            prefetch(s + 2)
         step_out(s)
         for p in producers[s]:
             if dec[p].outputs is OutMode.OFFLOAD and s == p + 1:

@@ -27,7 +27,8 @@ gstep[s] (only with stream[s]) moves a streamed stage's AdamW step from the CPU 
 gradients still go to the host during B(s-1); the update itself waits for the next step's prefetch
 at F(s-1): the fp32 master, the optimizer states and the gradient come in (instead of the bf16
 weights), the GPU steps them and writes the new compute-dtype weights into the stage's slot, and
-the master, states and new weights go back out during F(s). Gradient clipping's global norm is
+the master, states and new weights go back out during F(s). With ahead[s] the prefetch starts at
+F(s-2) instead (the weights' and optimizer's slots are live a window longer). Gradient clipping's global norm is
 known by then, and nothing waits for the host. Cost: (master + states) more bytes each way, an
 `opt:S` buffer (`gpu_step_bytes`) at F(s-1) and F(s), and the GPU's step rate instead of the CPU's.
 """
@@ -170,6 +171,7 @@ class _Model:
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
+        ahead = vars_["ahead"]
         mem = [fixed_bytes(stages) for _ in range(T)]
         h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
         d2h = [0.0] * (T + 2)
@@ -204,10 +206,16 @@ class _Model:
             self._spread(cpu, [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL],
                          (sig[s] - gst[s]) * cpu_step_s(g.param_bytes, g.param_numel, hw, M), f"cpu{s}")
             # GPU-stepped streamed: state in at the prefetch, out one window later
-            h2d[L.fw(s - 1) if s > 0 else PRE] += gpu_step_state_bytes(g.param_numel, stages.state_bytes, M) * gst[s]
+            fetch = gpu_step_state_bytes(g.param_numel, stages.state_bytes, M)
+            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
             d2h[L.fw(s)] += gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
+            opt_bytes = gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
-                mem[t] = mem[t] + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
+                mem[t] = mem[t] + opt_bytes * gst[s]
+            if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
+                h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
+                h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
+                mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
             self.optimizer = self.optimizer + gst[s] * (g.param_numel / hw.gpu_adamw_params_per_s)
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
@@ -255,13 +263,16 @@ class _Model:
 def _vars(m: mip.Model, stages: Stages):
     S = len(stages)
     v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)]
-         for k in ("stream", "recompute", "off", "drop", "gstep")}
+         for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
     v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]
     big = sum(g.out_bytes for g in stages) + 1
     for s, g in enumerate(stages):
         sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
         m += off + drop <= 1
         m += v["gstep"][s] <= sig
+        m += v["ahead"][s] <= v["gstep"][s]
+        if s < 2:
+            m += v["ahead"][s] == 0
         if g.param_bytes == 0:
             m += sig == 0
         elif s < S - 1:
@@ -317,6 +328,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["off"][s] == int(d.outputs is OutMode.OFFLOAD)
             m += v["drop"][s] == int(d.outputs is OutMode.DROP)
             m += v["gstep"][s] == int(d.gpu_step)
+            m += v["ahead"][s] == int(d.lookahead == 2)
     model = _Model(stages, hw, v, m)
     exposed = _exposure(m, model, hw)
     u = 1.0 / model.unit
@@ -339,7 +351,8 @@ def _decisions(v, S) -> list[StageDecision]:
     out = []
     for s in range(S):
         mode = OutMode.OFFLOAD if v["off"][s].x > 0.5 else OutMode.DROP if v["drop"][s].x > 0.5 else OutMode.KEEP
-        out.append(StageDecision(v["stream"][s].x > 0.5, v["recompute"][s].x > 0.5, mode, v["gstep"][s].x > 0.5))
+        out.append(StageDecision(v["stream"][s].x > 0.5, v["recompute"][s].x > 0.5, mode, v["gstep"][s].x > 0.5,
+                                 2 if v["ahead"][s].x > 0.5 else 1))
     return out
 
 
@@ -410,7 +423,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -
     if warm is not None:
         m.start = [(v[key][s], float(value)) for s, d in enumerate(warm[1].decisions) for key, value in (
             ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-            ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step))]
+            ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2))]
     status = m.optimize(max_seconds=max(1.0, time_limit - (time.perf_counter() - start)))
     took = time.perf_counter() - start
     if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
