@@ -383,3 +383,15 @@ def test_states_fetched_two_windows_ahead(gpt):
     check_steps(f.source_text, real, batch)
     with pytest.raises(PlanError):  # nothing two windows before stage 1
         forced(graph, stages, batch, decisions(["-Rk", "ERk", "SRk", "SRk", "-rk"]), HW)
+
+
+def test_slot_memory_report_is_the_schedules_peak(gpt):
+    """memory_report's slot bytes: the most weight and optimizer slot memory the schedule holds at
+    once (two streamed blocks' weights, or a block's weights beside the next one's fetch)."""
+    graph, stages, batch, real = gpt
+    f = forced(graph, stages, batch, decisions(["-Rk", "GRk", "SRk", "GRk", "-rk"]), HW)
+    trainer, _ = bind_source(f.source_text, real)
+    w = {s: trainer.store.slot_sizes[f"w:{s}"] for s in (1, 2, 3)}
+    opt = {s: trainer.store.slot_sizes[f"opt:{s}"] for s in (1, 3)}
+    assert trainer.memory_report()["slot_bytes"] >= max(w[1] + opt[1], w[2] + w[3] + opt[3])
+    assert trainer.memory_report()["slot_bytes"] <= sum(w.values()) + sum(opt.values())

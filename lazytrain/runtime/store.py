@@ -113,11 +113,15 @@ class ParamStore:
             if b.name.startswith("opt:"):
                 self.slot_sizes[b.name] = b.bytes + _OPT_SLACK * len(module.STAGES[int(b.name[4:])].params)
         self.slots: dict[str, torch.Tensor] = {}
-        self.slot_bytes = 0  # the most slot memory live at once
+        live = peak = 0  # the most slot memory the schedule has live at once
+        for e in module.EVENTS:
+            live += sum(self.slot_sizes.get(a, 0) for a in e.allocs)
+            peak = max(peak, live)
+            live -= sum(self.slot_sizes.get(f, 0) for f in e.frees)
+        self.slot_bytes = peak
 
     def take_slot(self, name: str, make) -> torch.Tensor:
         self.slots[name] = make(self.slot_sizes[name])
-        self.slot_bytes = max(self.slot_bytes, sum(t.numel() for t in self.slots.values()))
         return self.slots[name]
 
     def release_slot(self, name: str) -> None:

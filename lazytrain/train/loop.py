@@ -125,7 +125,7 @@ def train(args) -> dict:
         start = found.step
         print(f"resumed from {found.path} at step {start}", flush=True)
     report = trainer.memory_report()
-    print(f"runtime on {trainer.device}: weight slots {format_size(report['slot_bytes'])}, "
+    print(f"runtime on {trainer.device}: weight and optimizer slots (at most) {format_size(report['slot_bytes'])}, "
           f"page-locked host buffers {format_size(report['pinned_bytes'])}", flush=True)
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
