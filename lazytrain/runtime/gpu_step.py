@@ -87,13 +87,12 @@ class GpuStepper:
                     round_stochastic_(self.store.work[p].data, u.master[p], self.optimizer.sr_seed(group, i, u.state[p]))
 
     def write_weights(self, stage: int) -> None:
-        """New compute-dtype weights to the host copy that prefetches read (on the current stream)."""
+        """New compute-dtype weights to the host copy that prefetches read (on the current stream);
+        where that copy is the master, this is the master's write-back."""
         if stage not in self.live:
             return
         for p in self.params[stage]:
-            source = self.store.source[p]
-            if source is not self.store.master[p]:
-                source.copy_(self.store.work[p].data, non_blocking=True)
+            self.store.source[p].copy_(self.store.work[p].data, non_blocking=True)
 
     def write_back(self, stage: int) -> None:
         """Master and states to their host homes (on the current stream)."""
@@ -102,9 +101,8 @@ class GpuStepper:
             return
         pin = self.store.cuda
         for p in self.params[stage]:
-            master = self.store.master[p].detach()
-            if master.data_ptr() != self.store.source[p].data_ptr():  # else it went back as the weights
-                master.copy_(u.master[p], non_blocking=True)
+            if not self.store.source_is_master(p):  # else it went back as the weights
+                self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
             if not host:  # first update: the host copies are made once

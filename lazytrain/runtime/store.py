@@ -133,10 +133,14 @@ class ParamStore:
         start = self.layout[stage][p]
         return buf[start:start + nbytes].view(self.dtype[p]).view(self.master[p].shape)
 
+    def source_is_master(self, p: str) -> bool:
+        """Prefetches read the master itself (same dtype, page-locked where needed)."""
+        return self.source[p].data_ptr() == self.master[p].data_ptr()
+
     def refresh_source(self, names) -> None:
         """After a host optimizer step: the prefetch copies of updated masters."""
         for p in names:
-            if self.source[p] is not self.master[p] and self.source[p].data_ptr() != self.master[p].data_ptr():
+            if not self.source_is_master(p):
                 self.source[p].copy_(self.master[p].detach())
 
     def refresh_work(self, names) -> None:

@@ -189,10 +189,7 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         for s in sorted(self.stepper.pending):
-            self._take_slot(f"w:{s}")
-            for p in self.stages[s].params:
-                self.store.work[p].data = self.store.slot_view(s, p)
-            self.stepper.fetch(s, self._take_slot(f"opt:{s}"))
+            self._fetch_stage(s, update=True)
             self.stepper.step(s, self._group(s))
             self.stepper.write_weights(s)
             self.stepper.write_back(s)
@@ -392,13 +389,17 @@ class Trainer:
         job = self.cpu_jobs.pop(e.stage, None)
         if job is not None:  # the previous step's host optimizer must finish updating the source
             job.result()
-        self._take_slot(f"w:{e.stage}")
-        update = e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending
-        if update:  # master, states and gradient in; the step writes the weights
-            self.stepper.fetch(e.stage, self._take_slot(f"opt:{e.stage}"))
+        self._fetch_stage(e.stage, update=e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending)
+
+    def _fetch_stage(self, stage: int, update: bool):
+        """A weight slot for `stage`; the weights copied in, or with a pending GPU step its master,
+        states and gradient into an optimizer slot (the step writes the weights)."""
+        self._take_slot(f"w:{stage}")
+        if update:
+            self.stepper.fetch(stage, self._take_slot(f"opt:{stage}"))
         with torch.no_grad():
-            for p in self.stages[e.stage].params:
-                view = self.store.slot_view(e.stage, p)
+            for p in self.stages[stage].params:
+                view = self.store.slot_view(stage, p)
                 if not update:
                     view.copy_(self.store.source[p], non_blocking=True)
                 self.store.work[p].data = view
