@@ -37,3 +37,7 @@ class DataError(LazytrainError):
 
 class CheckpointError(LazytrainError):
     """A checkpoint is corrupt, incomplete, or belongs to another model or run."""
+
+
+class ResourceError(LazytrainError):
+    """The machine cannot provide what the plan needs (page-locked host memory, disk space)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lazytrain.runtime.optim import round_stochastic_
+from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.store import Carver, ParamStore
 
 
@@ -36,8 +37,9 @@ class _Update:
 
 
 class GpuStepper:
-    def __init__(self, store: ParamStore, optimizer, params: dict[int, tuple[str, ...]], host_grad: dict):
-        self.store, self.optimizer, self.params, self.host_grad = store, optimizer, params, host_grad
+    def __init__(self, store: ParamStore, optimizer, params: dict[int, tuple[str, ...]], host_grad: dict,
+                 pinned: PinnedArena):
+        self.store, self.optimizer, self.params, self.host_grad, self.pinned = store, optimizer, params, host_grad, pinned
         self.pending: dict[int, _Update] = {}  # recorded by step(), not yet fetched
         self.live: dict[int, _Update] = {}  # fetched, not yet written back
 
@@ -106,7 +108,7 @@ class GpuStepper:
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
             if not host:  # first update: the host copies are made once
-                host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) if torch.is_tensor(v) else v
+                host = {k: self.pinned.empty(v.shape, v.dtype) if torch.is_tensor(v) else v
                         for k, v in u.state[p].items()}
                 self.optimizer.state[home] = host
             for k, v in u.state[p].items():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from lazytrain.ir.events import Kind
+from lazytrain.runtime.pinned import PinnedArena
 
 _ALIGN = 256
 _OPT_SLACK = 16 << 10
@@ -61,8 +62,8 @@ class Carver:
 
 
 class ParamStore:
-    def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device):
-        self.device = device
+    def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device, pinned: PinnedArena):
+        self.device, self.pinned = device, pinned
         self.cuda = device.type == "cuda"
         self.master = {p: t for p, t in tensors.items() if module.PLACEHOLDERS[p][0] == "param"}
         self.buffers = {p: t.to(device) for p, t in tensors.items() if module.PLACEHOLDERS[p][0] == "buffer"}
@@ -90,9 +91,7 @@ class ParamStore:
         self._plan_slots(module)
 
     def _host_copy(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(master.shape, dtype=dtype, pin_memory=self.cuda)
-        out.copy_(master.detach())
-        return out
+        return self.pinned.empty(master.shape, dtype).copy_(master.detach())
 
     def _plan_slots(self, module) -> None:
         """Sizes of the weight slots (per stage, its parameters in the compute dtype) and optimizer
@@ -149,6 +148,3 @@ class ParamStore:
             for p in names:
                 if self.work[p] is not self.home[p]:
                     self.work[p].copy_(self.home[p])
-
-    def pinned_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.source.values() if t.is_pinned())

@@ -41,6 +41,7 @@ from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind, Phase, Stream
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
+from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
@@ -70,9 +71,10 @@ class Trainer:
                     t.data = t.data.to(torch.bfloat16)
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
         self.cuda = self.device.type == "cuda"
+        self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena]
         if self.cuda:
             self._pin_streamed_masters(tensors)
-        self.store = ParamStore(module, tensors, self.device)
+        self.store = ParamStore(module, tensors, self.device, self.pinned)
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
         self.max_grad_norm = max_grad_norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
@@ -90,7 +92,7 @@ class Trainer:
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.stepper = GpuStepper(self.store, self.optimizer,
-                                  {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad)
+                                  {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad, self.pinned)
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
         self.skipped_steps = 0
@@ -126,17 +128,13 @@ class Trainer:
         return tensors
 
     def _pin_streamed_masters(self, tensors):
-        """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower)."""
+        """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The
+        parameter's storage moves into the arena: no second host copy."""
         streamed = {p for s in self.stages if s.stream for p in s.params}
         for p in streamed:
             t = tensors[p]
             if t.device.type == "cpu" and not t.is_pinned():
-                try:
-                    t.data = t.data.pin_memory()
-                except RuntimeError as exc:
-                    raise ScheduleMismatch(
-                        f"could not pin {t.numel() * t.element_size() / 2**30:.2f} GiB of host memory for {p} "
-                        f"({exc}); free host memory or raise the pinned-memory limit (ulimit -l)") from None
+                t.data = self.pinned.copy_of(t.data)
 
     def _check_batch(self, batch: dict) -> dict:
         if set(batch) != set(self.m.BATCH):
@@ -209,9 +207,7 @@ class Trainer:
     def memory_report(self) -> dict:
         """The runtime's own buffers: the most weight and optimizer slot memory live at once on the
         device, and page-locked host buffers (sources to prefetch from, gradient and activation pools)."""
-        pinned = [t for t in list(self.host_grad.values()) + list(self.host_act.values()) if t.is_pinned()]
-        return {"slot_bytes": self.store.slot_bytes,
-                "pinned_bytes": self.store.pinned_bytes() + sum(t.numel() * t.element_size() for t in pinned)}
+        return {"slot_bytes": self.store.slot_bytes, "pinned_bytes": self.pinned.reserved}
 
     def sync_model(self) -> None:
         """Copy weights stepped on the device back into the model's own (master) parameters."""
@@ -416,7 +412,7 @@ class Trainer:
                     continue
                 host = self.host_grad.get(name)
                 if host is None or host.shape != g.shape:
-                    host = self.host_grad[name] = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.cuda)
+                    host = self.host_grad[name] = self.pinned.empty(g.shape, g.dtype)
                 host.copy_(g, non_blocking=True)
                 self.fresh.add(name)
         else:
@@ -425,7 +421,7 @@ class Trainer:
                     t = self.env[name]
                     host = self.host_act.get(name)
                     if host is None:
-                        host = self.host_act[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+                        host = self.host_act[name] = self.pinned.empty(t.shape, t.dtype)
                     host.copy_(t, non_blocking=True)
 
     def _reload(self, e: Event):
