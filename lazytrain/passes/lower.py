@@ -168,6 +168,11 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             prefetch(s + 1)
         if s + 2 < S and dec[s + 2].lookahead == 2:
             prefetch(s + 2)
+        if s > 0:
+            # Issued after this window's prefetches: a prefetch's slot waits for the compute work
+            # issued before it (NOTE: [Slots] in runtime/store.py), and this step is on the
+            # compute stream; issued before them, every fetch would start only once it ended.
+            gpu_step(s)
         step_out(s)
         for p in producers[s]:
             if dec[p].outputs is OutMode.OFFLOAD and s == p + 1:
@@ -180,8 +185,6 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
-        if s + 1 < S:
-            gpu_step(s + 1)
         for p in producers[s]:
             mode = dec[p].outputs
             if (mode is OutMode.OFFLOAD and stages[p].consumers[-1] == s) or (mode is OutMode.DROP and s == p + 1):
