@@ -1,6 +1,6 @@
 """The compiler pipeline: one straight-line function of named stages.
 
-    capture -> costs -> liveness -> blocks -> chunk -> solve -> lower -> verify -> codegen
+    capture -> causal -> costs -> liveness -> blocks -> chunk -> solve -> lower -> verify -> codegen
 
 Between stages a hook checks the stage's output (the IR lint after capture, the schedule verifier
 after lower), dumps it on request (`--dump-ir DIR`: one file per stage, deterministic) and times it
@@ -27,6 +27,7 @@ from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
+from lazytrain.passes.causal import causal
 from lazytrain.passes.blocks import MASTER_BYTES, Stages, blocks
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES, chunk, decide
 from lazytrain.passes.costs import costs
@@ -87,15 +88,18 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook.dump(0, "capture", dump.text(graph))
     if hook.dir:
         (hook.dir / "00-capture.json").write_text(dump.to_json(graph))
+    graph = hook.run("causal", causal, graph)
+    lint(graph)
+    hook.dump(1, "causal", dump.text(graph))
     node_costs = hook.run("costs", costs, graph, hw)
-    hook.dump(1, "costs", dump.text(graph, node_costs))
+    hook.dump(2, "costs", dump.text(graph, node_costs))
     last_use = hook.run("liveness", liveness, graph, node_costs)
-    hook.dump(2, "liveness", "".join(f"{n} {i}\n" for n, i in last_use.items()))
+    hook.dump(3, "liveness", "".join(f"{n} {i}\n" for n, i in last_use.items()))
     stages = hook.run("blocks", blocks, graph, node_costs, last_use, optimizer_states)
     stages = dataclasses.replace(stages, master_bytes=MASTER_BYTES[master_weights])
-    hook.dump(3, "blocks", stages_text(stages))
+    hook.dump(4, "blocks", stages_text(stages))
     chunked = hook.run("chunk", chunk, graph, stages, loss_chunk_bytes)
-    hook.dump(4, "chunk", f"# last stage: {decide(graph, stages, loss_chunk_bytes).reason}\n" + stages_text(chunked))
+    hook.dump(5, "chunk", f"# last stage: {decide(graph, stages, loss_chunk_bytes).reason}\n" + stages_text(chunked))
     return graph, chunked
 
 
@@ -115,10 +119,10 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
     budget = hw.gpu_memory_bytes if budget is None else int(budget)
     plan = hook.run("solve", solve, stages, hw, budget, time_limit)
-    hook.dump(5, "solve", plan_text(stages, plan))
+    hook.dump(6, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
-    hook.dump(6, "lower", "".join(f"{e}\n" for e in schedule.events))
+    hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
     text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states, master_weights)
     return Compiled(graph, stages, plan, schedule, trace, text, hw)
 

@@ -73,7 +73,8 @@ def _sdpa(node, graph):
     nb = 1
     for b in batch:
         nb *= b
-    return 4.0 * nb * lq * k.shape[-2] * d  # QK^T and PV
+    causal = dict(node.kwargs).get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    return 4.0 * nb * lq * k.shape[-2] * d * (0.5 if causal else 1.0)  # QK^T and PV (causal: half of it)
 
 
 _VIEWS = (
