@@ -30,7 +30,8 @@ def main():
     from lazytrain.runtime.schedule import load_schedule
 
     module = load_schedule(args.schedule)
-    model = build(args.model, args.seq, "cpu", torch.float32)
+    bf16 = getattr(module, "MASTER_WEIGHTS", "fp32") == "bf16"  # build as the bench does
+    model = build(args.model, args.seq, "cpu", torch.bfloat16 if bf16 else torch.float32)
     trainer = module.bind(model, device="cuda", lr=1e-5)
     data = batch(args.model, args.batch, args.seq, "cuda")
     trainer.step(data)
