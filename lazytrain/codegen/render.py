@@ -36,6 +36,7 @@ def stage_function(graph: Graph, stage) -> str:
     if chunked:
         doc += f"; runs in {stage.chunks} chunks: with loss_sum, returns (sum of the losses, targets counted)"
     lines = [f"def stage_{stage.index}({args}):", f'    """{doc}"""']
+    dead_after = _dead_after(graph, stage)
     for name in stage.nodes:
         node = graph[name]
         if node.op is OpKind.GETITEM:
@@ -50,6 +51,8 @@ def stage_function(graph: Graph, stage) -> str:
             call = format_call(node)
             expr = call if call.startswith("aten.") else f"torch.ops.{call}"
         lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
+        if dead_after.get(name):
+            lines.append(f"    del {', '.join(dead_after[name])}")
     if chunked:
         a = loss_args(graph[graph.output])
         lines.append("    if loss_sum:  # the mean's numerator and denominator: chunks add them up exactly")
@@ -57,6 +60,26 @@ def stage_function(graph: Graph, stage) -> str:
     outs = "".join(f"{o}, " for o in stage.outputs)
     lines.append(f"    return ({outs.rstrip(' ')})")
     return "\n".join(lines)
+
+
+def _dead_after(graph: Graph, stage) -> dict[str, list[str]]:
+    """node -> the stage's own values last read by it. Deleting them there keeps a forward's memory
+    at the liveness peak the plan counts (`peak_bytes`): without autograd, a local stays alive until
+    the function returns. Outputs, and what a chunked stage's epilogue reads, are kept."""
+    local = set(stage.nodes)
+    keep = set(stage.outputs) | {graph.output}
+    if stage.chunks > 1:
+        keep |= {loss_args(graph[graph.output]).target.value}
+    last: dict[str, str] = {}
+    for name in stage.nodes:
+        for src in graph[name].inputs():
+            if src in local:
+                last[src] = name
+    dead: dict[str, list[str]] = {}
+    for src, reader in last.items():
+        if src not in keep:
+            dead.setdefault(reader, []).append(src)
+    return {k: sorted(v, key=stage.nodes.index) for k, v in dead.items()}
 
 
 def _internals(chunks: int, recompute: bool) -> str:
