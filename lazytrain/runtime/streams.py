@@ -43,6 +43,15 @@ class SerialStreams:
     def slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
+    def run_aside(self, e: Event, fn, after_compute: bool):
+        self.run(e, fn)
+
+    def wait_aside(self, stage: int):
+        pass
+
+    def join_aside(self):
+        pass
+
     def finish(self):
         return self.timeline
 
@@ -56,6 +65,8 @@ class CudaStreams:
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
                         Stream.DISK: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
+        self.aside = torch.cuda.Stream(device)  # NOTE: [Optimizer stream]
+        self.stepped: dict[int, torch.cuda.Event] = {}  # stage -> its step on the optimizer stream
         self.done: dict[int, torch.cuda.Event] = {}
         self.record = False
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -101,6 +112,28 @@ class CudaStreams:
         if self.record:
             self.marks.append((e.id, start, ev))
 
+    def run_aside(self, e: Event, fn, after_compute: bool):
+        """A device optimizer step on the optimizer stream (NOTE: [Optimizer stream]). With
+        `after_compute` it first waits for the compute work issued so far (the gradients it reads)."""
+        if after_compute:
+            self.aside.wait_stream(self.streams[Stream.COMPUTE])
+        real, self.streams[e.stream] = self.streams[e.stream], self.aside
+        try:
+            self.run(e, fn)
+        finally:
+            self.streams[e.stream] = real
+        self.stepped[e.stage] = self.done[e.id]
+
+    def wait_aside(self, stage: int):
+        """Compute reads `stage`'s weights next: they must be stepped."""
+        ev = self.stepped.pop(stage, None)
+        if ev is not None:
+            self.streams[Stream.COMPUTE].wait_event(ev)
+
+    def join_aside(self):
+        self.streams[Stream.COMPUTE].wait_stream(self.aside)
+        self.stepped.clear()
+
     def host(self, e: Event, fn) -> Future:
         """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""
         events = [self.done[w] for w in e.waits if w in self.done]
@@ -118,6 +151,8 @@ class CudaStreams:
 
     def finish(self):
         torch.cuda.current_stream(self.device).synchronize()
+        if self.record:  # its events must have completed to be read
+            self.aside.synchronize()
         for s in self.streams.values():
             s.synchronize()
         if not self.record:

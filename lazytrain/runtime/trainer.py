@@ -18,6 +18,17 @@ extra pass over the gradients); optimizer steps, which need the global norm, wai
 ends, then run in forward order so the next step's forward can start on the first updated stages.
 A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
 
+NOTE: [Optimizer stream]
+Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
+stream of their own, so their memory-bound kernels overlap compute instead of queueing on it:
+  - a resident stage's step first waits for the compute issued so far (its gradients); a streamed
+    stage's waits only for its prefetch (the schedule's waits), so it overlaps the compute before it;
+  - the first compute that reads a stage's weights waits for that stage's step (shared weights:
+    every compute until the shared step is done); the write-back copies wait on the step's event;
+  - gradients a step reads are `record_stream`ed on that stream: the next step drops them while
+    the step may still run.
+Without clipping, resident steps overlap the rest of backward; with it, they overlap the next forward.
+
 NOTE: [Chunked loss]
 A stage with `chunks` = k > 1 (the last: final norm, lm_head, cross-entropy; pass `chunk`) runs its
 forward and backward together at its BWD event, over k slices of the batch, so only one slice's
@@ -179,6 +190,7 @@ class Trainer:
         for job in self.cpu_jobs.values():
             job.result()
         self.cpu_jobs.clear()
+        self.streams.join_aside()
         if self.stepper.pending:
             self._flush_gpu_steps()
 
@@ -236,7 +248,8 @@ class Trainer:
         for event in self.events:
             if event.kind is Kind.OPT_STEP and event.stage >= 0 and self.stages[event.stage].gpu_step:
                 # last step's update of a GPU-stepped streamed stage, at its prefetch
-                self.streams.run(event, lambda s=event.stage: self.stepper.step(s, self._group(s)))
+                self.streams.run_aside(event, lambda s=event.stage: self.stepper.step(s, self._group(s)),
+                                       after_compute=False)
                 continue
             if event.kind is Kind.OPT_STEP:
                 if optimize and self.max_grad_norm is None and not self.serial_optimizer:
@@ -244,6 +257,9 @@ class Trainer:
                 elif optimize:
                     deferred.append(event)
                 continue
+            if event.kind is Kind.COMPUTE:  # its weights must be stepped (NOTE: [Optimizer stream])
+                self.streams.wait_aside(event.stage)
+                self.streams.wait_aside(-1)  # shared (tied) weights
             self.streams.run(event, lambda e=event: handlers[e.kind](e))
         if optimize and (deferred or self.stepper.params):
             coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
@@ -523,6 +539,10 @@ class Trainer:
             self.cpu_jobs[s] = self.streams.host(e, host_step)
         else:
             def device_step():
+                grads = [t.grad for p in names for t in (self.store.work[p], self.store.home[p]) if t.grad is not None]
                 step()
                 self.store.refresh_work(names)
-            self.streams.run(e, device_step)
+                if self.cuda:  # the next step drops these gradients while this stream may still read them
+                    for g in grads:
+                        g.record_stream(torch.cuda.current_stream())
+            self.streams.run_aside(e, device_step, after_compute=True)
