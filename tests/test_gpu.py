@@ -17,7 +17,9 @@ PREBUILT = ROOT / ".gpu"
 CASES = {"fp32_max": (None, 1 << 40), "fp32_min": (None, "min"), "bf16_min": (torch.bfloat16, "min"),
          "fp32_max_8bit": (None, 1 << 40), "fp32_min_8bit": (None, "min"),
          "fp32_gpu_step": (None, "gpu_step"),  # every stage streamed, optimizer steps on the GPU
-         "fp32_min_chunked": (None, "min"), "bf16_min_chunked": (torch.bfloat16, "min")}  # loss stage in chunks
+         "fp32_min_chunked": (None, "min"), "bf16_min_chunked": (torch.bfloat16, "min"),  # loss stage in chunks
+         # bf16 masters with 8-bit states: resident, and streamed with GPU steps (the 7B bench's plans)
+         "bf16master_max_8bit": (torch.bfloat16, 1 << 40), "bf16master_min_8bit": (torch.bfloat16, "min")}
 
 
 def tiny_qwen():
@@ -57,7 +59,8 @@ def schedule_source(case: str) -> str:
         meta = meta.to(dtype)
     if budget == "gpu_step":
         return _gpu_stepped(meta)
-    opts = {"optimizer_states": "8bit" if case.endswith("8bit") else "32bit"}
+    opts = {"optimizer_states": "8bit" if case.endswith("8bit") else "32bit",
+            "master_weights": "bf16" if case.startswith("bf16master") else "fp32"}
     if case.endswith("chunked"):  # the loss stage in one chunk per row (NOTE: [Chunked loss])
         opts["loss_chunk_bytes"] = 1
     if budget == "min":
@@ -151,8 +154,10 @@ def test_gpu_stepped_streamed_stages_match_torch_adamw():
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", ["bf16_min", "bf16_min_chunked"])
+@pytest.mark.parametrize("case", ["bf16_min", "bf16_min_chunked", "bf16master_max_8bit", "bf16master_min_8bit"])
 def test_bf16_losses_track_eager_over_20_steps(case):
+    if case.endswith("8bit"):
+        pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     model = tiny_qwen()
     ref = copy.deepcopy(model).cuda()
@@ -169,8 +174,9 @@ def test_bf16_losses_track_eager_over_20_steps(case):
         opt.step()
         theirs.append(loss.item())
     assert ours[-1] < ours[0] - 0.5  # it trains
+    tolerance = 0.10 if case.endswith("8bit") else 0.05  # 8-bit moments and bf16 masters drift more
     for a, b in zip(ours, theirs):
-        assert abs(a - b) < 0.05 * abs(b), (ours, theirs)
+        assert abs(a - b) < tolerance * abs(b), (ours, theirs)
 
 
 @needs_gpu

@@ -8,6 +8,7 @@ CUDA events it needs, then runs on the host while the GPU works on.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,10 +47,10 @@ class SerialStreams:
     def run_aside(self, e: Event, fn, after_compute: bool):
         self.run(e, fn)
 
-    def wait_aside(self, stage: int):
-        pass
+    def compute_context(self):
+        return contextlib.nullcontext()
 
-    def join_aside(self):
+    def wait_aside(self, stage: int):
         pass
 
     def finish(self):
@@ -61,15 +62,21 @@ class CudaStreams:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.streams = {Stream.COMPUTE: torch.cuda.current_stream(device),
+        # NOTE: [Optimizer stream] in trainer.py: compute gets a stream of its own (high priority)
+        # and optimizer steps run on the device's default stream, where bitsandbytes launches them
+        self.streams = {Stream.COMPUTE: torch.cuda.Stream(device, priority=-1),
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
                         Stream.DISK: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
-        self.aside = torch.cuda.Stream(device)  # NOTE: [Optimizer stream]
+        self.aside = torch.cuda.default_stream(device)  # NOTE: [Optimizer stream]
         self.stepped: dict[int, torch.cuda.Event] = {}  # stage -> its step on the optimizer stream
         self.done: dict[int, torch.cuda.Event] = {}
         self.record = False
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def compute_context(self):
+        """Work outside events that reads compute's results (the batch, the gradient norm)."""
+        return torch.cuda.stream(self.streams[Stream.COMPUTE])
 
     def begin(self, record: bool):
         self.done = {}
@@ -130,9 +137,6 @@ class CudaStreams:
         if ev is not None:
             self.streams[Stream.COMPUTE].wait_event(ev)
 
-    def join_aside(self):
-        self.streams[Stream.COMPUTE].wait_stream(self.aside)
-        self.stepped.clear()
 
     def host(self, e: Event, fn) -> Future:
         """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""
@@ -150,7 +154,6 @@ class CudaStreams:
         return self.worker.submit(job)
 
     def finish(self):
-        torch.cuda.current_stream(self.device).synchronize()
         if self.record:  # its events must have completed to be read
             self.aside.synchronize()
         for s in self.streams.values():

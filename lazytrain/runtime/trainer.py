@@ -20,7 +20,11 @@ A non-finite norm skips the whole update and is counted in `skipped_steps`, as A
 
 NOTE: [Optimizer stream]
 Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
-stream of their own, so their memory-bound kernels overlap compute instead of queueing on it:
+stream apart from compute, so their memory-bound kernels overlap compute instead of queueing on it.
+That stream is the device's default stream and compute gets a (high-priority) stream of its own:
+bitsandbytes launches its 8-bit kernels on the default stream whatever stream is current, so they
+must be the optimizer's. Work outside events that touches compute's tensors (the batch's copy, the
+gradient norm's read) runs in `streams.compute_context()`. Then:
   - a resident stage's step first waits for the compute issued so far (its gradients); a streamed
     stage's waits only for its prefetch (the schedule's waits), so it overlaps the compute before it;
   - the first compute that reads a stage's weights waits for that stage's step (shared weights:
@@ -108,6 +112,8 @@ class Trainer:
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        if self.cuda:  # bind's copies ran on the default stream; compute has its own
+            torch.cuda.synchronize(self.device)
 
     # ---- binding checks -----------------------------------------------------------------------
     def _bind_tensors(self, model) -> dict[str, torch.Tensor]:
@@ -190,7 +196,8 @@ class Trainer:
         for job in self.cpu_jobs.values():
             job.result()
         self.cpu_jobs.clear()
-        self.streams.join_aside()
+        if self.cuda:  # every stream: what follows may read on any of them
+            torch.cuda.synchronize(self.device)
         if self.stepper.pending:
             self._flush_gpu_steps()
 
@@ -215,6 +222,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state)
+        self.synchronize()
 
     def memory_report(self) -> dict:
         """The runtime's own buffers: the most weight and optimizer slot memory live at once on the
@@ -232,7 +240,8 @@ class Trainer:
 
     # ---- replay -------------------------------------------------------------------------------
     def _run(self, batch: dict, optimize: bool) -> torch.Tensor:
-        self.env = dict(self._check_batch(batch))  # placeholder/activation name -> tensor
+        with self.streams.compute_context():  # NOTE: [Optimizer stream]
+            self.env = dict(self._check_batch(batch))  # placeholder/activation name -> tensor
         self.env.update(self.store.buffers)
         self.grads: dict[str, torch.Tensor] = {}
         self.saved: dict[int, tuple] = {}
@@ -262,7 +271,8 @@ class Trainer:
                 self.streams.wait_aside(-1)  # shared (tied) weights
             self.streams.run(event, lambda e=event: handlers[e.kind](e))
         if optimize and (deferred or self.stepper.params):
-            coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
+            with self.streams.compute_context():
+                coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
             if coef is None:
                 self.skipped_steps += 1
                 self.fresh.clear()
