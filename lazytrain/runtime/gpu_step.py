@@ -33,6 +33,7 @@ class _Update:
     master: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 twins on the device
     grad: dict[str, torch.Tensor] = field(default_factory=dict)  # gradients as they arrived
     grad32: dict[str, torch.Tensor] = field(default_factory=dict)
+    arrived: dict[str, torch.Tensor] = field(default_factory=dict)  # bf16 masters as they arrived
     state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
 
 
@@ -54,9 +55,10 @@ class GpuStepper:
             master = self.store.master[p].detach()
             if master.dtype == torch.float32:
                 u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
-            else:  # a bf16 master comes in as it is and is stepped through an fp32 twin
-                arrived = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
-                u.master[p] = carve.take(master.shape, torch.float32).copy_(arrived)
+            else:  # a bf16 master comes in as it is; step() widens it into an fp32 twin (the copy
+                # streams run copies only: a kernel there waits for SMs and holds up the copies behind it)
+                u.arrived[p] = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
+                u.master[p] = carve.take(master.shape, torch.float32)
             host = self.host_grad[p]
             u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
             u.grad32[p] = carve.take(master.shape, torch.float32)
@@ -73,6 +75,8 @@ class GpuStepper:
         names = self.params[stage]
         with torch.no_grad():
             for p in names:
+                if p in u.arrived:
+                    u.master[p].copy_(u.arrived[p])
                 g = u.grad32[p].copy_(u.grad[p])
                 if u.coef != 1.0:
                     g.mul_(u.coef)

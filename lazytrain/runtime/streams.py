@@ -62,9 +62,9 @@ class CudaStreams:
 
     def __init__(self, device: torch.device):
         self.device = device
-        # NOTE: [Optimizer stream] in trainer.py: compute gets a stream of its own (high priority)
-        # and optimizer steps run on the device's default stream, where bitsandbytes launches them
-        self.streams = {Stream.COMPUTE: torch.cuda.Stream(device, priority=-1),
+        # NOTE: [Optimizer stream] in trainer.py: compute gets a stream of its own and optimizer
+        # steps run on the device's default stream, where bitsandbytes launches them
+        self.streams = {Stream.COMPUTE: torch.cuda.Stream(device),
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
                         Stream.DISK: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")

@@ -21,7 +21,7 @@ A non-finite norm skips the whole update and is counted in `skipped_steps`, as A
 NOTE: [Optimizer stream]
 Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
 stream apart from compute, so their memory-bound kernels overlap compute instead of queueing on it.
-That stream is the device's default stream and compute gets a (high-priority) stream of its own:
+That stream is the device's default stream and compute gets a stream of its own:
 bitsandbytes launches its 8-bit kernels on the default stream whatever stream is current, so they
 must be the optimizer's. Work outside events that touches compute's tensors (the batch's copy, the
 gradient norm's read) runs in `streams.compute_context()`. Then:
