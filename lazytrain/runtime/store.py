@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from lazytrain.ir.events import Kind
 from lazytrain.runtime.pinned import PinnedArena
 
 _ALIGN = 256
