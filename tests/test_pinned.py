@@ -29,8 +29,8 @@ def test_buffers_are_disjoint_and_chunks_are_powers_of_two(requests):
         t.fill_(i % 100)
     for i, t in enumerate(tensors):  # nothing written later landed in an earlier buffer
         assert bool((t == i % 100).all())
-    for buf, _ in arena.chunks:
-        assert buf.numel() & (buf.numel() - 1) == 0 and buf.numel() >= 4096
+    for chunk in arena.chunks:
+        assert chunk.buf.numel() & (chunk.buf.numel() - 1) == 0 and chunk.buf.numel() >= 4096
     assert arena.used == sum(t.numel() * t.element_size() for t in tensors) <= arena.reserved
 
 

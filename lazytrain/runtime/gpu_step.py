@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lazytrain.runtime.optim import round_stochastic_
+from lazytrain.runtime.carve import Carver
 from lazytrain.runtime.pinned import PinnedArena
-from lazytrain.runtime.store import Carver, ParamStore
+from lazytrain.runtime.store import ParamStore
 
 
 @dataclass

@@ -15,40 +15,35 @@ from __future__ import annotations
 import torch
 
 from lazytrain.errors import ResourceError
+from lazytrain.runtime.carve import Carver, nbytes
 
 CHUNK_BYTES = 1 << 30
 _ALIGN = 4096  # page-aligned views: D2H/H2D copies run at full speed from any of them
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-
-
 class PinnedArena:
     def __init__(self, pin: bool, chunk_bytes: int = CHUNK_BYTES):
         self.pin, self.chunk_bytes = pin, chunk_bytes
-        self.chunks: list[list] = []  # [uint8 buffer, next free offset]
+        self.chunks: list[Carver] = []
         self.used = 0  # bytes handed out
 
     @property
     def reserved(self) -> int:
         """Page-locked bytes held: the chunks' sizes."""
-        return sum(buf.numel() for buf, _ in self.chunks)
+        return sum(c.buf.numel() for c in self.chunks)
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         if not self.pin:
             return torch.empty(shape, dtype=dtype)
-        n = _nbytes(shape, dtype)
-        chunk = next((c for c in self.chunks if c[1] + n <= c[0].numel()), None) or self._grow(n)
-        buf, start = chunk
-        chunk[1] = min(buf.numel(), (start + n + _ALIGN - 1) // _ALIGN * _ALIGN)
+        n = nbytes(shape, dtype)
+        chunk = next((c for c in self.chunks if c.fits(n)), None) or self._grow(n)
         self.used += n
-        return buf[start:start + n].view(dtype).view(shape)
+        return chunk.take(shape, dtype)
 
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:
         return self.empty(t.shape, t.dtype).copy_(t)
 
-    def _grow(self, n: int) -> list:
+    def _grow(self, n: int) -> Carver:
         size = max(self.chunk_bytes, 1 << max(0, n - 1).bit_length())
         try:
             buf = self._allocate(size)
@@ -57,9 +52,8 @@ class PinnedArena:
                 f"could not page-lock {size / 2**30:.2f} GiB more host memory ({self.reserved / 2**30:.2f} GiB "
                 f"already held; {exc}). Free host memory, raise the locked-memory limit (ulimit -l), or "
                 "compile with a larger --budget so that less is streamed from the host") from None
-        chunk = [buf, 0]
-        self.chunks.append(chunk)
-        return chunk
+        self.chunks.append(Carver(buf, _ALIGN))
+        return self.chunks[-1]
 
     def _allocate(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)

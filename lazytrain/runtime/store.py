@@ -27,37 +27,14 @@ from __future__ import annotations
 
 import torch
 
+from lazytrain.runtime.carve import aligned, itemsize
 from lazytrain.runtime.pinned import PinnedArena
 
-_ALIGN = 256
 _OPT_SLACK = 16 << 10
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class Carver:
-    """Cuts aligned tensors out of a byte buffer in order; past its end, falls back to allocating."""
-
-    def __init__(self, buf: torch.Tensor):
-        self.buf, self.offset = buf, 0
-
-    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        n = int(torch.Size(shape).numel()) * _itemsize(dtype)
-        if self.offset + n > self.buf.numel():
-            return torch.empty(shape, dtype=dtype, device=self.buf.device)
-        t = self.buf[self.offset:self.offset + n].view(dtype).view(shape)
-        self.offset += _aligned(n)
-        return t
 
 
 class ParamStore:
@@ -102,7 +79,7 @@ class ParamStore:
                 offset, layout = 0, {}
                 for p in s.params:
                     layout[p] = offset
-                    offset += _aligned(self.master[p].numel() * _itemsize(self.dtype[p]))
+                    offset += aligned(self.master[p].numel() * itemsize(self.dtype[p]))
                 self.layout[s.index] = layout
                 self.slot_sizes[f"w:{s.index}"] = offset
         # the slack covers per-tensor alignment and the optimizer's small extras (8-bit quantisation
@@ -127,7 +104,7 @@ class ParamStore:
 
     def slot_view(self, stage: int, p: str) -> torch.Tensor:
         buf = self.slots[f"w:{stage}"]
-        nbytes = self.master[p].numel() * _itemsize(self.dtype[p])
+        nbytes = self.master[p].numel() * itemsize(self.dtype[p])
         start = self.layout[stage][p]
         return buf[start:start + nbytes].view(self.dtype[p]).view(self.master[p].shape)
 
