@@ -35,7 +35,8 @@ EVAL_LIMIT = 1 << 30  # bytes: larger constant masks are not evaluated (and not 
 
 def causal(graph: Graph) -> Graph:
     rewritten: dict[str, Node] = {}
-    cache: dict[str, torch.Tensor | None] = {}
+    cache: dict[str, torch.Tensor | None] = {}  # mask name -> its constant value
+    masks: set[str] = set()  # the masks no longer read
     for node in graph.of(OpKind.CALL):
         if node.target != SDPA:
             continue
@@ -48,14 +49,13 @@ def causal(graph: Graph) -> Graph:
         q, k = graph[args["query"].value].spec, graph[args["key"].value].spec
         if not _is_causal(cache[mask.value], q.shape[-2], k.shape[-2]):
             continue
+        masks.add(mask.value)
         kwargs = tuple((n, v) for n, v in node.kwargs if n not in ("attn_mask", "is_causal"))
         rewritten[node.name] = dataclasses.replace(
             node, args=node.args[:3], kwargs=(("dropout_p", args.get("dropout_p", 0.0)), ("is_causal", True)) + kwargs)
     if not rewritten:
         return graph
     nodes = [rewritten.get(n.name, n) for n in graph]
-    masks = {dict(zip(_SCHEMA, graph[name].args)).get("attn_mask", dict(graph[name].kwargs).get("attn_mask")).value
-             for name in rewritten}
     producers = {n.name for m in masks for n in _ancestors(graph, m)}
     return dataclasses.replace(graph, nodes=tuple(_without_dead(nodes, graph.output, producers)))
 

@@ -103,8 +103,9 @@ class CudaStreams:
         self.streams[Stream.H2D].wait_event(made)
         return buf
 
-    def run(self, e: Event, fn):
-        s = self.streams[e.stream]
+    def run(self, e: Event, fn, on: torch.cuda.Stream | None = None):
+        """`fn` on its event's stream (or `on`), after the events it waits on."""
+        s = on if on is not None else self.streams[e.stream]
         for w in e.waits:
             if w in self.done:
                 s.wait_event(self.done[w])
@@ -124,11 +125,7 @@ class CudaStreams:
         `after_compute` it first waits for the compute work issued so far (the gradients it reads)."""
         if after_compute:
             self.aside.wait_stream(self.streams[Stream.COMPUTE])
-        real, self.streams[e.stream] = self.streams[e.stream], self.aside
-        try:
-            self.run(e, fn)
-        finally:
-            self.streams[e.stream] = real
+        self.run(e, fn, on=self.aside)
         self.stepped[e.stage] = self.done[e.id]
 
     def wait_aside(self, stage: int):
@@ -136,7 +133,6 @@ class CudaStreams:
         ev = self.stepped.pop(stage, None)
         if ev is not None:
             self.streams[Stream.COMPUTE].wait_event(ev)
-
 
     def host(self, e: Event, fn) -> Future:
         """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""

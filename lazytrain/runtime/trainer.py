@@ -202,9 +202,8 @@ class Trainer:
             self._flush_gpu_steps()
 
     def _flush_gpu_steps(self) -> None:
-        """The pending updates' events, run back to back on the current stream."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        """The pending updates' events, run back to back on the current stream (`synchronize`
+        has waited for every stream first)."""
         for s in sorted(self.stepper.pending):
             self._fetch_stage(s, update=True)
             self.stepper.step(s, self._group(s))
