@@ -102,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
     c.add_argument("--optimizer-states", choices=["32bit", "8bit"], default="32bit",
-                   help="AdamW state precision: 32bit (torch AdamW) or 8bit (bitsandbytes, blockwise quantised)")
+                   help="AdamW state precision: 32bit (torch AdamW) or 8bit (bitsandbytes, blockwise quantised; "
+                        "blocks stepped on the host CPU keep 32-bit states)")
     c.add_argument("--master-weights", choices=["fp32", "bf16"], default="fp32",
                    help="precision of the weights the optimizer updates: fp32 (default), or bf16 with stochastic "
                         "rounding (half the host memory and traffic; the model's parameters become bf16)")

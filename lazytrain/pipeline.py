@@ -72,10 +72,10 @@ class _Hook:
 
 
 def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
-    """The profile with the optimizer rates of the chosen state precision."""
+    """The profile with the GPU optimizer rate of the chosen state precision; host steps stay
+    fp32 (NOTE: [State precision per stage] in passes/solve.py)."""
     if optimizer_states == "8bit":
-        return dataclasses.replace(hw, cpu_adamw_params_per_s=hw.cpu_adamw8bit_params_per_s,
-                                   gpu_adamw_params_per_s=hw.gpu_adamw8bit_params_per_s)
+        return dataclasses.replace(hw, gpu_adamw_params_per_s=hw.gpu_adamw8bit_params_per_s)
     return hw
 
 

@@ -57,10 +57,25 @@ def _internals(s) -> str:
 
 def _states_line(m: ModuleType) -> str:
     """AdamW state bytes by tier: resident stages (and shared weights) keep theirs on the GPU,
-    streamed stages on the host."""
-    per = getattr(m, "STATE_BYTES", 8.0)
-    numel = lambda shape: math.prod(shape)  # noqa: E731
-    gpu = sum(s.param_numel for s in m.STAGES if not s.stream) + sum(numel(m.PLACEHOLDERS[p][2]) for p in m.SHARED)
-    host = sum(s.param_numel for s in m.STAGES if s.stream)
-    return (f"optimizer states ({getattr(m, 'OPTIMIZER_STATES', '32bit')} AdamW): GPU {format_size(gpu * per)}, "
-            f"host {format_size(host * per)}")
+    streamed stages on the host; host-stepped stages' states are fp32 whatever was chosen."""
+    per = {"32bit": 8.0, "8bit": getattr(m, "STATE_BYTES", 8.0)}
+    gpu = sum(s.param_numel * per[s.states] for s in m.STAGES if not s.stream) + sum(
+        math.prod(m.PLACEHOLDERS[p][2]) for p in m.SHARED) * per[getattr(m, "OPTIMIZER_STATES", "32bit")]
+    host = sum(s.param_numel * per[s.states] for s in m.STAGES if s.stream)
+    fp32 = [s.index for s in m.STAGES if s.states == "32bit"]
+    mixed = (f"; 32-bit on the host-stepped stages ({_ranges(fp32)})"
+             if getattr(m, "OPTIMIZER_STATES", "32bit") != "32bit" and fp32 else "")
+    return (f"optimizer states ({getattr(m, 'OPTIMIZER_STATES', '32bit')} AdamW{mixed}): GPU {format_size(gpu)}, "
+            f"host {format_size(host)}")
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, k in enumerate(indices):
+        if start is None:
+            start = k
+        if i + 1 == len(indices) or indices[i + 1] != k + 1:
+            out.append(f"{start}-{k}" if k > start else f"{k}")
+            start = None
+    return ", ".join(out)

@@ -118,13 +118,13 @@ def test_gradients_match_eager_on_gpu(case):
 
 
 def clipped_steps(case: str, make_optimizer, **hp):
-    """Five clipped steps of a bound trainer and of eager PyTorch with `make_optimizer`; returns
-    (start, ours, reference) models, all on the host."""
+    """Five clipped steps of a bound trainer and of eager PyTorch with `make_optimizer(model, **hp)`;
+    returns (start, ours, reference) models, all on the host."""
     torch.manual_seed(0)
     model = tiny_qwen()
     start = copy.deepcopy(model)
     ref = copy.deepcopy(model).cuda()
-    opt = make_optimizer(ref.parameters(), **hp)
+    opt = make_optimizer(ref, **hp)
     trainer = bind(case, model, max_grad_norm=0.5, **hp)
     for i in range(5):
         batch = tiny_batch(i)
@@ -137,9 +137,43 @@ def clipped_steps(case: str, make_optimizer, **hp):
     return start, model, ref.cpu()
 
 
+def adamw(model, **hp):
+    return torch.optim.AdamW(model.parameters(), **hp)
+
+
+class _Optimizers:
+    """Several optimizers stepped as one."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def zero_grad(self):
+        for o in self.opts:
+            o.zero_grad()
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
+def mixed_8bit(case: str, model, **hp):
+    """bitsandbytes' AdamW8bit over the schedule's 8-bit parameters, torch's AdamW over those of its
+    host-stepped (32-bit) stages."""
+    import bitsandbytes as bnb
+    from lazytrain.runtime.schedule import load_source
+
+    m = load_source(schedule_source(case), f"lt_gpu_ref_{case}")
+    fp32 = {m.PLACEHOLDERS[p][1] for s in m.STAGES if s.states == "32bit" for p in s.params}
+    named = list(model.named_parameters())
+    opts = [bnb.optim.AdamW8bit([p for n, p in named if n not in fp32], **hp)]
+    if fp32:
+        opts.append(torch.optim.AdamW([p for n, p in named if n in fp32], **hp))
+    return _Optimizers(*opts)
+
+
 @needs_gpu
 def test_clipped_steps_match_torch_adamw_on_gpu():
-    _, model, ref = clipped_steps("fp32_min", torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    _, model, ref = clipped_steps("fp32_min", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.detach(), q.detach(), atol=1e-4), name
 
@@ -148,7 +182,7 @@ def test_clipped_steps_match_torch_adamw_on_gpu():
 def test_gpu_stepped_streamed_stages_match_torch_adamw():
     """Master weights, states and gradients streamed through the GPU for the step, updates at the
     next prefetch: the same weights as eager AdamW after clipped steps."""
-    _, model, ref = clipped_steps("fp32_gpu_step", torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    _, model, ref = clipped_steps("fp32_gpu_step", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.detach(), q.detach(), atol=1e-4), name
 
@@ -185,7 +219,7 @@ def test_eight_bit_steps_equal_bitsandbytes_on_gpu(case):
     bnb = pytest.importorskip("bitsandbytes")
     if case == "fp32_min_8bit":  # the host's 8-bit step is slow: streamed stages step on the GPU
         assert "gpu_step=True" in schedule_source(case)
-    start, model, ref = clipped_steps(case, bnb.optim.AdamW8bit, lr=1e-3, eps=1e-6, weight_decay=0.1)
+    start, model, ref = clipped_steps(case, lambda m, **hp: mixed_8bit(case, m, **hp), lr=1e-3, eps=1e-6, weight_decay=0.1)
     # GPU gradients are not bitwise reproducible (atomic adds), and 8-bit moments turn ulp-level
     # differences into quantisation-step ones; on the CPU the steps are bit-identical
     # (test_optim8bit.py). Here the whole update must agree within 2 %, as bitsandbytes' own tests

@@ -293,8 +293,8 @@ def test_truncated_schedule_file(small, tmp_path):
 def test_stale_format_and_missing_file(small, tmp_path):
     _, _, _, c = small
     path = tmp_path / "schedule.py"
-    path.write_text(c.source_text.replace("FORMAT = 1\n", "FORMAT = 0\n"))
-    with pytest.raises(ScheduleMismatch, match="has format 0, this lazytrain reads 1: it is stale; recompile it"):
+    path.write_text(c.source_text.replace("FORMAT = 2\n", "FORMAT = 0\n"))
+    with pytest.raises(ScheduleMismatch, match="has format 0, this lazytrain reads 2: it is stale; recompile it"):
         load_schedule(path)
     with pytest.raises(ScheduleMismatch, match=re.escape("does not exist; create it with `lazytrain compile model.py -o")):
         load_schedule(tmp_path / "missing.py")

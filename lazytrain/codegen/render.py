@@ -100,6 +100,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
             f"{'streamed' if d.stream else 'resident':<8}  internals {_internals(s.chunks, d.recompute):<10}  "
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
+            + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
             + (", fetched 2 windows ahead" if d.lookahead == 2 else ""))
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
@@ -110,7 +111,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "") + "),"
+        f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "")
+        + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "") + "),"
         for s, d in zip(stages, plan.decisions)
     ]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"

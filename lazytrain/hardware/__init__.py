@@ -36,6 +36,8 @@ class Hardware:
     host_memcpy_bandwidth: float
     cpu_adamw_params_per_s: float
     gpu_adamw_params_per_s: float
+    # Recorded, not planned with: it is why host steps keep fp32 states (NOTE: [State precision
+    # per stage] in passes/solve.py).
     cpu_adamw8bit_params_per_s: float
     gpu_adamw8bit_params_per_s: float
     disk_write_bandwidth: float

@@ -31,6 +31,11 @@ class StageDecision:
         """Where the stage's optimizer step runs."""
         return "cpu" if self.stream and not self.gpu_step else "gpu"
 
+    def states(self, chosen: str) -> str:
+        """The precision of the stage's optimizer states when `chosen` ("32bit" or "8bit") was
+        asked for (NOTE: [State precision per stage] in solve.py)."""
+        return "32bit" if self.optimizer == "cpu" else chosen
+
 
 @dataclass(frozen=True, slots=True)
 class SolverInfo:

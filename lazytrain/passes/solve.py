@@ -31,6 +31,16 @@ the master, states and new weights go back out during F(s). With ahead[s] the pr
 F(s-2) instead (the weights' and optimizer's slots are live a window longer). Gradient clipping's global norm is
 known by then, and nothing waits for the host. Cost: (master + states) more bytes each way, an
 `opt:S` buffer (`gpu_step_bytes`) at F(s-1) and F(s), and the GPU's step rate instead of the CPU's.
+
+NOTE: [State precision per stage]
+With `--optimizer-states 8bit` a stage's states are 8-bit wherever its step runs on the GPU
+(resident, or GPU-stepped streamed), and 32-bit where it runs on the CPU: bitsandbytes' 8-bit step
+has no fast host path (0.09 G params/s on the H200 machine's 16 cores, against 4.5 G for torch's
+fused fp32 AdamW). So choosing where a stage steps also chooses its states' precision: `stream`
+without `gstep` is a 32-bit host stage, with the CPU's fp32 rate and 8 bytes of host states per
+parameter (`CPU_STATE_BYTES`); everything else uses `Stages.state_bytes` and the GPU's rate for the
+chosen precision. Such a host stage moves only its weights and gradient, not its states, which is
+what a link-bound forward needs.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ from lazytrain.units import format_size
 LOSS_BYTES = 4
 
 
+CPU_STATE_BYTES = 8.0  # a host-stepped stage's AdamW states: fp32 whatever was chosen (NOTE: [State precision per stage])
 MASTER_BYTES = 4  # fp32 master weights, per parameter (`--master-weights bf16`: 2, NOTE: [Master weights])
 
 # NOTE: [Master weights]
@@ -248,6 +259,7 @@ class _Model:
         self.host = sum(M * g.param_numel for g in stages) + sum(
             sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
             - gst[s] * M * g.param_numel + off[s] * g.out_bytes
+            + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
             for s, g in enumerate(stages))
         self.h2d, self.d2h, self.cpu, self.cap = h2d, d2h, cpu, cap
 

@@ -8,7 +8,10 @@ and the state dict (so `state_dict()` sees everything), and never mutates shared
 of different groups may run concurrently.
 
 Two precisions of state: "32bit" wraps `torch.optim.AdamW`; "8bit" wraps bitsandbytes'
-`AdamW8bit` (blockwise-quantised moments; imported only when asked for).
+`AdamW8bit` (blockwise-quantised moments; imported only when asked for). An 8-bit optimizer steps
+the groups marked `"states": "32bit"` (host-stepped stages, NOTE: [State precision per stage] in
+passes/solve.py) with `torch.optim.AdamW`'s arithmetic; all groups share one state dict, so
+`state_dict()` holds both kinds.
 
 NOTE: [bf16 master weights]
 With `--master-weights bf16` the parameters the optimizer updates are bf16. Each is stepped
@@ -102,14 +105,16 @@ class _Staged:
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        # torch casts floating state to each parameter's dtype; bf16 masters keep fp32 moments
+        # Loading casts floating state to each parameter's dtype (bitsandbytes: even AdamW's step
+        # count); bf16 masters keep fp32 moments and steps. A step count stays where loading put it.
         params = [p for group in self.param_groups for p in group["params"]]
         saved = [i for group in state_dict["param_groups"] for i in group["params"]]
         for p, i in zip(params, saved):
             if p.dtype != torch.float32 and i in state_dict["state"]:
                 for k, v in state_dict["state"][i].items():
-                    if k != "step" and torch.is_tensor(v) and v.is_floating_point():
-                        self.state[p][k] = v.to(p.device, copy=True)
+                    if torch.is_tensor(v) and v.is_floating_point():
+                        device = self.state[p][k].device if k == "step" else p.device
+                        self.state[p][k] = v.to(device, copy=True)
         self._views = self._make_views()
         self._sr_steps = {}
 
@@ -132,8 +137,16 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
     if states == "8bit":
         import bitsandbytes as bnb
 
+        # fp32 groups step through views of this AdamW (its hooks and defaults; never its params)
+        fp32 = torch.optim.AdamW([torch.zeros(1)], **kwargs)
+        fp32_attrs = {k: v for k, v in fp32.__dict__.items() if k not in ("param_groups", "state", "step")}
+
         class StagedAdamW8bit(_Staged, bnb.optim.AdamW8bit):
             def _step(self, view) -> None:
+                group = view.param_groups[0]
+                if group.get("states") == "32bit":
+                    _view(torch.optim.AdamW, fp32_attrs, [{**fp32.defaults, **group}], view.state).step()
+                    return
                 # bitsandbytes' own step synchronises the whole device after every parameter, which
                 # stalls the copy streams the runtime overlaps with it; this is that step without it.
                 if not view.initialized:
@@ -152,6 +165,7 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
 
         kwargs.pop("foreach", None)
         for group in groups:
-            group.pop("fused", None)
+            if group.get("states") != "32bit":
+                group.pop("fused", None)
         return StagedAdamW8bit(groups, **kwargs)
     raise ValueError(f"optimizer states {states!r}: use '32bit' or '8bit'")

@@ -21,7 +21,7 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 
 __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-stage optimizer-state precision (`Stage.states`)
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -52,6 +52,7 @@ class Stage:
     param_numel: int = 0
     gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
+    states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

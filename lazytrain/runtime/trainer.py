@@ -93,14 +93,15 @@ class Trainer:
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
         self.max_grad_norm = max_grad_norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
+        chosen = getattr(module, "OPTIMIZER_STATES", "32bit")
         groups = []
-        for names in [s.params for s in self.stages] + [module.SHARED]:
-            group = {"params": [self.store.home[p] for p in names]}
+        for names, states in [(s.params, s.states) for s in self.stages] + [(module.SHARED, chosen)]:
+            group = {"params": [self.store.home[p] for p in names], "states": states}
             if fused is not None or self.cuda:
                 group["fused"] = fused if fused is not None else True
             groups.append(group)
-        self.optimizer = staged_optimizer(getattr(module, "OPTIMIZER_STATES", "32bit"), groups, lr=lr, betas=betas,
-                                          eps=eps, weight_decay=weight_decay, foreach=foreach)
+        self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                          foreach=foreach)
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
