@@ -121,7 +121,8 @@ def cmd_run_one(args):
         model = build(args.model, args.seq, "cpu", torch.bfloat16 if args.master == "bf16" else torch.float32)
         path = CASES / f"{case_name(args)}{'.fixed' if args.system == 'fixed' else ''}.py"
         module = load_schedule(path)
-        trainer = module.bind(model, device="cuda", lr=1e-5, serial_optimizer=args.system == "fixed")
+        trainer = module.bind(model, device="cuda", lr=1e-5, serial_optimizer=args.system == "fixed",
+                              cap_memory=not args.no_cap)
         predicted = {"predicted_step_s": module.PREDICTED_STEP_S, "predicted_peak_gib": module.PREDICTED_PEAK / 2**30}
 
         def step():
@@ -183,7 +184,7 @@ def cmd_run(args):
     for system in args.systems.split(","):
         cmd = [sys.executable, str(HERE / "bench.py"), "run-one", "--system", system, "--model", args.model,
                "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--states", args.states,
-               "--master", args.master,
+               "--master", args.master, *(["--no-cap"] if args.no_cap else []),
                "--steps", str(args.steps),
                "--warmup", str(args.warmup)] + (["--out", args.out] if args.out else [])
         start = time.perf_counter()
@@ -242,6 +243,7 @@ def main(argv=None):
             s.add_argument("--steps", type=int, default=5)
             s.add_argument("--warmup", type=int, default=2)
             s.add_argument("--out", default=None)
+            s.add_argument("--no-cap", action="store_true", help="leave the allocator uncapped (NOTE: [Memory cap])")
         if name == "run":
             s.add_argument("--systems", default="resident,fixed,lazytrain")
             s.add_argument("--timeout", type=float, default=400)

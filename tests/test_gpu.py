@@ -172,6 +172,26 @@ def mixed_8bit(case: str, model, **hp):
 
 
 @needs_gpu
+def test_bind_caps_the_allocator_at_the_budget():
+    """NOTE: [Memory cap]: past the budget the allocator fails instead of growing its reserve."""
+    from lazytrain.runtime.trainer import CAP_FLOOR
+
+    try:
+        trainer = bind("fp32_min", tiny_qwen())
+        trainer.step(tiny_batch())
+        assert trainer.m.BUDGET < CAP_FLOOR
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(CAP_FLOOR + (64 << 20), dtype=torch.uint8, device="cuda")
+        torch.empty(CAP_FLOOR // 2, dtype=torch.uint8, device="cuda")
+        bind("fp32_min", tiny_qwen(), cap_memory=False)  # leaves the cap as it was
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(CAP_FLOOR + (64 << 20), dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.empty(CAP_FLOOR + (64 << 20), dtype=torch.uint8, device="cuda")
+
+
+@needs_gpu
 def test_clipped_steps_match_torch_adamw_on_gpu():
     _, model, ref = clipped_steps("fp32_min", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):

@@ -112,13 +112,17 @@ class GpuStepper:
                 self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
-            if not host:  # first update: the host copies are made once
+            # Later updates' states are carved from the opt slot, whose FREE waits for this copy
+            # (NOTE: [Slots] in store.py). The first update's were made by the optimizer on its own
+            # stream and are dropped here: recorded, so their memory is not reused while copied.
+            made = not host
+            if made:  # first update: the host copies are made once
                 host = {k: self.pinned.empty(v.shape, v.dtype) if torch.is_tensor(v) else v
                         for k, v in u.state[p].items()}
                 self.optimizer.state[home] = host
             for k, v in u.state[p].items():
                 if torch.is_tensor(v):
-                    if pin:
+                    if pin and made:
                         v.record_stream(torch.cuda.current_stream())
                     host[k].copy_(v, non_blocking=True)
                 else:
