@@ -79,6 +79,13 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
         opt = torch.optim.AdamW([p], fused=True if device.type == "cuda" else None)
         return numel / _median_time(opt.step, sync=sync if device.type == "cuda" else (lambda: None))
 
+    def round_rate() -> float:
+        from lazytrain.runtime.optim import round_stochastic_
+
+        numel = 2**22 if quick else 2**24
+        src, dst = torch.randn(numel), torch.empty(numel, dtype=torch.bfloat16)
+        return numel / _median_time(lambda: round_stochastic_(dst, src, seed=1))
+
     cpu_adamw = adamw_rate(torch.device("cpu"))
     gpu_adamw = adamw_rate(dev)
     disk_w, disk_r = _disk(nbytes // 4)
@@ -91,6 +98,7 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
         duplex_bandwidth=duplex, pageable_h2d_bandwidth=pageable, host_memcpy_bandwidth=memcpy,
         cpu_adamw_params_per_s=cpu_adamw, gpu_adamw_params_per_s=gpu_adamw,
         cpu_adamw8bit_params_per_s=cpu_adamw / 50, gpu_adamw8bit_params_per_s=gpu_adamw / 3,
+        cpu_round_params_per_s=round_rate(),
         disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
         estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s", "disk_read_bandwidth")
         + (() if cuda else ("duplex_bandwidth",)),

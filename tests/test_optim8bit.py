@@ -24,7 +24,7 @@ HOST_RATE = {"resident": 1e5, "streamed": 1e5, "mixed": 2e7}
 
 
 def _schedule(meta, batch, case, name, master="fp32"):
-    hw = dataclasses.replace(hardware.load("cpu"), cpu_adamw_params_per_s=HOST_RATE[case])
+    hw = dataclasses.replace(hardware.load("cpu"), cpu_adamw_params_per_s=HOST_RATE[case], cpu_round_params_per_s=1e12)
     opts = dict(optimizer_states="8bit", master_weights=master)
     budget = 1 << 30 if case == "resident" else minimum_budget(meta, batch, hw, **opts)
     c = compile_model(meta, batch, budget, hw, **opts)

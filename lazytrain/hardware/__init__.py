@@ -40,6 +40,8 @@ class Hardware:
     # per stage] in passes/solve.py).
     cpu_adamw8bit_params_per_s: float
     gpu_adamw8bit_params_per_s: float
+    # host stochastic rounding of updated bf16 masters (NOTE: [Host rounding noise] in runtime/optim.py)
+    cpu_round_params_per_s: float
     disk_write_bandwidth: float
     disk_read_bandwidth: float
     estimated: tuple = ()

@@ -89,12 +89,13 @@ def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_
     """A host optimizer step: AdamW itself, plus turning the compute-dtype gradient into the fp32
     one it reads and the updated master into the compute-dtype copy the next prefetch sends
     (measured on the H200 machine: these copies cost more than the fused step); a bf16 master
-    goes to fp32 and back instead."""
+    goes to fp32 and back instead, and is rounded stochastically."""
     if param_bytes == MASTER_BYTES * numel:
         casts = param_bytes
     else:
         casts = 2 * (param_bytes + MASTER_BYTES * numel) + (2 * (master + MASTER_BYTES) * numel if master != MASTER_BYTES else 0)
-    return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth
+    rounding = numel / hw.cpu_round_params_per_s if master != MASTER_BYTES else 0.0
+    return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth + rounding
 
 
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:

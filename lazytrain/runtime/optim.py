@@ -34,9 +34,38 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = N
     fp32 bit pattern, then truncated; a value 1/4 of the way between two bf16 numbers rounds up
     with probability 1/4. Infinities stay infinite. `seed`: draw the noise from its own generator."""
     bits = src.view(torch.int32)
-    gen = torch.Generator(device=src.device).manual_seed(seed) if seed is not None else None
-    noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32, device=src.device)
+    if seed is None:
+        noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=src.device)
+    elif src.device.type == "cpu" and bits.numel() > _NOISE_CHUNK:
+        noise = _host_noise(bits.numel(), seed).view(bits.shape)
+    else:
+        gen = torch.Generator(device=src.device).manual_seed(seed)
+        noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32, device=src.device)
     return dst.copy_(noise.add_(bits).bitwise_and_(-65536).view(torch.float32))
+
+
+# NOTE: [Host rounding noise] A seeded CPU generator draws one number at a time on one core: 3.4
+# ns per parameter measured here, eight times the fused AdamW step it follows. So on the host the
+# noise comes in fixed chunks, each from its own generator seeded by (seed, chunk), drawn on as
+# many threads as torch uses; the chunk size is fixed, so the noise depends on the seed alone.
+_NOISE_CHUNK = 1 << 20
+_noise_pool = None
+
+
+def _host_noise(n: int, seed: int) -> torch.Tensor:
+    global _noise_pool
+    if _noise_pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _noise_pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="lazytrain-sr")
+    out = torch.empty(n, dtype=torch.int32)
+
+    def fill(c: int) -> None:
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + c) % (1 << 63))
+        part = out[c * _NOISE_CHUNK:(c + 1) * _NOISE_CHUNK]
+        torch.randint(0, 1 << 16, part.shape, generator=gen, dtype=torch.int32, out=part)
+    list(_noise_pool.map(fill, range(-(-n // _NOISE_CHUNK))))
+    return out
 
 
 class _Staged:

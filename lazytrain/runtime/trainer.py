@@ -101,7 +101,8 @@ class Trainer:
         self.cuda = self.device.type == "cuda"
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, max(module.BUDGET, CAP_FLOOR) / total), self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, max(module.BUDGET, CAP_FLOOR) / total), index)
         self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena]
         if self.cuda:
             self._pin_streamed_masters(tensors)

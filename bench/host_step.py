@@ -1,0 +1,81 @@
+"""One block's optimizer step on the host, against the cost model's `cpu_step_s`.
+
+A block stepped on the CPU (32-bit states, NOTE: [State precision per stage] in passes/solve.py)
+costs torch's fused AdamW plus, with bf16 masters, fp32 twins and stochastic rounding. This times
+each part and the whole step as the runtime runs it, for one Qwen2.5-7B decoder layer by default:
+
+    python bench/host_step.py --hidden 3584 --intermediate 18944 --kv 512
+
+and prints the rates to put in a hardware profile (medians of 3 timed runs after a warm-up).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn, reps=3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def layer_shapes(hidden: int, intermediate: int, kv: int) -> list[tuple[int, ...]]:
+    return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (hidden,), (kv,), (kv,),
+            (intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (hidden,), (hidden,)]
+
+
+def main():
+    from lazytrain import hardware
+    from lazytrain.passes.solve import cpu_step_s
+    from lazytrain.runtime.optim import round_stochastic_, staged_optimizer
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=3584)
+    p.add_argument("--intermediate", type=int, default=18944)
+    p.add_argument("--kv", type=int, default=512)
+    p.add_argument("--hardware", default="h200")
+    args = p.parse_args()
+    shapes = layer_shapes(args.hidden, args.intermediate, args.kv)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+
+    fp32 = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    for t in fp32:
+        t.grad = torch.randn_like(t) * 1e-3
+    adamw = torch.optim.AdamW(fp32, lr=1e-5, fused=True)
+    t_adamw = timed(adamw.step)
+
+    src = torch.cat([t.detach().flatten() for t in fp32])
+    dst = torch.empty_like(src, dtype=torch.bfloat16)
+    t_round = timed(lambda: round_stochastic_(dst, src, seed=7))
+
+    bf16 = [torch.nn.Parameter(t.detach().bfloat16()) for t in fp32]
+    for t in bf16:
+        t.grad = torch.randn_like(t) * 1e-3
+    staged = staged_optimizer("32bit", [{"params": bf16, "fused": True, "states": "32bit"}], lr=1e-5)
+    t_bf16 = timed(lambda: staged.step_group(0))
+    t_fp32 = timed(lambda: staged_optimizer("32bit", [{"params": fp32, "fused": True}], lr=1e-5).step_group(0))
+
+    hw = hardware.load(args.hardware)
+    rows = [("fused AdamW, fp32 (params/s)", numel / t_adamw, hw.cpu_adamw_params_per_s),
+            ("stochastic rounding (params/s)", numel / t_round, hw.cpu_round_params_per_s)]
+    print(f"{numel / 1e6:.0f} M parameters, {torch.get_num_threads()} threads")
+    print(f"{'':<34}{'measured':>12}{'profile':>12}")
+    for name, got, want in rows:
+        print(f"{name:<34}{got:>12.3g}{want:>12.3g}")
+    print(f"{'host step, fp32 master (s)':<34}{t_fp32:>12.3f}{cpu_step_s(4 * numel, numel, hw, 4):>12.3f}")
+    print(f"{'host step, bf16 master (s)':<34}{t_bf16:>12.3f}{cpu_step_s(2 * numel, numel, hw, 2):>12.3f}")
+
+
+if __name__ == "__main__":
+    main()
