@@ -90,8 +90,9 @@ class GpuStepper:
                 u.master[p].grad = None
                 if self.store.master[p].dtype == torch.float32:
                     self.store.work[p].data.copy_(u.master[p])
-                else:  # NOTE: [bf16 master weights] in optim.py
-                    round_stochastic_(self.store.work[p].data, u.master[p], self.optimizer.sr_seed(group, i, u.state[p]))
+                else:  # NOTE: [bf16 master weights] in optim.py: the rounded master, then its compute copy
+                    seed = self.optimizer.sr_seed(group, i, u.state[p])
+                    self.store.work[p].data.copy_(round_stochastic_(u.arrived[p], u.master[p], seed))
 
     def write_weights(self, stage: int) -> None:
         """New compute-dtype weights to the host copy that prefetches read (on the current stream);
@@ -109,7 +110,7 @@ class GpuStepper:
         pin = self.store.cuda
         for p in self.params[stage]:
             if not self.store.source_is_master(p):  # else it went back as the weights
-                self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
+                self.store.master[p].detach().copy_(u.arrived.get(p, u.master[p]), non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
             # Later updates' states are carved from the opt slot, whose FREE waits for this copy
