@@ -56,7 +56,7 @@ def cmd_compile(args):
     hw = hardware.load(args.hardware)
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
     b = batch(args.model, args.batch, args.seq)
-    budget = hw.gpu_memory_bytes if args.budget == "max" else parse_size(args.budget)
+    budget = hw.max_budget if args.budget == "max" else parse_size(args.budget)
     CASES.mkdir(exist_ok=True)
     compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit,
                              optimizer_states=args.states, master_weights=args.master)

@@ -39,9 +39,9 @@ def main():
     rows = []
     inner = trainer.streams.run
 
-    def run(e, fn):
+    def run(e, fn, on=None):
         torch.cuda.reset_peak_memory_stats()
-        inner(e, fn)
+        inner(e, fn, on=on)
         rows.append((torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated(), e))
     trainer.streams.run = run
     trainer.step(data)
@@ -52,6 +52,19 @@ def main():
     names = [s.name for s in module.STAGES]
     print(f"budget {module.BUDGET / G:.1f} GiB, predicted peak {module.PREDICTED_PEAK / G:.2f} GiB, "
           f"measured peak {max(r[0] for r in rows) / G:.2f} GiB, slots {trainer.memory_report()['slot_bytes'] / G:.2f} GiB")
+    # per window (by the event's planned start): the most allocated during its events, and the plan's
+    starts, t = [], 0.0
+    for label, _, secs in module.WINDOWS:
+        starts.append((t, label))
+        t += secs
+    seen: dict[str, int] = {}
+    for peak, _, e in rows:
+        label = [lab for t0, lab in starts if t0 <= e.start_s + 1e-12][-1] if starts else "-"
+        seen[label] = max(seen.get(label, 0), peak)
+    print("window  measured  predicted (GiB)")
+    for _, label in starts:
+        if label in seen:
+            print(f"{label:>6} {seen[label] / G:9.2f} {window[label] / G:10.2f}")
     for peak, after, e in sorted(rows, key=lambda r: -r[0])[:args.top]:
         label = (f"F{e.stage}" if e.phase is None or e.phase.value == "fwd" else f"B{e.stage}") if e.stage >= 0 else "-"
         print(f"{peak / G:7.2f} GiB peak {after / G:7.2f} after  event {e.id:4d} {e.stream.value:<7} {e.kind.value:<8} "

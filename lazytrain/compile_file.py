@@ -22,7 +22,7 @@ def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.
         model = model.to(dtype)
     hw = hw_profiles.load(hardware)
     if budget == "max" or budget is None:
-        budget = hw.gpu_memory_bytes
+        budget = hw.max_budget
     elif budget == "min":
         budget = minimum_budget(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights,
                                 loss_chunk_bytes=loss_chunk_bytes)

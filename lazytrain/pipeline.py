@@ -117,7 +117,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
         model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
-    budget = hw.gpu_memory_bytes if budget is None else int(budget)
+    budget = hw.max_budget if budget is None else int(budget)
     plan = hook.run("solve", solve, stages, hw, budget, time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)

@@ -17,6 +17,9 @@ BUILTIN = {"h200": _HERE / "h200.json", "cpu": _HERE / "cpu.json"}
 DEFAULT = "h200"
 
 
+CUDA_RESERVE = 2 << 30
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -45,6 +48,12 @@ class Hardware:
     disk_write_bandwidth: float
     disk_read_bandwidth: float
     estimated: tuple = ()
+
+    @property
+    def max_budget(self) -> int:
+        """The most a plan may use (`--budget max`): the device's memory less what the CUDA context,
+        library workspaces and the allocator's rounding keep outside any plan."""
+        return self.gpu_memory_bytes - (CUDA_RESERVE if self.device == "cuda" else 0)
 
     def flops_for(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction

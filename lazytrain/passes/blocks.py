@@ -23,6 +23,7 @@ import networkx as nx
 from lazytrain.errors import TraceError
 from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
+from lazytrain.passes.saved import saved
 
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform")
 
@@ -43,7 +44,7 @@ class Stage:
     producers: tuple[int, ...]  # stages whose outputs this one reads
     param_numel: int
     param_bytes: int
-    saved_bytes: int  # activations autograd keeps from forward to backward (non-view intermediates)
+    saved_bytes: int  # activations autograd keeps from forward to backward (NOTE: [Saved activations])
     peak_bytes: int  # transient peak of a forward without autograd (liveness)
     out_bytes: int
     grad_out_bytes: int
@@ -162,6 +163,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
                     param_users.setdefault(src, set()).add(stage_of[node.name])
     shared = tuple(sorted(p for p, s in param_users.items() if len(s) > 1))
 
+    kept = saved(graph, costs, rg)  # NOTE: [Saved activations]
     kinds: dict[str, str] = {}
     stages = []
     for i, name in enumerate(order):
@@ -185,7 +187,8 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             consumers=consumers, producers=producers,
             param_numel=sum(graph[p].spec.numel for p in params),
             param_bytes=sum(graph[p].spec.nbytes for p in params),
-            saved_bytes=sum(value_bytes(n.value) for n in owned),
+            saved_bytes=sum(value_bytes(n.value) for n in owned
+                            if n.name in kept and (n.name not in outputs or not kept[n.name].isdisjoint(names))),
             peak_bytes=_peak(graph, names, costs, last_use, position),
             out_bytes=sum(value_bytes(graph[o].value) for o in outputs),
             grad_out_bytes=sum(value_bytes(graph[o].value) for o in outputs if o in rg and o != graph.output),

@@ -61,7 +61,7 @@ def _schedule(args, source: ModelSource, out: Path | None):
     if args.budget in (None, "min"):
         budget = minimum_budget(meta_model, batch, hw, **opts)
     elif args.budget == "max":
-        budget = hw.gpu_memory_bytes
+        budget = hw.max_budget
     print(f"compiling {source.path} for batch {list(source.batch_shape)} ...", flush=True)
     compiled = compile_model(meta_model, batch, budget, hw, source=str(source.path), time_limit=args.time_limit, **opts)
     if out is not None:
