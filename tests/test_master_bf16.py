@@ -124,3 +124,43 @@ def test_bf16_masters_resume_bit_identical():
     t3.synchronize()
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_seeded_host_rounding_is_unbiased_and_reproducible():
+    """The host path draws its noise in chunks on parallel generators (NOTE: [Host rounding noise])."""
+    from lazytrain.runtime.optim import _NOISE_CHUNK
+
+    lo = torch.tensor(1.0, dtype=torch.bfloat16)
+    hi = torch.nextafter(lo, torch.tensor(2.0, dtype=torch.bfloat16))
+    x = torch.full((3 * _NOISE_CHUNK + 5,), float(lo) + 0.25 * (float(hi) - float(lo)))
+    a = round_stochastic_(torch.empty_like(x, dtype=torch.bfloat16), x, seed=11)
+    b = round_stochastic_(torch.empty_like(x, dtype=torch.bfloat16), x, seed=11)
+    assert torch.equal(a, b)
+    for part in a.split(_NOISE_CHUNK)[:3]:  # every chunk rounds up a quarter of the time: no repeated noise
+        assert abs((part == hi).float().mean().item() - 0.25) < 0.01
+    assert not torch.equal(a[:_NOISE_CHUNK], a[_NOISE_CHUNK:2 * _NOISE_CHUNK])
+    c = round_stochastic_(torch.empty_like(x, dtype=torch.bfloat16), x, seed=12)
+    assert not torch.equal(a, c)
+
+
+def test_fp32_twin_workspace_follows_the_resident_stages():
+    """Resident bf16 masters step through fp32 twins of their largest tensor; streamed GPU-stepped
+    ones carry theirs in their opt slot, so streaming the stage with the largest tensor shrinks the
+    workspace the plan counts and the schedule holds."""
+    from lazytrain import hardware
+    from lazytrain.passes.solve import twin_bytes
+
+    meta, _, batch = tiny_gpt_pair()
+    hw = hardware.load("cpu")
+    _, stages = analyse(meta, batch, hw, master_weights="bf16")
+    biggest = max(g.largest_numel for g in stages)
+    everything = twin_bytes(stages, [True] * len(stages))
+    assert everything == 8 * max(biggest, stages.largest_shared_numel)
+    streamed = [g.largest_numel == biggest for g in stages]
+    assert twin_bytes(stages, [not x for x in streamed]) < everything
+    last = len(stages) - 1
+    resident = [StageDecision(False, False, OutMode.KEEP) for _ in stages]
+    streaming = [StageDecision(x, x and s < last, OutMode.KEEP, x) for s, x in enumerate(streamed)]
+    plans = [evaluate(stages, hw, 1 << 30, d) for d in (resident, streaming)]
+    held = [next(b.bytes for b in lower(stages, p, hw).buffers if b.name == "twins") for p in plans]
+    assert held == [everything, twin_bytes(stages, [not x for x in streamed])]

@@ -52,6 +52,7 @@ class Stage:
     bwd_s: float
     random: bool  # draws random numbers: recomputing would change results
     chunks: int = 1  # >1: forward and backward run together in chunks of the batch, at B(s) (pass `chunk`)
+    largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
 
     @property
     def chain(self) -> bool:
@@ -69,7 +70,7 @@ class Stages:
     fixed_bytes: int  # batch inputs and buffers: resident for the whole step
     requires_grad: frozenset[str]
     master_bytes: int = 4  # master weights per parameter: 4 (fp32) or 2 (bf16, stochastic rounding)
-    largest_param_numel: int = 0  # the biggest single parameter tensor (a bf16 master's fp32 twin)
+    largest_shared_numel: int = 0  # the biggest shared parameter tensor (a bf16 master's fp32 twin)
 
     def __iter__(self):
         return iter(self.stages)
@@ -195,11 +196,12 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             fwd_s=sum(costs[n].time_s for n in names),
             bwd_s=sum(costs[n].bwd_time_s for n in names),
             random=any(r in graph[n].target for n in names for r in _RANDOM_OPS),
+            largest_numel=max((graph[p].spec.numel for p in params), default=0),
         ))
     fixed = sum(n.spec.nbytes for n in graph.of(OpKind.INPUT, OpKind.BUFFER))
     return Stages(tuple(stages), shared, sum(graph[p].spec.numel for p in shared),
                   sum(graph[p].spec.nbytes for p in shared), STATE_BYTES[optimizer_states], fixed, rg,
-                  largest_param_numel=max((n.spec.numel for n in graph.of(OpKind.PARAM)), default=0))
+                  largest_shared_numel=max((graph[p].spec.numel for p in shared), default=0))
 
 
 def _peak(graph, names, costs, last_use, position) -> int:

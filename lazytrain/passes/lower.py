@@ -19,6 +19,7 @@ from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.solve import (
     backward_workspace, cpu_step_s, fixed_bytes, gpu_step_bytes, gpu_step_out_bytes, gpu_step_state_bytes, resident_bytes,
+    twin_bytes,
 )
 
 
@@ -110,6 +111,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     M = stages.master_bytes
     shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
     b.buffer("fixed", "gpu", fixed_bytes(stages) - shared, persistent=True)
+    twins = twin_bytes(stages, [not d.stream for d in dec])
+    if twins:
+        b.buffer("twins", "gpu", twins, persistent=True)
     b.buffer("shared", "gpu", shared, persistent=True)
     for s, g in enumerate(stages):
         if not dec[s].stream:

@@ -171,9 +171,17 @@ class Layout:
 
 def fixed_bytes(stages: Stages) -> int:
     """Resident for the whole step: the batch, buffers, the loss, and shared (tied) parameters."""
-    twins = 2 * MASTER_BYTES * stages.largest_param_numel if stages.master_bytes != MASTER_BYTES else 0
-    return stages.fixed_bytes + LOSS_BYTES + twins + resident_bytes(
+    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(
         stages.shared_bytes, stages.shared_numel, stages.state_bytes, stages.master_bytes)
+
+
+def twin_bytes(stages: Stages, resident) -> int:
+    """The device workspace where bf16 masters stepped in place on the GPU (resident stages, shared
+    weights) get fp32 twins, one tensor at a time: the largest such tensor and its gradient (NOTE:
+    [Master weights]). GPU-stepped streamed stages have theirs in their `opt:S` buffer."""
+    if stages.master_bytes == MASTER_BYTES:
+        return 0
+    return 2 * MASTER_BYTES * max([stages.largest_shared_numel] + [g.largest_numel for g, r in zip(stages, resident) if r])
 
 
 class _Model:
@@ -193,7 +201,8 @@ class _Model:
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
         ahead = vars_["ahead"]
-        mem = [fixed_bytes(stages) for _ in range(T)]
+        twins = self._twins(sig)
+        mem = [fixed_bytes(stages) + twins for _ in range(T)]
         h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
         lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
         d2h = [0.0] * (T + 2)
@@ -278,6 +287,17 @@ class _Model:
             + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
             for s, g in enumerate(stages))
         self.h2d, self.d2h, self.cpu, self.cap, self.lag = h2d, d2h, cpu, cap, lag
+
+    def _twins(self, sig):
+        """`twin_bytes` of the resident stages: the most of its candidates."""
+        st = self.st
+        if st.master_bytes == MASTER_BYTES:
+            return 0
+        tw = self.m.add_var("twins", lb=0.0)  # in units of `unit` bytes
+        self.m += tw >= twin_bytes(st, [False] * len(st)) / self.unit
+        for s, g in enumerate(st):
+            self.m += tw >= (2 * MASTER_BYTES * g.largest_numel / self.unit) * (1 - sig[s])
+        return tw * self.unit
 
     def _spread(self, table, windows, volume, tag):
         """Split `volume` over `windows` with continuous variables: transfers need not fit one window."""
