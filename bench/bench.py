@@ -175,7 +175,7 @@ def cmd_run_one(args):
     if args.system != "resident" and trainer.timeline:  # where the time goes: `lazytrain inspect --measured`
         from lazytrain.timeline import save_measured
 
-        save_measured(out / f"{case_name(args)}_{args.system}.timeline.json", trainer.timeline, module.FINGERPRINT)
+        save_measured(out / f"{case_name(args)}_{args.system}.timeline.json", trainer.timeline, module)
     print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "losses")}))
 
 

@@ -5,7 +5,7 @@ chrome://tracing); `plot_png` draws the same lanes with matplotlib. Both take a 
 module (`load_schedule` / `load_source`) and, optionally, a measured timeline: the list of
 (event id, start s, end s) a Trainer leaves in `trainer.timeline` when `record_timeline` is set.
 `save_measured` / `load_measured` keep a measured timeline beside its schedule, keyed by the
-schedule's fingerprint.
+schedule's fingerprint and checksum.
 
 The predicted GPU memory curve replays the schedule exactly as the verifier does: persistent
 gpu-pool buffers are live from the start; events in schedule order add their allocs, drop their
@@ -200,17 +200,21 @@ def plot_png(schedule_module: ModuleType, path, measured=None) -> Path:
     return path
 
 
-def save_measured(path, timeline, fingerprint: str) -> Path:
-    """Write `{"fingerprint": ..., "events": [[id, start, end], ...]}` to `path`; returns the path."""
+def save_measured(path, timeline, schedule: ModuleType) -> Path:
+    """Write `{"fingerprint": ..., "checksum": ..., "events": [[id, start, end], ...]}` to `path`,
+    keyed by the schedule's graph fingerprint and its own checksum (two plans of one model share
+    the fingerprint, not the events); returns the path."""
     path = Path(path)
     rows = [[int(i), float(s), float(t)] for i, s, t in timeline]
-    path.write_text(json.dumps({"fingerprint": fingerprint, "events": rows}, sort_keys=True) + "\n")
+    path.write_text(json.dumps({"fingerprint": schedule.FINGERPRINT, "checksum": getattr(schedule, "CHECKSUM", None),
+                                "events": rows}, sort_keys=True) + "\n")
     return path
 
 
 def load_measured(path, schedule_module: ModuleType | None = None) -> list[tuple[int, float, float]]:
-    """Read a `save_measured` file. With `schedule_module`, raises ScheduleMismatch when the file's
-    fingerprint is not the schedule's or it names event ids the schedule does not have."""
+    """Read a `save_measured` file. With `schedule_module`, raises ScheduleMismatch when the file was
+    measured with another schedule: another model (fingerprint), another plan (checksum), or event
+    ids the schedule does not have."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -224,5 +228,10 @@ def load_measured(path, schedule_module: ModuleType | None = None) -> list[tuple
                 f"{path} was measured with schedule fingerprint {fingerprint}, but this schedule "
                 f"({schedule_module.SOURCE or ''}) has fingerprint {schedule_module.FINGERPRINT}; "
                 "measure it again with this schedule")
+        checksum = data.get("checksum")
+        if checksum is not None and checksum != getattr(schedule_module, "CHECKSUM", checksum):
+            raise ScheduleMismatch(
+                f"{path} was measured with another plan of this model (schedule checksum {checksum}, this one "
+                f"{schedule_module.CHECKSUM}); measure it again with this schedule")
         rows = _check_measured(schedule_module, rows)
     return rows

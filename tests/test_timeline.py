@@ -93,15 +93,19 @@ def test_png(run, tmp_path):
 
 def test_measured_round_trip_and_mismatch(run, tmp_path):
     module, measured = run
-    path = save_measured(tmp_path / "m.json", measured, module.FINGERPRINT)
+    path = save_measured(tmp_path / "m.json", measured, module)
     assert load_measured(path, module) == [(int(i), float(s), float(t)) for i, s, t in measured]
     assert load_measured(path) == load_measured(path, module)
 
-    wrong = save_measured(tmp_path / "wrong.json", measured, "not-this-one")
-    with pytest.raises(ScheduleMismatch, match="fingerprint"):
-        load_measured(wrong, module)
+    data = json.loads(path.read_text())
+    for key, value, message in (("fingerprint", "not-this-one", "fingerprint"),
+                                ("checksum", "another-plan", "another plan of this model")):
+        wrong = tmp_path / f"wrong-{key}.json"
+        wrong.write_text(json.dumps({**data, key: value}))
+        with pytest.raises(ScheduleMismatch, match=message):
+            load_measured(wrong, module)
 
-    far = save_measured(tmp_path / "far.json", measured + [(len(module.EVENTS), 0.0, 1.0)], module.FINGERPRINT)
+    far = save_measured(tmp_path / "far.json", measured + [(len(module.EVENTS), 0.0, 1.0)], module)
     with pytest.raises(ScheduleMismatch, match="event ids"):
         load_measured(far, module)
     with pytest.raises(ScheduleMismatch, match="event ids"):

@@ -163,7 +163,7 @@ def train(args) -> dict:
     if run_dir is not None and trainer.timeline:
         from lazytrain.timeline import save_measured
 
-        save_measured(run_dir / "measured.json", trainer.timeline, schedule.FINGERPRINT)
+        save_measured(run_dir / "measured.json", trainer.timeline, schedule)
         print(f"measured timeline of the last step: {run_dir / 'measured.json'} "
               f"(lazytrain inspect {run_dir / 'schedule.py'} --measured {run_dir / 'measured.json'} --png step.png)")
     if log:
