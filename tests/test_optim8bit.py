@@ -126,6 +126,14 @@ def test_state_dict_round_trips_quantised_states_exactly(gpt, master):
     for b in batches[:2]:
         t2.step(b)
     state = copy.deepcopy(t2.state_dict())
+    # loading puts GPU-stepped stages' states back into the host buffers the prefetch reads
+    # (page-locked on a GPU), not into the loader's fresh copies
+    homes = [t2.store.home[p] for names in t2.stepper.params.values() for p in names]
+    assert homes
+    before = [{k: v for k, v in t2.optimizer.state[h].items() if torch.is_tensor(v)} for h in homes]
+    t2.load_state_dict(state)
+    for h, old in zip(homes, before):
+        assert old and all(t2.optimizer.state[h][k] is v for k, v in old.items())
     resumed = copy.deepcopy(first)
     t3 = module.bind(resumed, **HP)
     t3.load_state_dict(state)
