@@ -46,7 +46,7 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = N
 
 
 # NOTE: [Host rounding noise] A seeded CPU generator draws one number at a time on one core: 3.4
-# ns per parameter measured here, eight times the fused AdamW step it follows. So on the host the
+# ns per parameter measured on a 2-core machine, eight times the fused AdamW step it follows. So on the host the
 # noise comes in fixed chunks, each from its own generator seeded by (seed, chunk), drawn on as
 # many threads as torch uses; the chunk size is fixed, so the noise depends on the seed alone.
 _NOISE_CHUNK = 1 << 20
@@ -71,9 +71,9 @@ def _host_noise(out: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 # NOTE: [Host step buffers] Fresh host buffers of a tensor's size are page-faulted in on first
-# touch: measured on the H200 machine, the fp32 twins a bf16 master's host step allocated took half
-# of that step (0.31 of 0.67 s for a 7B layer). So host steps reuse one buffer per role and thread,
-# grown to the largest tensor they meet; device tensors keep using the caching allocator.
+# touch, every step. So host steps reuse one buffer per role and thread, grown to the largest tensor
+# they meet: on the H200 machine a 7B layer's bf16-master host step went from 0.67 to 0.45 s
+# (`bench/host_step.py`). Device tensors keep using the caching allocator.
 _host_buffers = threading.local()
 
 
