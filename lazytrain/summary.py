@@ -36,7 +36,7 @@ def summary(schedule: ModuleType) -> str:
     for s in m.STAGES:
         lines.append(
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
-            f"{'streamed' if s.stream else 'resident':<10}{_internals(s):<12}"
+            f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
             f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}")
     counts = {}
     for e in m.EVENTS:
@@ -50,9 +50,10 @@ def summary(schedule: ModuleType) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _internals(s) -> str:
-    """Saved from forward to backward, recomputed, or (a chunked loss stage) neither."""
-    return f"{s.chunks} chunks" if s.chunks > 1 else "recomputed" if s.recompute else "saved"
+def internals(chunks: int, recompute: bool) -> str:
+    """A stage's internals: saved from forward to backward, recomputed, or (a chunked loss stage)
+    neither. The schedule's header (codegen) and this summary print the same words."""
+    return f"{chunks} chunks" if chunks > 1 else "recomputed" if recompute else "saved"
 
 
 def _states_line(m: ModuleType) -> str:

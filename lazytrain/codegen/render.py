@@ -18,6 +18,7 @@ from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
+from lazytrain.summary import internals
 from lazytrain.units import format_size
 
 _ENV = jinja2.Environment(
@@ -82,10 +83,6 @@ def _dead_after(graph: Graph, stage) -> dict[str, list[str]]:
     return {k: sorted(v, key=stage.nodes.index) for k, v in dead.items()}
 
 
-def _internals(chunks: int, recompute: bool) -> str:
-    return f"{chunks} chunks" if chunks > 1 else "recomputed" if recompute else "saved"
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
@@ -98,7 +95,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     for s, d in zip(stages, plan.decisions):
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
-            f"{'streamed' if d.stream else 'resident':<8}  internals {_internals(s.chunks, d.recompute):<10}  "
+            f"{'streamed' if d.stream else 'resident':<8}  internals {internals(s.chunks, d.recompute):<10}  "
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
             + (", fetched 2 windows ahead" if d.lookahead == 2 else ""))
