@@ -98,8 +98,9 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     stages = hook.run("blocks", blocks, graph, node_costs, last_use, optimizer_states)
     stages = dataclasses.replace(stages, master_bytes=MASTER_BYTES[master_weights])
     hook.dump(4, "blocks", stages_text(stages))
-    chunked = hook.run("chunk", chunk, graph, stages, loss_chunk_bytes)
-    hook.dump(5, "chunk", f"# last stage: {decide(graph, stages, loss_chunk_bytes).reason}\n" + stages_text(chunked))
+    decision = hook.run("chunk", decide, graph, stages, loss_chunk_bytes)
+    chunked = chunk(stages, decision)
+    hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + stages_text(chunked))
     return graph, chunked
 
 

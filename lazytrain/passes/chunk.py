@@ -294,8 +294,8 @@ def decide(graph: Graph, stages: Stages, limit: int = LOSS_CHUNK_BYTES) -> Decis
     return Decision(k, f"{k} chunks of {batch // k} rows", math.ceil(working / k) + 2 * whole)
 
 
-def chunk(graph: Graph, stages: Stages, limit: int = LOSS_CHUNK_BYTES) -> Stages:
-    d = decide(graph, stages, limit)
+def chunk(stages: Stages, d: Decision) -> Stages:
+    """The stages with `decide`'s decision applied to the last one."""
     if d.chunks == 1:
         return stages
     last = dataclasses.replace(stages[len(stages) - 1], chunks=d.chunks, peak_bytes=d.chunk_bytes, saved_bytes=0)
