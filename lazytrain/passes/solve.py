@@ -71,20 +71,20 @@ if getattr(_cbc, "has_cbc", False):
 from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
 from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
-from lazytrain.passes.blocks import Stages
+from lazytrain.passes.blocks import STATE_BYTES, Stages
 from lazytrain.units import format_size
 
 LOSS_BYTES = 4
 
 
-CPU_STATE_BYTES = 8.0  # a host-stepped stage's AdamW states: fp32 whatever was chosen (NOTE: [State precision per stage])
+CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage])
 MASTER_BYTES = 4  # fp32 master weights, per parameter (`--master-weights bf16`: 2, NOTE: [Master weights])
 
 # NOTE: [Master weights]
 # `master` below is the bytes per parameter of the master weights the optimizer updates: 4 (fp32),
 # or 2 (bf16 with stochastic rounding). A bf16 master *is* the bf16 compute copy: no second copy on
 # the host, and nothing extra beside resident weights; its step runs through fp32 twins one tensor
-# at a time (the `fixed_bytes` workspace).
+# at a time (the `twin_bytes` workspace).
 
 
 def resident_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
@@ -195,7 +195,8 @@ class _Model:
         # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
         # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
         # and time in `unit_s` (the step's compute), so coefficients stay near 1.
-        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes) + g.saved_bytes
+        M = stages.master_bytes
+        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + g.saved_bytes
                                                           for g in stages)) / 1000.0)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
@@ -219,7 +220,6 @@ class _Model:
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.fwd_s * rec[s])
             self.recompute = self.recompute + g.fwd_s * (rec[s] + drop[s])
             # weights: resident (weights, grads, states) or a streamed buffer
-            M = stages.master_bytes
             res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
             for t in range(T):
@@ -280,7 +280,6 @@ class _Model:
         for c in range(1, S):
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
         self.mem = mem
-        M = stages.master_bytes
         self.host = sum(M * g.param_numel for g in stages) + sum(
             sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
             - gst[s] * M * g.param_numel + off[s] * g.out_bytes
