@@ -242,13 +242,13 @@ class Trainer:
         # prefetch reads at full speed; loading makes fresh pageable copies, so the loaded values go
         # back into those buffers (or into new page-locked ones).
         homes = [self.store.home[p] for names in self.stepper.params.values() for p in names]
-        held = {id(h): self.optimizer.state.get(h, {}) for h in homes}
+        held = [self.optimizer.state.get(h, {}) for h in homes]
         self.optimizer.load_state_dict(state)
-        for h in homes:
+        for h, old in zip(homes, held):
             loaded = self.optimizer.state.get(h, {})
             for k, v in loaded.items():
                 if torch.is_tensor(v) and v.device.type == "cpu":
-                    buf = held[id(h)].get(k)
+                    buf = old.get(k)
                     if not torch.is_tensor(buf) or buf.shape != v.shape or buf.dtype != v.dtype:
                         buf = self.pinned.empty(v.shape, v.dtype)
                     loaded[k] = buf.copy_(v)
