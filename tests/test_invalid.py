@@ -18,7 +18,7 @@ from lazytrain.errors import InfeasibleBudget, ScheduleMismatch, TraceError, Ver
 from lazytrain.ir.events import Kind, Phase
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model, minimum_budget
-from lazytrain.runtime.schedule import load_schedule, load_source
+from lazytrain.runtime.schedule import FORMAT_VERSION, load_schedule, load_source
 from lazytrain.units import format_size
 from models import BlockSpec, ModelSpec, random_block_model, tiny_gpt_pair, unique_name
 
@@ -293,8 +293,8 @@ def test_truncated_schedule_file(small, tmp_path):
 def test_stale_format_and_missing_file(small, tmp_path):
     _, _, _, c = small
     path = tmp_path / "schedule.py"
-    path.write_text(c.source_text.replace("FORMAT = 2\n", "FORMAT = 0\n"))
-    with pytest.raises(ScheduleMismatch, match="has format 0, this lazytrain reads 2: it is stale; recompile it"):
+    path.write_text(c.source_text.replace(f"FORMAT = {FORMAT_VERSION}\n", "FORMAT = 0\n"))
+    with pytest.raises(ScheduleMismatch, match=f"has format 0, this lazytrain reads {FORMAT_VERSION}: it is stale; recompile it"):
         load_schedule(path)
     with pytest.raises(ScheduleMismatch, match=re.escape("does not exist; create it with `lazytrain compile model.py -o")):
         load_schedule(tmp_path / "missing.py")

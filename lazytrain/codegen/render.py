@@ -32,10 +32,14 @@ def stage_function(graph: Graph, stage) -> str:
     the sum over targets, returned with the number of targets counted (NOTE: [Chunked loss] in
     runtime/trainer.py)."""
     chunked = stage.chunks > 1
-    args = ", ".join(("device",) + stage.placeholders + stage.inputs + (("loss_sum=False",) if chunked else ()))
+    args = ", ".join(("device",) + stage.placeholders + stage.inputs + (("loss_sum=False",) if chunked else ())
+                     + (("remat=False",) if stage.skips else ()))
     doc = f"{stage.name} (kind {stage.kind})"
     if chunked:
         doc += f"; runs in {stage.chunks} chunks: with loss_sum, returns (sum of the losses, targets counted)"
+    if stage.skips:
+        doc += ("; with remat (its recompute before backward), the linears whose values backward never reads "
+                "return zeros (NOTE: [Skipped recompute])")
     lines = [f"def stage_{stage.index}({args}):", f'    """{doc}"""']
     dead_after = _dead_after(graph, stage)
     for name in stage.nodes:
@@ -51,6 +55,8 @@ def stage_function(graph: Graph, stage) -> str:
         else:
             call = format_call(node)
             expr = call if call.startswith("aten.") else f"torch.ops.{call}"
+        if name in stage.skips:
+            expr = f"grad_only_linear({expr.split('(', 1)[1]} if remat else {expr}"
         lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
         if dead_after.get(name):
             lines.append(f"    del {', '.join(dead_after[name])}")
@@ -108,7 +114,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "")
+        f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "") + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "") + "),"
         for s, d in zip(stages, plan.decisions)
     ]

@@ -23,6 +23,7 @@ import networkx as nx
 from lazytrain.errors import TraceError
 from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
+from lazytrain.passes.remat import skips
 from lazytrain.passes.saved import saved
 
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform")
@@ -50,9 +51,11 @@ class Stage:
     grad_out_bytes: int
     fwd_s: float
     bwd_s: float
+    remat_s: float  # its recompute before backward: `fwd_s` less the skipped nodes (NOTE: [Skipped recompute])
     random: bool  # draws random numbers: recomputing would change results
     chunks: int = 1  # >1: forward and backward run together in chunks of the batch, at B(s) (pass `chunk`)
     largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
+    skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
 
     @property
     def chain(self) -> bool:
@@ -180,6 +183,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
         params = tuple(p for p in placeholders if graph[p].op is OpKind.PARAM and p not in shared)
         owned = [graph[n] for n in names if not costs[n].alias]
         key = _kind_key(graph, names)
+        skipped = skips(graph, names, users, kept)
         kinds.setdefault(key, chr(ord("A") + len(kinds)) if len(kinds) < 26 else f"K{len(kinds)}")
         stages.append(Stage(
             index=i, name=name, kind=kinds[key], nodes=names, params=params, placeholders=placeholders,
@@ -196,8 +200,10 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             grad_out_bytes=sum(value_bytes(graph[o].value) for o in outputs if o in rg and o != graph.output),
             fwd_s=sum(costs[n].time_s for n in names),
             bwd_s=sum(costs[n].bwd_time_s for n in names),
+            remat_s=sum(costs[n].time_s for n in names if n not in skipped),
             random=any(r in graph[n].target for n in names for r in _RANDOM_OPS),
             largest_numel=max((graph[p].spec.numel for p in params), default=0),
+            skips=skipped,
         ))
     fixed = sum(n.spec.nbytes for n in graph.of(OpKind.INPUT, OpKind.BUFFER))
     return Stages(tuple(stages), shared, sum(graph[p].spec.numel for p in shared),

@@ -84,7 +84,9 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
         if kind is Kind.COMPUTE:
             chunked = g.chunks > 1  # its forward runs inside its backward
             if phase is Phase.BWD:
-                return g.bwd_s + (g.fwd_s if plan.decisions[stage].recompute or chunked else 0.0)
+                if chunked:
+                    return g.bwd_s + g.fwd_s
+                return g.bwd_s + (g.remat_s if plan.decisions[stage].recompute else 0.0)
             return 0.0 if chunked else g.fwd_s
         if kind in (Kind.PREFETCH, Kind.RELOAD):
             return moved / hw.h2d_bandwidth

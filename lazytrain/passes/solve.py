@@ -217,8 +217,8 @@ class _Model:
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
-            cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.fwd_s * rec[s])
-            self.recompute = self.recompute + g.fwd_s * (rec[s] + drop[s])
+            cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
+            self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
             # weights: resident (weights, grads, states) or a streamed buffer
             res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)

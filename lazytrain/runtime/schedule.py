@@ -21,7 +21,7 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 
 __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
 
-FORMAT_VERSION = 2  # 2: per-stage optimizer-state precision (`Stage.states`)
+FORMAT_VERSION = 3  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -53,6 +53,7 @@ class Stage:
     gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
     states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
+    skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

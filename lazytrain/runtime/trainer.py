@@ -325,13 +325,14 @@ class Trainer:
         work = self.store.work.get(name)
         return work if work is not None else self.env[name]
 
-    def _call(self, stage, grad: bool):
-        """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records."""
+    def _call(self, stage, grad: bool, remat: bool = False):
+        """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records; with
+        `remat`, the values no backward reads are left uncomputed (NOTE: [Skipped recompute])."""
         if grad:
             leaves = {x: self.env[x].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs}
             args = [self._weight(p) for p in stage.placeholders] + [leaves[x] for x in stage.inputs]
             with torch.enable_grad():
-                outs = stage.fn(self.device, *args)
+                outs = stage.fn(self.device, *args, **({"remat": True} if remat and stage.skips else {}))
             return leaves, outs
         args = [self._weight(p) for p in stage.placeholders] + [self.env[x] for x in stage.inputs]
         with torch.no_grad():
@@ -361,7 +362,7 @@ class Trainer:
             self._backward(stage)
 
     def _backward(self, stage):
-        leaves, outs = self.saved.pop(stage.index) if not stage.recompute else self._call(stage, grad=True)
+        leaves, outs = self.saved.pop(stage.index) if not stage.recompute else self._call(stage, grad=True, remat=True)
         tensors, grads = [], []
         for name, t in zip(stage.outputs, outs):
             g = torch.ones_like(t) if name == self.m.LOSS else self.grads.get(name)
