@@ -86,25 +86,11 @@ def _host_buffer(role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
-def _fp32(t: torch.Tensor, role: str, workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """An fp32 copy of `t`: in a reused buffer on the host (NOTE: [Host step buffers]); on the
-    device in `workspace` (role "master": its first half, "grad": its second) where one is bound
-    and `t` fits (NOTE: [Device twin workspace]), else from the caching allocator."""
+def _fp32(t: torch.Tensor, role: str) -> torch.Tensor:
+    """An fp32 copy of `t`: in a reused buffer on the host (NOTE: [Host step buffers])."""
     if t.device.type != "cpu":
-        half = workspace.numel() // 2 if workspace is not None else 0
-        if t.numel() > half or workspace.device != t.device:
-            return t.float()
-        start = 0 if role == "master" else half
-        return workspace[start:start + t.numel()].view(t.shape).copy_(t)
+        return t.float()
     return _host_buffer(role, t.numel(), torch.float32).view(t.shape).copy_(t)
-
-
-# NOTE: [Device twin workspace] A bf16 master stepped on the GPU gets fp32 twins of itself and its
-# gradient for the step. From the caching allocator, at the end of a 24 GiB 7B step the embedding's
-# two 2.2 GB twins came while the allocator sat at its cap, and its step took 85 ms against 23 ms
-# in an uncapped plan. `bind` allocates the schedule's `twins` buffer (the plan counts it for the
-# whole step) and the steps reuse it. They all run on the optimizer stream, one after another, so
-# one workspace serves them in turn.
 
 
 class _Staged:
@@ -119,7 +105,6 @@ class _Staged:
         super().__init__(*args, **kwargs)
         self._views = self._make_views()
         self._sr_steps: dict[tuple[int, int], int] = {}
-        self.twin_workspace: torch.Tensor | None = None  # fp32, on the device (NOTE: [Device twin workspace])
 
     def sr_seed(self, group: int, index: int, state: dict) -> int:
         """The rounding noise's seed for parameter `index` of `group`, just stepped (NOTE: [bf16
@@ -161,8 +146,8 @@ class _Staged:
         for i, p in enumerate(params):  # NOTE: [bf16 master weights]
             if p.grad is None:
                 continue
-            twin = _fp32(p.detach(), "master", self.twin_workspace)
-            twin.grad = _fp32(p.grad, "grad", self.twin_workspace)
+            twin = _fp32(p.detach(), "master")
+            twin.grad = _fp32(p.grad, "grad")
             state = defaultdict(dict, {twin: view.state[p]})
             self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
             view.state[p] = state[twin]

@@ -119,9 +119,6 @@ class Trainer:
             groups.append(group)
         self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
-        twins = next((b.bytes for b in module.BUFFERS if b.name == "twins"), 0)
-        if self.cuda and twins:  # NOTE: [Device twin workspace] in optim.py
-            self.optimizer.twin_workspace = torch.empty(twins // 4, dtype=torch.float32, device=self.device)
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
