@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -107,6 +108,7 @@ def cmd_run_one(args):
     predicted = {}
     if args.system == "resident":
         model = build(args.model, args.seq, "cuda", torch.bfloat16)
+        build_s = time.perf_counter() - t_build
         model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -119,6 +121,7 @@ def cmd_run_one(args):
     else:
         # bf16 masters: build in bf16 (an fp32 build of 14B alone takes 59 GB of host memory)
         model = build(args.model, args.seq, "cpu", torch.bfloat16 if args.master == "bf16" else torch.float32)
+        build_s = time.perf_counter() - t_build  # the model ready; binding (pinning, device copies) is timed apart
         path = CASES / f"{case_name(args)}{'.fixed' if args.system == 'fixed' else ''}.py"
         module = load_schedule(path)
         trainer = module.bind(model, device="cuda", lr=1e-5, serial_optimizer=args.system == "fixed",
@@ -127,7 +130,7 @@ def cmd_run_one(args):
 
         def step():
             return trainer.step(data)
-    build_s = time.perf_counter() - t_build
+    bind_s = time.perf_counter() - t_build - build_s  # lazytrain: pinning and device copies; resident: the optimizer
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -140,6 +143,8 @@ def cmd_run_one(args):
         times.append(now - last)
         losses.append(loss)
         last = now
+    if not all(math.isfinite(x) for x in losses):  # a fast wrong run is not a result
+        raise SystemExit(f"{args.system}: losses not finite ({losses}); no result written")
     measured = times[args.warmup:]
     step_s = statistics.median(measured)
     params = n_params(model)
@@ -162,7 +167,7 @@ def cmd_run_one(args):
         "tflops": 6 * params * tokens / step_s / 1e12, "tokens_per_s": tokens / step_s,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "reserved_gpu_gib": torch.cuda.max_memory_reserved() / 2**30,
         "peak_host_gib": _vm_hwm_gib(), "step_s": step_s, "step_times_s": measured, "losses": losses,
-        "exposed_s": exposed, "build_s": build_s, "params": params,
+        "exposed_s": exposed, "build_s": build_s, "bind_s": bind_s, "params": params,
         **({"slot_gib": trainer.memory_report()["slot_bytes"] / 2**30,
             "pinned_host_gib": trainer.memory_report()["pinned_bytes"] / 2**30} if args.system != "resident" else {}),
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "commit": _commit(),

@@ -61,7 +61,11 @@ def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0) -
     model = meta_model(name, seq).to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() gives each module its own tensor: tie the embeddings again
     model.train()
-    return fill_(model, seed)
+    fill_(model, seed)
+    bad = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"{name}: non-finite values after filling {', '.join(bad[:3])}")
+    return model
 
 
 def batch(name: str, batch_size: int, seq: int, device: str = "cpu", seed: int = 0) -> dict:
