@@ -47,8 +47,11 @@ def fill_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             p.fill_(1.0)
         elif p.device.type == gen_device:
             p.normal_(0.0, 0.02, generator=g)
-        else:
-            p.copy_(torch.empty(p.shape, device=gen_device).normal_(0.0, 0.02, generator=g))
+            _check_finite(name, p)
+        else:  # drawn in fp32 where the generator is, cast there (the same values), then copied
+            t = torch.empty(p.shape, device=gen_device).normal_(0.0, 0.02, generator=g).to(p.dtype)
+            _check_finite(name, t)
+            p.copy_(t)
     for module in model.modules():  # buffers come out of to_empty() uninitialised: rebuild them
         if hasattr(module, "inv_freq"):
             fresh = type(module)(module.config)
@@ -58,14 +61,15 @@ def fill_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    model = meta_model(name, seq).to_empty(device=device).to(dtype)
+    model = meta_model(name, seq).to(dtype).to_empty(device=device)  # cast on meta: no full-size fp32 pass
     model.tie_weights()  # to_empty() gives each module its own tensor: tie the embeddings again
     model.train()
-    fill_(model, seed)
-    bad = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not torch.isfinite(t).all()]
-    if bad:
-        raise ValueError(f"{name}: non-finite values after filling {', '.join(bad[:3])}")
-    return model
+    return fill_(model, seed)
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise ValueError(f"non-finite values in {name} after filling")
 
 
 def batch(name: str, batch_size: int, seq: int, device: str = "cpu", seed: int = 0) -> dict:
