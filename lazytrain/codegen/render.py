@@ -55,8 +55,8 @@ def stage_function(graph: Graph, stage) -> str:
         else:
             call = format_call(node)
             expr = call if call.startswith("aten.") else f"torch.ops.{call}"
-        if name in stage.skips:
-            expr = f"grad_only_linear({expr.split('(', 1)[1]} if remat else {expr}"
+        if name in stage.skips:  # NOTE: [Skipped recompute] in passes/remat.py
+            expr = f"{format_call(node, 'grad_only_linear')} if remat else {expr}"
         lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
         if dead_after.get(name):
             lines.append(f"    del {', '.join(dead_after[name])}")

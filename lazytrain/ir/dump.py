@@ -31,10 +31,11 @@ def format_arg(arg) -> str:
     return repr(arg)
 
 
-def format_call(node: Node) -> str:
+def format_call(node: Node, target: str | None = None) -> str:
+    """`target(args, kw=...)`; `target` defaults to the node's own."""
     parts = [format_arg(a) for a in node.args]
     parts += [f"{k}={format_arg(v)}" for k, v in node.kwargs]
-    return f"{node.target}({', '.join(parts)})"
+    return f"{target or node.target}({', '.join(parts)})"
 
 
 def format_value(value: Value) -> str:
