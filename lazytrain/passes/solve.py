@@ -10,7 +10,8 @@ Windows are the stages' compute phases in time order: F0..F(S-1), B(S-1)..B0, pl
 F0) and `tail` (after B0), which hide nothing. Per stage s:
   stream[s]     weights on the host, prefetched one window ahead (F(s-1), B(s+1)); grads offloaded
                 during B(s-1); AdamW runs on the CPU, spread over the windows after that
-  recompute[s]  internals recomputed at B(s) (else autograd keeps them from F(s) to B(s))
+  recompute[s]  internals recomputed at B(s) (else autograd keeps them from F(s) to B(s)); costs
+                `remat_s`, less than `fwd_s` where backward reads nothing of some linears (NOTE: [Skipped recompute])
   off[s]        outputs offloaded during F(s+1)..F(cmax), reloaded during B(cmax+1)
   drop[s]       outputs freed after F(s+1) and recomputed at the top of their drop segment
 A chunked last stage (`chunks` > 1, pass `chunk`) runs forward and backward together, chunk by
