@@ -38,7 +38,7 @@ def summary(schedule: ModuleType) -> str:
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
             f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}")
-    skipping = [s for s in m.STAGES if s.recompute and getattr(s, "skips", ())]
+    skipping = [s for s in m.STAGES if s.recompute and s.skips]
     if skipping:  # NOTE: [Skipped recompute] in passes/remat.py
         lines.append(f"recompute before backward leaves out the linears no backward reads: stages "
                      f"{_ranges([s.index for s in skipping])} ({', '.join(skipping[0].skips)} in stage {skipping[0].index})")
