@@ -395,3 +395,39 @@ def test_slot_memory_report_is_the_schedules_peak(gpt):
     opt = {s: trainer.store.slot_sizes[f"opt:{s}"] for s in (1, 3)}
     assert trainer.memory_report()["slot_bytes"] >= max(w[1] + opt[1], w[2] + w[3] + opt[3])
     assert trainer.memory_report()["slot_bytes"] <= sum(w.values()) + sum(opt.values())
+
+
+@pytest.mark.parametrize("states", ["32bit", "8bit"])
+def test_first_gpu_step_states_live_in_the_opt_slot(gpt, states):
+    """NOTE: [First step's states]: a GPU-stepped stage's first update cuts the optimizer states it
+    creates out of its `opt:S` slot, which the plan sized for them, instead of allocating them beside
+    it; and the update equals torch's AdamW (bitsandbytes' for 8-bit, whose state layout it keeps)."""
+    graph, _, batch, real = gpt
+    if states == "8bit":
+        pytest.importorskip("bitsandbytes")
+    stages = analyse(tiny_gpt_pair()[0], batch, HW, optimizer_states=states)[1]
+    text = forced(graph, stages, batch, decisions(["-Rk", "GRk", "GRk", "GRk", "-rk"]), HW).source_text
+    hp = dict(lr=1e-3, eps=1e-6)
+    trainer, model = bind_source(text, real, **hp)
+    seen = {}
+    inner = trainer.stepper.step
+
+    def step(stage, group):
+        inner(stage, group)
+        if stage not in trainer.stepper.live:  # no update pending: a plain prefetch
+            return
+        slot = trainer.store.slots[f"opt:{stage}"]
+        lo = slot.untyped_storage().data_ptr()
+        for p, st_ in trainer.stepper.live[stage].state.items():
+            for k, v in st_.items():
+                if torch.is_tensor(v) and v.numel() > 1 and not k.startswith("qmap"):
+                    seen[(stage, p, k)] = v.untyped_storage().data_ptr() == lo
+    trainer.stepper.step = step
+    trainer.step(batch)
+    trainer.step(batch)  # the first updates of the GPU-stepped stages run at this step's prefetches
+    assert seen and all(seen.values()), [k for k, inside in seen.items() if not inside]
+    if states == "32bit":
+        trainer.synchronize()
+        ref = adamw_reference(real, batch, 2, **hp)
+        for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), name

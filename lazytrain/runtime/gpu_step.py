@@ -38,6 +38,13 @@ class _Update:
     state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
 
 
+# NOTE: [First step's states] A stage's first update on the device has no states on the host yet.
+# Left to the optimizer, it would make them itself, from the caching allocator, beside the `opt:S`
+# slot that the plan sized to hold them: on the 7B bench with 32-bit states (8 bytes a parameter,
+# 1.7 GiB a layer) that ran out of memory under a 24 GiB cap. So `fetch` asks the optimizer for
+# the states its first step would make (`fresh_state`), cut from the slot like every later update's.
+
+
 class GpuStepper:
     def __init__(self, store: ParamStore, optimizer, params: dict[int, tuple[str, ...]], host_grad: dict,
                  pinned: PinnedArena):
@@ -64,8 +71,11 @@ class GpuStepper:
             u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
             u.grad32[p] = carve.take(master.shape, torch.float32)
             home = self.optimizer.state.get(self.store.home[p], {})
-            u.state[p] = {k: carve.take(v.shape, v.dtype).copy_(v, non_blocking=True) if torch.is_tensor(v) else v
-                          for k, v in home.items()}
+            if home:
+                u.state[p] = {k: carve.take(v.shape, v.dtype).copy_(v, non_blocking=True) if torch.is_tensor(v) else v
+                              for k, v in home.items()}
+            else:  # NOTE: [First step's states]
+                u.state[p] = self.optimizer.fresh_state(stage, u.master[p], carve.take)
         self.live[stage] = u
 
     def step(self, stage: int, group: int) -> None:
@@ -113,18 +123,14 @@ class GpuStepper:
                 self.store.master[p].detach().copy_(u.arrived.get(p, u.master[p]), non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
-            # Later updates' states are carved from the opt slot, whose FREE waits for this copy
-            # (NOTE: [Slots] in store.py). The first update's were made by the optimizer on its own
-            # stream and are dropped here: recorded, so their memory is not reused while copied.
-            made = not host
-            if made:  # first update: the host copies are made once
-                host = {k: self.pinned.empty(v.shape, v.dtype) if torch.is_tensor(v) else v
+            # The states are carved from the opt slot, whose FREE waits for this copy (NOTE: [Slots]
+            # in store.py); a host scalar (AdamW's unfused `step`) is the optimizer's own.
+            if not host:  # first update: the host copies are made once
+                host = {k: self.pinned.empty(v.shape, v.dtype) if torch.is_tensor(v) and v.is_cuda == pin else v
                         for k, v in u.state[p].items()}
                 self.optimizer.state[home] = host
             for k, v in u.state[p].items():
-                if torch.is_tensor(v):
-                    if pin and made:
-                        v.record_stream(torch.cuda.current_stream())
+                if torch.is_tensor(v) and host[k] is not v:
                     host[k].copy_(v, non_blocking=True)
                 else:
                     host[k] = v

@@ -135,6 +135,12 @@ class _Staged:
         view = self._views[index]
         self._run_view(_view(type(view), view.__dict__, [{**view.param_groups[0], **hyper, "params": params}], state), index)
 
+    def fresh_state(self, index: int, param: torch.Tensor, take) -> dict:
+        """The state group `index`'s first step would create for `param`, with its tensors cut by
+        `take(shape, dtype)` (zeroed here), so a first step on a device twin allocates nothing of its
+        own (NOTE: [First step's states] in gpu_step.py)."""
+        return _adamw_fresh_state(self.param_groups[index], param, take)
+
     def hyperparameters(self, index: int) -> dict:
         return {k: v for k, v in self.param_groups[index].items() if k != "params"}
 
@@ -173,6 +179,21 @@ class _Staged:
         self._sr_steps = {}
 
 
+def _adamw_fresh_state(group: dict, param: torch.Tensor, take) -> dict:
+    """`torch.optim.AdamW`'s lazy state initialisation (`Adam._init_group`), with the moments cut by
+    `take`: `step` on the parameter's device when fused or capturable, else a host scalar."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    state = {"step": take((), _get_scalar_dtype(is_fused=bool(group.get("fused")))).zero_() if on_device
+             else torch.tensor(0.0, dtype=_get_scalar_dtype()),
+             "exp_avg": take(param.shape, param.dtype).zero_(),
+             "exp_avg_sq": take(param.shape, param.dtype).zero_()}
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = take(param.shape, param.dtype).zero_()
+    return state
+
+
 def _view(cls, attrs: dict, groups: list, state: dict):
     view = cls.__new__(cls)
     view.__dict__.update(attrs)
@@ -203,10 +224,7 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
                     return
                 # bitsandbytes' own step synchronises the whole device after every parameter, which
                 # stalls the copy streams the runtime overlaps with it; this is that step without it.
-                if not view.initialized:
-                    view.check_overrides()
-                    view.to_gpu()
-                    view.initialized = True
+                _ready(view)
                 with torch.no_grad():
                     for gindex, group in enumerate(view.param_groups):
                         for pindex, p in enumerate(group["params"]):
@@ -216,6 +234,31 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
                                 view.init_state(group, p, gindex, pindex)
                             view.prefetch_state(p)
                             view.update_step(group, p, gindex, pindex)
+
+            def fresh_state(self, index: int, param: torch.Tensor, take) -> dict:
+                group = self.param_groups[index]
+                if group.get("states") == "32bit":
+                    return _adamw_fresh_state({**fp32.defaults, **group}, param, take)
+                # bitsandbytes' own initialisation, its full-size buffers cut by `take`; the
+                # absmax vectors (a 64th of the moments) are moved in after it
+                view = self._views[index]
+                _ready(view)
+                state: dict = {}
+                init = _view(type(view), {**view.__dict__, "get_state_buffer": lambda p, dtype=torch.float32:
+                                          take(p.shape, dtype).zero_()},
+                             [{**group, "params": [param]}], defaultdict(dict, {param: state}))
+                init.init_state(init.param_groups[0], param, 0, 0)
+                for key in ("absmax1", "absmax2"):
+                    if key in state:
+                        state[key] = take(state[key].shape, state[key].dtype).copy_(state[key])
+                return state
+
+        def _ready(view) -> None:
+            """bitsandbytes' once-per-optimizer set-up before a first step."""
+            if not view.initialized:
+                view.check_overrides()
+                view.to_gpu()
+                view.initialized = True
 
         kwargs.pop("foreach", None)
         for group in groups:
