@@ -18,6 +18,11 @@ DEFAULT = "h200"
 
 
 CUDA_RESERVE = 2 << 30
+# NOTE: [Host reserve] Host memory no plan counts: the process itself (Python, torch, the CUDA
+# context: resident PyTorch's whole run peaked at 1.5 GiB of host memory on the H200 machine,
+# bench/results, 2026-11-29) and the pinned arena's slack (under 80 MiB, NOTE: [Pinned arena] in
+# runtime/pinned.py). Plans on a GPU machine keep this much of the host free.
+HOST_RESERVE = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,11 @@ class Hardware:
         """The most a plan may use (`--budget max`): the device's memory less what the CUDA context,
         library workspaces and the allocator's rounding keep outside any plan."""
         return self.gpu_memory_bytes - (CUDA_RESERVE if self.device == "cuda" else 0)
+
+    @property
+    def host_capacity(self) -> int:
+        """The host memory a plan may use: all of it less the process's own (NOTE: [Host reserve])."""
+        return self.host_memory_bytes - (HOST_RESERVE if self.device == "cuda" else 0)
 
     def flops_for(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction

@@ -79,6 +79,9 @@ LOSS_BYTES = 4
 
 
 CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage])
+# A host step of a bf16 master reuses an fp32 twin, an fp32 gradient and int32 rounding noise of
+# the largest tensor it meets (NOTE: [Host step buffers] in runtime/optim.py)
+HOST_STEP_BYTES = 12
 MASTER_BYTES = 4  # fp32 master weights, per parameter (`--master-weights bf16`: 2, NOTE: [Master weights])
 
 # NOTE: [Master weights]
@@ -286,6 +289,11 @@ class _Model:
             - gst[s] * M * g.param_numel + off[s] * g.out_bytes
             + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
             for s, g in enumerate(stages))
+        if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
+            buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
+            for s, g in enumerate(stages):
+                m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s])
+            self.host = self.host + buffers * self.unit
         self.h2d, self.d2h, self.cpu, self.cap, self.lag = h2d, d2h, cpu, cap, lag
 
     def _twins(self, sig):
@@ -380,7 +388,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     model = _Model(stages, hw, v, m)
     exposed = _exposure(m, model, hw)
     u = 1.0 / model.unit
-    m += model.host * u <= hw.host_memory_bytes * u
+    m += model.host * u <= hw.host_capacity * u
     step = (model.compute + model.recompute + model.optimizer + mip.xsum(exposed)) * (1.0 / model.unit_s)
     if minimise_memory:
         peak = m.add_var("peak", lb=0.0)
@@ -454,12 +462,12 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     status = m.optimize(max_seconds=time_limit)
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
         weights = stages.master_bytes * (sum(g.param_numel for g in stages) + stages.shared_numel)
-        if weights > hw.host_memory_bytes:
+        if weights > hw.host_capacity:
             raise PlanError(
-                f"the model's fp32 master weights alone ({format_size(weights)}) exceed the host memory of hardware profile "
-                f"'{hw.name}' ({format_size(hw.host_memory_bytes)}); use a profile of a machine with more host memory")
-        raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {status.name}); the host memory "
-                        f"of '{hw.name}' ({format_size(hw.host_memory_bytes)}) is too small for the optimizer "
+                f"the model's master weights alone ({format_size(weights)}) exceed the host memory plans may use on hardware "
+                f"profile '{hw.name}' ({format_size(hw.host_capacity)}); use a profile of a machine with more host memory")
+        raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {status.name}); the host memory plans "
+                        f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "
                         "states and offloaded tensors this model needs")
     return max(int(round(t.x if hasattr(t, "x") else t)) for t in model.mem)
 

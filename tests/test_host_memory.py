@@ -1,0 +1,57 @@
+"""The plan's host memory: what a GPU machine's process keeps outside any plan (NOTE: [Host reserve])
+and the host step's buffers of bf16 masters (NOTE: [Host step buffers] in runtime/optim.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazytrain import hardware
+from lazytrain.errors import PlanError
+from lazytrain.hardware import HOST_RESERVE
+from lazytrain.passes import solve
+from lazytrain.passes.solve import HOST_STEP_BYTES, evaluate
+from lazytrain.pipeline import analyse
+from models import decisions, tiny_gpt_pair
+
+CPU = hardware.load("cpu")
+
+
+@pytest.fixture(scope="module")
+def stages():
+    meta, _, batch = tiny_gpt_pair()
+    return analyse(meta, batch, CPU)[1]
+
+
+def _all_host_stepped(stages):
+    return decisions(["SRk"] * (len(stages) - 1) + ["Srk"])
+
+
+def test_a_gpu_machine_keeps_the_process_reserve_free(stages):
+    """A plan whose host bytes fit the machine but not the machine less the process's own memory
+    is refused on a GPU profile (the 7B bench with fp32 masters planned 119.2 of 119.2 GiB and the
+    process was killed when the host ran out)."""
+    decs = _all_host_stepped(stages)
+    need = evaluate(stages, CPU, 1 << 40, decs).host_bytes
+    gpu = dataclasses.replace(CPU, device="cuda", host_memory_bytes=need + HOST_RESERVE // 2)
+    with pytest.raises(PlanError):
+        evaluate(stages, gpu, 1 << 40, decs)
+    roomy = dataclasses.replace(gpu, host_memory_bytes=need + HOST_RESERVE)
+    assert evaluate(stages, roomy, 1 << 40, decs).host_bytes == need
+    assert roomy.host_capacity == need and CPU.host_capacity == CPU.host_memory_bytes
+
+
+def test_bf16_masters_count_the_host_steps_buffers(stages, monkeypatch):
+    """With bf16 masters a host-stepped stage steps through an fp32 twin, an fp32 gradient and int32
+    noise of its largest tensor, reused across steps: the plan counts them once, for the largest."""
+    bf16 = dataclasses.replace(stages, master_bytes=2)
+    host_stepped = _all_host_stepped(stages)
+    with_buffers = evaluate(bf16, CPU, 1 << 40, host_stepped).host_bytes
+    assert evaluate(stages, CPU, 1 << 40, host_stepped).host_bytes > 0  # fp32 masters: no such buffers
+    monkeypatch.setattr(solve, "HOST_STEP_BYTES", 0)
+    without = evaluate(bf16, CPU, 1 << 40, host_stepped).host_bytes
+    assert with_buffers - without == HOST_STEP_BYTES * max(g.largest_numel for g in stages)
+    resident = decisions(["-Rk"] * (len(stages) - 1) + ["-rk"])
+    monkeypatch.setattr(solve, "HOST_STEP_BYTES", 12)
+    assert evaluate(bf16, CPU, 1 << 40, resident).host_bytes == evaluate(stages, CPU, 1 << 40, resident).host_bytes // 2
