@@ -3,7 +3,7 @@
 A GPU-stepped streamed stage lands its update at the next prefetch (NOTE: [GPU-stepped streamed
 stages] in passes/solve.py), so right after `step()` the model's own parameters hold the weights of
 one step before. `state_dict()`, `forward` and `save_pretrained` must apply it first (NOTE: [Model
-sync hooks] in runtime/trainer.py). Every test here forces such a plan and checks that the update
+sync hooks] in runtime/model_sync.py). Every test here forces such a plan and checks that the update
 really was still pending when the model was read, so it tests the deferral, not a plan without one.
 """
 
@@ -18,7 +18,8 @@ import torch
 from lazytrain import hardware
 from lazytrain.ir.plan import OutMode
 from lazytrain.pipeline import analyse
-from models import adamw_reference, bind_source, decisions, forced, hf_pair, repair, tiny_gpt_pair
+from lazytrain.runtime.schedule import load_source
+from models import adamw_reference, bind_source, decisions, forced, hf_pair, repair, tiny_gpt_pair, unique_name
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
@@ -108,19 +109,17 @@ def test_rebinding_lands_the_old_trainers_updates_and_detaches_it(gpt):
     """Binding the model again starts from the updated weights; the first trainer's hooks go."""
     text, real, batch, ref = gpt
     old, model = stepped(text, real, batch)
-    from lazytrain.runtime.schedule import load_source
-    from models import unique_name
-
     new = load_source(text, unique_name()).bind(model, **HP)
     assert not old.stepper.pending
     assert_weights({n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, ref)
-    calls = []
-    old.synchronize = lambda: calls.append(1)  # noqa: the old trainer is no longer consulted
-    old._model_behind = True
+    old.step(batch)  # the old trainer steps on: the model no longer consults it
+    assert old.stepper.pending
     model.state_dict()
-    assert not calls
+    assert old.stepper.pending
     new.step(batch)
+    assert new.stepper.pending
     model.state_dict()
+    assert not new.stepper.pending
 
 
 def test_garbage_collected_trainer_leaves_no_hooks(gpt):
