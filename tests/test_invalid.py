@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import re
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from lazytrain.errors import InfeasibleBudget, ScheduleMismatch, TraceError, Ver
 from lazytrain.ir.events import Kind, Phase
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model, minimum_budget
-from lazytrain.runtime.schedule import FORMAT_VERSION, load_schedule, load_source
+from lazytrain.runtime.schedule import FORMAT_VERSION, checksum, load_schedule, load_source
 from lazytrain.units import format_size
 from models import BlockSpec, ModelSpec, random_block_model, tiny_gpt_pair, unique_name
 
@@ -299,6 +301,93 @@ def test_stale_format_and_missing_file(small, tmp_path):
     with pytest.raises(ScheduleMismatch, match=re.escape("does not exist; create it with `lazytrain compile model.py -o")):
         load_schedule(tmp_path / "missing.py")
 
+
+
+# ---- schedules imported as plain modules ----------------------------------------------------------
+
+TINY_GPT = "lazytrain/examples/tiny_gpt.py"
+CHECK_LINE = "check_integrity(globals())  # this whole text against CHECKSUM: an edited schedule is refused on import\n"
+
+
+@pytest.fixture(scope="module")
+def gpt_text(gpt):
+    meta, _, batch, _ = gpt
+    return compile_model(meta, batch, GiB, "cpu", source=TINY_GPT).source_text
+
+
+def import_file(path, name=None):
+    """`import schedule` of a file, as a user's script does it (here under a fresh module name)."""
+    name = name or unique_name()
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def test_edited_schedule_file_is_refused_on_import(gpt, gpt_text, tmp_path):
+    """An edited norm eps changes the loss a little (6.2744 against eager's 6.2774 on a larger
+    model) and nothing else: importing the edited file must refuse it, naming the file and the fix."""
+    _, real, batch, _ = gpt
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    pristine = tmp_path / "a" / "schedule.py"
+    pristine.write_text(gpt_text)
+    trainer = import_file(pristine).bind(copy.deepcopy(real))
+    assert torch.isfinite(trainer.step(batch))
+    assert gpt_text.count("1e-05, False)") > 1  # the layer norms' eps
+    edited = tmp_path / "b" / "schedule.py"
+    edited.write_text(gpt_text.replace("1e-05, False)", "1e-04, False)", 1))
+    with pytest.raises(ScheduleMismatch, match=re.escape(
+            f"schedule {edited} was edited or is corrupt (checksum mismatch); recompile it with "
+            f"`lazytrain compile {TINY_GPT} -o {edited}` and change the model or the budget, not the schedule")):
+        import_file(edited)
+
+
+def test_schedule_without_its_import_check_is_refused_at_bind(gpt, gpt_text, tmp_path):
+    """Deleting the import-time check is an edit too: `bind` checks a module no check has passed."""
+    _, real, _, _ = gpt
+    assert gpt_text.count(CHECK_LINE) == 1
+    path = tmp_path / "schedule.py"
+    path.write_text(gpt_text.replace(CHECK_LINE, "", 1))
+    module = import_file(path)
+    with pytest.raises(ScheduleMismatch, match=re.escape(f"schedule {path} was edited or is corrupt (checksum mismatch)")):
+        module.bind(copy.deepcopy(real))
+
+
+def test_schedule_without_import_check_but_intact_still_binds(gpt, gpt_text, tmp_path):
+    """A schedule written before the import-time check (same format, its checksum intact) is
+    checked at bind and binds."""
+    _, real, batch, _ = gpt
+    text = gpt_text.replace(CHECK_LINE, "", 1)
+    text = re.sub(r'^CHECKSUM = ".*"$', f'CHECKSUM = "{checksum(text)}"', text, flags=re.MULTILINE)
+    path = tmp_path / "schedule.py"
+    path.write_text(text)
+    trainer = import_file(path).bind(copy.deepcopy(real))
+    assert torch.isfinite(trainer.step(batch))
+    assert torch.isfinite(load_source(text, unique_name()).bind(copy.deepcopy(real)).step(batch))
+
+
+def test_schedule_from_text_is_checked(gpt, gpt_text):
+    """`load_source` (no file): the intact text binds, an edited one is refused as it runs, and the
+    failed module is not left in sys.modules."""
+    _, real, _, _ = gpt
+    load_source(gpt_text, unique_name()).bind(copy.deepcopy(real))
+    name = unique_name()
+    with pytest.raises(ScheduleMismatch, match=re.escape(
+            f"schedule <lazytrain schedule {name}> was edited or is corrupt (checksum mismatch); recompile it with "
+            f"`lazytrain compile {TINY_GPT}` and")):
+        load_source(gpt_text.replace("1e-05, False)", "1e-04, False)", 1), name)
+    assert name not in sys.modules
+
+
+def test_schedule_whose_text_cannot_be_read_is_refused(gpt_text):
+    """Executed from a string with no file or loader behind it, a schedule cannot check itself."""
+    with pytest.raises(ScheduleMismatch, match="its source text cannot be read, so its checksum cannot be checked"):
+        exec(compile(gpt_text, "<string>", "exec"), {"__name__": unique_name()})
 
 # ---- hand-broken schedules the verifier rejects ---------------------------------------------------
 

@@ -1,8 +1,17 @@
-"""What a generated schedule module imports: the event IR, `Stage`, and `bind_module`.
+"""What a generated schedule module imports: the event IR, `Stage`, `bind_module`, `check_integrity`.
 
 NOTE: [Runtime imports]
 This package imports torch and `lazytrain.ir.events` only: never `lazytrain.passes`, python-mip or
 networkx, so a schedule compiled on a laptop runs where only torch is installed.
+
+NOTE: [Schedule checksum]
+A schedule records `CHECKSUM`, a hash of its whole text with that line's value left out, so any
+edit or truncation anywhere is caught, however the module was loaded: the module checks its own
+text as it is imported (`check_integrity(globals())`, below its CHECKSUM line; the text comes from
+its loader, or from `linecache` where `load_source` registered it), `load_source` checks the text
+it ran, and `bind_module` checks a module no check has passed yet (one whose import-time call was
+deleted). This catches accidents, not malice: a schedule is Python code that has run by the time
+any check does, so run only schedules you trust, as with any module.
 """
 
 from __future__ import annotations
@@ -19,12 +28,14 @@ from typing import Callable
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 
-__all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
+__all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "check_integrity", "load_schedule",
+           "load_source"]
 
 FORMAT_VERSION = 3  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
+_CHECKED = "__lazytrain_checked__"  # set in a module's namespace once its text matched its CHECKSUM
 
 
 def checksum(text: str) -> str:
@@ -64,8 +75,12 @@ def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = 
     module = ModuleType(name)
     module.__file__ = filename
     sys.modules[name] = module
-    exec(compile(text, filename, "exec"), module.__dict__)
-    _check_integrity(module, text, filename)
+    try:
+        exec(compile(text, filename, "exec"), module.__dict__)  # the module checks itself, from linecache
+        _check_integrity(module.__dict__, text, filename)  # and so is a schedule without that check
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module
 
 
@@ -82,15 +97,56 @@ def load_schedule(path: str | Path) -> ModuleType:
         raise ScheduleMismatch(f"schedule {path} is corrupt ({type(exc).__name__}: {exc}); recompile it with `lazytrain compile`") from None
 
 
-def _check_integrity(module: ModuleType, text: str, where: str) -> None:
-    fmt = getattr(module, "FORMAT", None)
+def check_integrity(namespace: dict) -> None:
+    """A schedule module's own text against its CHECKSUM (NOTE: [Schedule checksum]); generated
+    modules call it with `globals()` as they are imported. Raises `ScheduleMismatch`."""
+    where = namespace.get("__file__") or namespace.get("__name__", "<unnamed module>")
+    text = _own_text(namespace)
+    if text is None:
+        raise ScheduleMismatch(
+            f"schedule {where}: its source text cannot be read, so its checksum cannot be checked; import it from "
+            "its .py file, or load it with `lazytrain.runtime.schedule.load_schedule(path)` or `load_source(text)`")
+    _check_integrity(namespace, text, where)
+
+
+def _own_text(namespace: dict) -> str | None:
+    """The text the module was executed from: its loader's source (a file: universal newlines, as
+    Python read it), else the lines `load_source` registered with linecache."""
+    get_source = getattr(namespace.get("__loader__"), "get_source", None)
+    if get_source is not None:
+        try:
+            text = get_source(namespace.get("__name__"))
+        except (ImportError, OSError):
+            text = None
+        if text is not None:
+            return text
+    filename = namespace.get("__file__")
+    if filename:
+        linecache.checkcache(filename)  # entries of real files are dropped if the file changed
+        lines = linecache.getlines(filename)
+        if lines:
+            return "".join(lines)
+    return None
+
+
+def _check_integrity(namespace: dict, text: str, where: str) -> None:
+    fmt = namespace.get("FORMAT")
     if fmt != FORMAT_VERSION:
         raise ScheduleMismatch(f"schedule {where} has format {fmt}, this lazytrain reads {FORMAT_VERSION}: it is stale; recompile it")
-    if getattr(module, "CHECKSUM", None) != checksum(text):
-        raise ScheduleMismatch(f"schedule {where} was edited or is corrupt (checksum mismatch); recompile it with `lazytrain compile`")
+    if namespace.get("CHECKSUM") != checksum(text):
+        model = namespace.get("SOURCE") or "model.py"
+        out = f" -o {where}" if not where.startswith("<") else ""
+        raise ScheduleMismatch(
+            f"schedule {where} was edited or is corrupt (checksum mismatch); recompile it with "
+            f"`lazytrain compile {model}{out}` and change the model or the budget, not the schedule")
+    namespace[_CHECKED] = namespace["CHECKSUM"]
 
 
 def bind_module(module: ModuleType, model, **optimizer_args):
+    """A Trainer for `model`; a module no checksum check has passed yet is checked first."""
     from lazytrain.runtime.trainer import Trainer
 
+    ns = vars(module)
+    if _CHECKED not in ns or ns[_CHECKED] != ns.get("CHECKSUM"):
+        check_integrity(ns)
     return Trainer(module, model, **optimizer_args)

@@ -63,6 +63,7 @@ import torch
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind, Phase, Stream
+from lazytrain.runtime import model_sync
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
@@ -92,6 +93,7 @@ class Trainer:
         self.model = model
         self.stages = module.STAGES
         self.events: tuple[Event, ...] = module.EVENTS
+        model_sync.land_previous(model)  # a trainer bound to it before: start from its updated weights
         tensors = self._bind_tensors(model)
         if getattr(module, "MASTER_WEIGHTS", "fp32") == "bf16":  # NOTE: [bf16 master weights] in optim.py
             for name, t in tensors.items():
@@ -132,6 +134,8 @@ class Trainer:
         self.last_grad_norm: float | None = None
         if self.cuda:  # bind's copies ran on the default stream; compute has its own
             torch.cuda.synchronize(self.device)
+        self._model_behind = False  # stepped since the last sync_model (NOTE: [Model sync hooks])
+        model_sync.attach(self, model)
 
     # ---- binding checks -----------------------------------------------------------------------
     def _bind_tensors(self, model) -> dict[str, torch.Tensor]:
@@ -191,10 +195,12 @@ class Trainer:
         """One training step: fresh gradients, forward, backward, AdamW. Returns the loss.
         Host steps may still run when it returns, and GPU-stepped streamed stages apply their update
         at the next forward's prefetch; `synchronize()` (which `state_dict`, `sync_model` and
-        `zero_grad` call) finishes both."""
+        `zero_grad` call) finishes both. The model's `state_dict()` and forward call `sync_model()`
+        first (NOTE: [Model sync hooks])."""
         # Stages whose host step still runs clear their own gradients when done; waiting here
         # would serialise the host optimizer with this step's forward.
         self._clear_grads(s for s in range(-1, len(self.stages)) if s not in self.cpu_jobs)
+        self._model_behind = True
         return self._run(batch, optimize=True)
 
     def zero_grad(self) -> None:
@@ -260,13 +266,16 @@ class Trainer:
         return {"slot_bytes": self.store.slot_bytes, "pinned_bytes": self.pinned.reserved}
 
     def sync_model(self) -> None:
-        """Copy weights stepped on the device back into the model's own (master) parameters."""
+        """Finish every optimizer step and copy weights stepped on the device back into the model's
+        own (master) parameters. The model's `state_dict()` and forward call it when needed (NOTE:
+        [Model sync hooks]); reading `model.parameters()` directly needs it called first."""
         self.synchronize()
         with torch.no_grad():
             for p, home in self.store.home.items():
                 master = self.store.master[p]
                 if home is not master:
                     master.copy_(home)
+        self._model_behind = False
 
     # ---- replay -------------------------------------------------------------------------------
     def _run(self, batch: dict, optimize: bool) -> torch.Tensor:
