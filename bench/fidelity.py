@@ -1,0 +1,341 @@
+"""Is the plan the truth on the device? Measured against predicted, per configuration and window.
+
+Three phases, because the GPU machine has no solver:
+  python bench/fidelity.py compile [--only PATTERN]       (here) every configuration of CASES into
+                                                          .bench/fidelity/; a refused compile is a row too
+  python bench/fidelity.py run [--only PATTERN]           (on the GPU) builds each model once, binds each
+                                                          of its schedules in turn, writes bench/results/fidelity/
+  python bench/fidelity.py table                          rewrites the fidelity table in bench/README.md
+
+Per configuration it records the step time (median of --steps timed steps after --warmup) against
+the plan's prediction, the allocator's allocated and reserved peaks against the budget and the
+predicted peak, the process's host memory (its peak RSS while the schedule ran, cleared before each
+one) against the plan's host bytes plus the host reserve, and per window the most memory allocated
+while its events were issued (the caching allocator allocates as work is issued) and the time from
+the window's first compute to the next window's, against the plan. The checks (DESIGN.md): reserved
+peak within the budget; predicted peak within 5% of the allocated peak; predicted step within 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+CASE_DIR = ROOT / ".bench" / "fidelity"
+RESULTS = HERE / "results" / "fidelity"
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    seq: int
+    states: str  # "32bit" or "8bit"
+    master: str  # "fp32" or "bf16"
+    budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}"
+
+
+def _cases() -> list[Case]:
+    out = []
+    for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32), ("qwen2.5-14b", 8)):
+        for states, master in (("32bit", "fp32"), ("8bit", "bf16"), ("8bit", "fp32"), ("32bit", "bf16")):
+            for budget in ("24GiB", "40GiB", "max"):
+                out.append(Case(model, batch, 1024, states, master, budget))
+    out.append(Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "min"))
+    return out
+
+
+CASES = _cases()
+
+
+def _selected(only: str | None) -> list[Case]:
+    return [c for c in CASES if only is None or fnmatch.fnmatch(c.name, only)]
+
+
+def _commit() -> str:
+    if os.environ.get("LAZYTRAIN_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["LAZYTRAIN_COMMIT"]
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+# ---- compile (here) ---------------------------------------------------------------------------------
+
+def cmd_compile(args) -> None:
+    import torch
+
+    from bench.shapes import batch, meta_model
+    from lazytrain import hardware
+    from lazytrain.errors import LazytrainError
+    from lazytrain.pipeline import compile_model, minimum_budget
+    from lazytrain.units import format_size, parse_size
+
+    hw = hardware.load(args.hardware)
+    CASE_DIR.mkdir(parents=True, exist_ok=True)
+    for case in _selected(args.only):
+        start = time.perf_counter()
+        meta = meta_model(case.model, case.seq).to(torch.bfloat16)
+        b = batch(case.model, case.batch, case.seq)
+        opts = dict(optimizer_states=case.states, master_weights=case.master)
+        refused = CASE_DIR / f"{case.name}.refused.json"
+        refused.unlink(missing_ok=True)
+        try:
+            if case.budget == "min":
+                budget = minimum_budget(meta, b, hw, **opts)
+            else:
+                budget = hw.max_budget if case.budget == "max" else parse_size(case.budget)
+            compiled = compile_model(meta, b, budget, hw, source=f"bench:{case.model}", time_limit=args.time_limit, **opts)
+        except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
+            refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
+            print(f"{case.name}: refused: {exc}")
+            continue
+        (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
+        print(f"{case.name}: predicted {compiled.plan.step_s:.3f} s, peak {format_size(compiled.plan.peak_bytes)}, "
+              f"host {format_size(compiled.plan.host_bytes)}, compiled in {time.perf_counter() - start:.0f} s")
+
+
+# ---- run (on the GPU) ---------------------------------------------------------------------------------
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return -1
+
+
+def _clear_host_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _windows(module, timeline) -> list[dict]:
+    """Per window of the plan: predicted bytes; and seconds from the window's first compute event
+    to the next window's (the last: to the end of the compute stream), measured on `timeline` and
+    predicted on the events' planned starts alike (a window with no compute of its own is folded
+    into the one before)."""
+    measured = _spans(module, {e_id: (a, b) for e_id, a, b in timeline})
+    predicted = _spans(module, {e.id: (e.start_s, e.start_s + e.duration_s) for e in module.EVENTS})
+    return [{"window": lab, "predicted_bytes": nbytes, "predicted_s": predicted.get(lab), "measured_s": measured.get(lab)}
+            for lab, nbytes, _ in module.WINDOWS]
+
+
+def _spans(module, times: dict[int, tuple[float, float]]) -> dict[str, float]:
+    from lazytrain.ir.events import Stream
+
+    first: dict[str, float] = {}
+    end = 0.0
+    for e in module.EVENTS:
+        if e.stream is Stream.COMPUTE and e.id in times:
+            label = _window_of(module, e.start_s)
+            a, b = times[e.id]
+            first[label] = min(first.get(label, a), a)
+            end = max(end, b)
+    ordered = [w[0] for w in module.WINDOWS if w[0] in first]
+    return {lab: (first[ordered[i + 1]] if i + 1 < len(ordered) else end) - first[lab] for i, lab in enumerate(ordered)}
+
+
+def _window_of(module, t: float) -> str:
+    acc, label = 0.0, module.WINDOWS[0][0]
+    for lab, _, secs in module.WINDOWS:
+        if acc <= t + 1e-12:
+            label = lab
+        acc += secs
+    return label
+
+
+def _run_schedule(case: Case, path: Path, model, data, args) -> dict:
+    import torch
+
+    from lazytrain.runtime.schedule import load_schedule
+
+    module = load_schedule(path)
+    torch.cuda.empty_cache()
+    cleared = _clear_host_peak()
+    t0 = time.perf_counter()
+    trainer = module.bind(model, device="cuda", lr=1e-5)
+    bind_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        trainer.record_timeline = i == args.warmup + args.steps - 1
+        start = time.perf_counter()
+        losses.append(trainer.step(data).item())
+        times.append(time.perf_counter() - start)
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    windows = _windows(module, trainer.timeline)
+    # one more step, untimed, with the allocator read as each event is issued
+    seen: dict[str, int] = {}
+    inner = trainer.streams.run
+
+    def run(e, fn, on=None):
+        torch.cuda.reset_peak_memory_stats()
+        inner(e, fn, on=on)
+        label = _window_of(module, e.start_s)
+        seen[label] = max(seen.get(label, 0), torch.cuda.max_memory_allocated())
+    trainer.streams.run = run
+    losses.append(trainer.step(data).item())
+    torch.cuda.synchronize()
+    for w in windows:
+        w["measured_bytes"] = seen.get(w["window"])
+    host_peak = _status_kib("VmHWM") * 1024 if cleared else None
+    trainer.sync_model()
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    step_s = statistics.median(times[args.warmup:])
+    from lazytrain.hardware import HOST_RESERVE
+
+    return {
+        "case": asdict(case), "budget_bytes": module.BUDGET, "predicted_peak_bytes": module.PREDICTED_PEAK,
+        "predicted_step_s": module.PREDICTED_STEP_S, "predicted_host_bytes": module.PREDICTED["host_bytes"],
+        "host_reserve_bytes": HOST_RESERVE,
+        "step_s": step_s, "step_times_s": times[args.warmup:], "losses": losses, "bind_s": bind_s,
+        "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved, "host_peak_bytes": host_peak,
+        "windows": windows, "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "commit": _commit(),
+    }
+
+
+def cmd_run(args) -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+
+    from bench.shapes import batch, build
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(args.out or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple, list[Case]] = {}
+    for case in _selected(args.only):
+        if (CASE_DIR / f"{case.name}.py").is_file():
+            groups.setdefault((case.model, case.seq, case.master), []).append(case)
+    rows = []
+    for (model_name, seq, master), cases in groups.items():
+        start = time.perf_counter()
+        model = build(model_name, seq, "cpu", torch.bfloat16 if master == "bf16" else torch.float32)
+        print(f"[fidelity] built {model_name} ({master} masters) in {time.perf_counter() - start:.0f} s", flush=True)
+        for case in cases:
+            data = batch(case.model, case.batch, case.seq, "cuda")
+            try:
+                row = _run_schedule(case, CASE_DIR / f"{case.name}.py", model, data, args)
+            except Exception as exc:  # an OOM is the finding this bench exists for: record it
+                row = {"case": asdict(case), "failed": f"{type(exc).__name__}: {str(exc)[:400]}", "commit": _commit(),
+                       "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name()}
+                gc.collect()
+                torch.cuda.empty_cache()
+            (out / f"{case.name}.json").write_text(json.dumps(row, indent=1) + "\n")
+            rows.append(row)
+            print(f"[fidelity] {_line(row)}", flush=True)
+        del model
+        gc.collect()
+    print("\n".join(_table(rows)))
+
+
+# ---- table ------------------------------------------------------------------------------------------
+
+def _line(r: dict) -> str:
+    c = r["case"]
+    head = f"{c['model']} {c['batch']}x{c['seq']} {c['states']}/{c['master']} {c['budget']}"
+    if "failed" in r:
+        return f"{head}: FAILED {r['failed'][:160]}"
+    if "refused" in r:
+        return f"{head}: refused at compile"
+    return (f"{head}: step {r['step_s']:.3f} s (pred {r['predicted_step_s']:.3f}), allocated "
+            f"{r['allocated_peak_bytes'] / GiB:.1f} GiB (pred {r['predicted_peak_bytes'] / GiB:.1f}), reserved "
+            f"{r['reserved_peak_bytes'] / GiB:.1f} of {r['budget_bytes'] / GiB:.1f} GiB")
+
+
+def _checks(r: dict) -> str:
+    if "failed" in r:
+        return "**failed: " + r["failed"].split(":")[0] + "**"
+    if "refused" in r:
+        return "refused at compile"
+    ok = []
+    ok.append("in budget" if r["reserved_peak_bytes"] <= r["budget_bytes"] else "**over budget**")
+    peak_err = r["predicted_peak_bytes"] / r["allocated_peak_bytes"] - 1
+    ok.append(f"peak {peak_err:+.0%}" + ("" if abs(peak_err) <= 0.05 else " **>5%**"))
+    step_err = r["predicted_step_s"] / r["step_s"] - 1
+    ok.append(f"step {step_err:+.0%}" + ("" if abs(step_err) <= 0.10 else " **>10%**"))
+    return ", ".join(ok)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| model | batch×seq | states / masters | budget GiB | step s (pred.) | allocated GiB (pred.) | reserved GiB "
+             "| host GiB (pred. + reserve) | checks | date, device, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["case"]
+        stamp = f"{r.get('date', '')}, {r.get('device', '')}, {r.get('commit', '')}"
+        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']} | "
+        if "failed" in r or "refused" in r:
+            why = r.get("refused", r.get("failed", ""))[:120].replace("|", "/")
+            lines.append(head + f"{c['budget']} | - | - | - | - | {_checks(r)}: {why} | {stamp} |")
+            continue
+        host = (f"{r['host_peak_bytes'] / GiB:.1f} ({(r['predicted_host_bytes'] + r['host_reserve_bytes']) / GiB:.1f})"
+                if r.get("host_peak_bytes") else f"- ({(r['predicted_host_bytes'] + r['host_reserve_bytes']) / GiB:.1f})")
+        lines.append(head + f"{r['budget_bytes'] / GiB:.1f} | {r['step_s']:.2f} ({r['predicted_step_s']:.2f}) | "
+                     f"{r['allocated_peak_bytes'] / GiB:.1f} ({r['predicted_peak_bytes'] / GiB:.1f}) | "
+                     f"{r['reserved_peak_bytes'] / GiB:.1f} | {host} | {_checks(r)} | {stamp} |")
+    return lines
+
+
+def cmd_table(args) -> None:
+    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    rows += [json.loads(p.read_text()) for p in sorted(CASE_DIR.glob("*.refused.json"))
+             if not (RESULTS / p.name.replace(".refused", "")).is_file()]
+    order = {c.name: i for i, c in enumerate(CASES)}
+    rows.sort(key=lambda r: order.get(Case(**r["case"]).name, len(order)))
+    lines = _table(rows)
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    start, end = text.index("<!-- fidelity -->"), text.index("<!-- /fidelity -->")
+    readme.write_text(text[:start] + "<!-- fidelity -->\n" + "\n".join(lines) + "\n" + text[end:])
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, fn in (("compile", cmd_compile), ("run", cmd_run), ("table", cmd_table)):
+        s = sub.add_parser(name)
+        s.set_defaults(fn=fn)
+        if name == "table":
+            continue
+        s.add_argument("--only", default=None, help="a glob over case names, e.g. 'qwen2.5-7b_*_24GiB_*'")
+        if name == "compile":
+            s.add_argument("--hardware", default="h200")
+            s.add_argument("--time-limit", type=float, default=120.0)
+        else:
+            s.add_argument("--steps", type=int, default=3)
+            s.add_argument("--warmup", type=int, default=2)
+            s.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
