@@ -100,6 +100,9 @@ def test_schedule_for_the_gpu_refuses_the_cpu():
     assert 'DEVICE = "cuda"' in c.source_text
     with pytest.raises(ScheduleMismatch, match=r"compiled for cuda .* bound on cpu.*--hardware cpu"):
         bind_source(c.source_text, real)
+    if not torch.cuda.is_available():
+        with pytest.raises(ScheduleMismatch, match=r"compiled for cuda .* no usable GPU.*--hardware cpu"):
+            bind_source(c.source_text, real, device="cuda")
 
 
 def test_capture_follows_the_device():

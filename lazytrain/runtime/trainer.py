@@ -166,11 +166,13 @@ class Trainer:
     def _check_device(self):
         """The stages run on the device type they were captured for (NOTE: [Capture on the target
         device] in ir/target.py): model code picks operators by device type."""
+        where = f"schedule {self.m.SOURCE or '<in memory>'} was compiled for {self.m.DEVICE} (hardware {self.m.HARDWARE})"
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ScheduleMismatch(f"{where} and this machine has no usable GPU; recompile it with --hardware cpu to run here")
         if self.device.type != self.m.DEVICE:
             fix = "--hardware cpu" if self.device.type == "cpu" else "a hardware profile of this machine (`lazytrain profile`)"
             raise ScheduleMismatch(
-                f"schedule {self.m.SOURCE or '<in memory>'} was compiled for {self.m.DEVICE} (hardware {self.m.HARDWARE}) "
-                f"and is bound on {self.device.type}: its operators were chosen for {self.m.DEVICE}. Recompile it with "
+                f"{where} and is bound on {self.device.type}: its operators were chosen for {self.m.DEVICE}. Recompile it with "
                 f"{fix}, or bind it with device=\"{self.m.DEVICE}\"")
 
     def _pin_streamed_masters(self, tensors):
