@@ -83,7 +83,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
             optimizer_states: str = "32bit", master_weights: str = "fp32", loss_chunk_bytes: int = LOSS_CHUNK_BYTES):
     """The stages before the solver: capture, costs, liveness, blocks, chunk."""
     hook = hook or _Hook(None, False)
-    graph = hook.run("capture", capture, model, batch, source)
+    graph = hook.run("capture", capture, model, batch, source, hw.device)
     lint(graph)
     hook.dump(0, "capture", dump.text(graph))
     if hook.dir:

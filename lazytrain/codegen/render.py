@@ -127,7 +127,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         source=graph.source, fingerprint=graph.fingerprint(), budget=plan.budget, budget_text=format_size(plan.budget),
         batch_text=", ".join(f"{k}={v.dtype}{list(v.shape)}".replace("torch.", "") for k, v in batch.items()),
         batch=[(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in batch.items()],
-        hardware=hardware, optimizer_states=optimizer_states, master_weights=master_weights, state_bytes=stages.state_bytes, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
+        hardware=hardware, device=graph.device, optimizer_states=optimizer_states, master_weights=master_weights, state_bytes=stages.state_bytes, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
         step_text=_ms(plan.step_s), compute_text=_ms(plan.compute_s), recompute_text=_ms(plan.recompute_s),
         exposed_text=_ms(plan.exposed_s), optimizer_text=_ms(plan.optimizer_s), solver_text=solver_text,
         decision_lines=decision_lines, format_version=FORMAT_VERSION, loss=graph.output,

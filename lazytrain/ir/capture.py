@@ -2,7 +2,8 @@
 
 The model is built on the meta device (no weights are ever materialised, so a 70B config captures on
 a laptop) and exported with `torch.export` (plain `torch.fx.symbolic_trace` fails on transformers
-5.x). Parameters and buffers become placeholders named by their module path; blocks are taken from
+5.x) as fake tensors on the device the schedule runs on (NOTE: [Capture on the target device] in
+ir/target.py). Parameters and buffers become placeholders named by their module path; blocks are taken from
 the `nn_module_stack` the export records: the shallowest numbered container (`model.layers.N`).
 """
 
@@ -18,8 +19,9 @@ from typing import Callable
 
 import torch
 
-from lazytrain.errors import TraceError
+from lazytrain.errors import LazytrainError, TraceError
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, Value
+from lazytrain.ir.target import on_target
 
 _WRAPPED = "_lt_model"  # attribute name of the user's model inside the loss wrapper
 
@@ -71,21 +73,26 @@ def check_batch(batch) -> dict[str, torch.Tensor]:
     return batch
 
 
-def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str = "") -> Graph:
-    """Export `model(**batch)` (its loss) on the meta device into a `Graph`."""
+def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str = "", device: str = "cpu") -> Graph:
+    """Export `model(**batch)` (its loss), as it runs on `device` ("cpu" or "cuda"), into a `Graph`."""
     check_batch(batch)
     model.train()
-    # Separate meta tensors per input: export merges aliased inputs into one placeholder.
-    meta_batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
-    try:
-        exported = torch.export.export(LossModule(model), (), meta_batch, strict=False)
-    except Exception as exc:
-        raise TraceError(_explain_export_failure(exc, source)) from None
-    gm = exported.graph_module
-    if any(_is_mutating(n) for n in gm.graph.nodes):
-        exported = exported.run_decompositions({})  # functionalise in-place ops
-        gm = exported.graph_module
-    return _convert(exported, gm, source)
+    # Separate fake tensors per input: export merges aliased inputs into one placeholder.
+    with on_target(model, batch, device) as fake_batch:
+        try:
+            exported = torch.export.export(LossModule(model), (), fake_batch, strict=False)
+            gm = exported.graph_module
+            if any(_is_mutating(n) for n in gm.graph.nodes):
+                exported = exported.run_decompositions({})  # functionalise in-place ops
+                gm = exported.graph_module
+        except LazytrainError:
+            raise
+        except Exception as exc:
+            raise TraceError(_explain_export_failure(exc, source)) from None
+    return _convert(exported, gm, source, device)
+
+
+_NOT_MODEL_CODE = (Path(torch.__file__).parent, Path(__file__).parent.parent)
 
 
 def _explain_export_failure(exc: Exception, source: str) -> str:
@@ -95,7 +102,11 @@ def _explain_export_failure(exc: Exception, source: str) -> str:
     else:
         construct = f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
     where = ""
-    user_frames = [f for f in traceback.extract_tb(exc.__traceback__) if source and Path(f.filename).name == Path(source).name]
+    frames = traceback.extract_tb(exc.__traceback__)
+    # The user's file if it is on the stack, else the innermost frame of model code (a library's
+    # modeling file): never torch's or lazytrain's own.
+    user_frames = [f for f in frames if source and Path(f.filename).name == Path(source).name] or [
+        f for f in frames if not any(Path(root) in Path(f.filename).parents for root in _NOT_MODEL_CODE)]
     if user_frames:
         f = user_frames[-1]
         where = f" at {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
@@ -172,7 +183,7 @@ def _encode(arg, where: str, names: dict[str, str]):
     raise TraceError(f"node {where} has an argument of type {type(arg).__name__} ({arg!r}) that lazytrain cannot encode")
 
 
-def _convert(exported, gm, source: str) -> Graph:
+def _convert(exported, gm, source: str, device: str) -> Graph:
     mutated = [spec.target for spec in exported.graph_signature.output_specs if spec.kind.name != "USER_OUTPUT"]
     if mutated:
         raise TraceError(
@@ -228,7 +239,7 @@ def _convert(exported, gm, source: str) -> Graph:
             if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
                 raise TraceError(f"the model returned {len(outs)} values; it must return one scalar loss (or an object with .loss)")
             output = names.get(outs[0].name, outs[0].name)
-    graph = Graph(nodes=tuple(nodes), output=output, source=source)
+    graph = Graph(nodes=tuple(nodes), output=output, source=source, device=device)
     loss = graph[output].value
     if not isinstance(loss, TensorSpec) or loss.shape != () or not loss.is_float:
         raise TraceError(f"the model's output {output} is {loss}; it must be a scalar floating-point loss")

@@ -111,7 +111,7 @@ def to_json(graph: Graph) -> str:
         }
         for n in graph.nodes
     ]
-    return json.dumps({"source": graph.source, "output": graph.output, "nodes": nodes}, indent=1)
+    return json.dumps({"source": graph.source, "device": graph.device, "output": graph.output, "nodes": nodes}, indent=1)
 
 
 def from_json(textdata: str) -> Graph:
@@ -124,4 +124,4 @@ def from_json(textdata: str) -> Graph:
         )
         for d in data["nodes"]
     )
-    return Graph(nodes=nodes, output=data["output"], source=data["source"])
+    return Graph(nodes=nodes, output=data["output"], source=data["source"], device=data["device"])

@@ -119,6 +119,7 @@ class Graph:
     nodes: tuple[Node, ...]
     output: str
     source: str = ""
+    device: str = "cpu"  # the device type it was captured for (NOTE: [Capture on the target device] in ir/target.py)
     _index: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

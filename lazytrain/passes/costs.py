@@ -65,6 +65,21 @@ def _addmm(node, graph):
     return 2.0 * node.spec.numel * _in(node, graph, 1).shape[-1]
 
 
+# NOTE: [Routed experts]
+# A mixture-of-experts layer routes each token to top_k of E experts; how many rows each expert gets
+# is known only at run time. The graph does not depend on it: transformers' grouped_mm experts sort
+# the tokens × top_k (token, expert) pairs by expert and run one grouped matmul over all of them
+# (rows = tokens × top_k, split among experts by `offs`, a tensor), against every expert's weights
+# in one parameter [E, out, in]. So the work is static: 2 · tokens · top_k · in · out FLOPs for any
+# routing, outputs and saved activations of tokens × top_k rows, and all E experts' weights belong
+# to the layer's block, resident or streamed as one. The kernel's own working set is its output.
+# Expert code with data-dependent shapes (the "eager" loop over `nonzero()`) does not capture: it
+# is refused with a TraceError naming the line.
+@rule("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", bwd_factor=2.0)
+def _grouped_mm(node, graph):
+    return 2.0 * node.spec.numel * _in(node, graph, 0).shape[-1]
+
+
 @rule("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
       "aten._scaled_dot_product_efficient_attention.default", bwd_factor=2.5)
 def _sdpa(node, graph):

@@ -31,7 +31,9 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "check_integrity", "load_schedule",
            "load_source"]
 
-FORMAT_VERSION = 3  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`
+# 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`; 4: `DEVICE`, the
+# device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py)
+FORMAT_VERSION = 4
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

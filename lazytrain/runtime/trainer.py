@@ -100,6 +100,7 @@ class Trainer:
                 if module.PLACEHOLDERS[name][0] == "param" and t.is_floating_point():
                     t.data = t.data.to(torch.bfloat16)
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
+        self._check_device()
         self.cuda = self.device.type == "cuda"
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -165,6 +166,18 @@ class Trainer:
                 f"schedule {self.m.SOURCE or '<in memory>'} (fingerprint {self.m.FINGERPRINT}) does not fit this model: "
                 + "; ".join(problems[:4]) + ". Recompile the schedule for this model with `lazytrain compile`")
         return tensors
+
+    def _check_device(self):
+        """The stages run on the device type they were captured for (NOTE: [Capture on the target
+        device] in ir/target.py): model code picks operators by device type."""
+        where = f"schedule {self.m.SOURCE or '<in memory>'} was compiled for {self.m.DEVICE} (hardware {self.m.HARDWARE})"
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ScheduleMismatch(f"{where} and this machine has no usable GPU; recompile it with --hardware cpu to run here")
+        if self.device.type != self.m.DEVICE:
+            fix = "--hardware cpu" if self.device.type == "cpu" else "a hardware profile of this machine (`lazytrain profile`)"
+            raise ScheduleMismatch(
+                f"{where} and is bound on {self.device.type}: its operators were chosen for {self.m.DEVICE}. Recompile it with "
+                f"{fix}, or bind it with device=\"{self.m.DEVICE}\"")
 
     def _pin_streamed_masters(self, tensors):
         """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The

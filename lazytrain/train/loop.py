@@ -113,9 +113,8 @@ def train(args) -> dict:
             _restore_weights(found, model)
     elif run_dir is not None and (run_dir / "checkpoints" / ckpt.LATEST_FILE).exists():
         raise DataError(f"{run_dir} already holds checkpoints; pass --resume to continue that run, or another --checkpoint-dir")
-    device = "cuda" if torch.cuda.is_available() else None
     trainer = schedule.bind(model, lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                            device=device)
+                            device=schedule.DEVICE)  # where its stages were captured for
     data = _data(args, source, model, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(warmup, args.steps, args.min_lr_ratio))
