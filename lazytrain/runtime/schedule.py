@@ -21,7 +21,8 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 
 __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
 
-FORMAT_VERSION = 3  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`
+FORMAT_VERSION = 4  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`;
+# 4: `Stage.random` (its recomputes replay its generator state) and `Stage.limits`
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -54,6 +55,8 @@ class Stage:
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
     states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
+    random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
+    limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:
