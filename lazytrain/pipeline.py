@@ -2,6 +2,9 @@
 
     capture -> causal -> costs -> liveness -> blocks -> chunk -> solve -> lower -> verify -> codegen
 
+`limits` (the decisions a stage can never take, and why) is a side table of the chunked stages:
+`solve` closes those decisions, codegen prints the reasons, and `--dump-ir` writes it with `chunk`.
+
 Between stages a hook checks the stage's output (the IR lint after capture, the schedule verifier
 after lower), dumps it on request (`--dump-ir DIR`: one file per stage, deterministic) and times it
 (`--time-passes`). A failure inside a stage names the stage.
@@ -31,6 +34,7 @@ from lazytrain.passes.causal import causal
 from lazytrain.passes.blocks import MASTER_BYTES, Stages, blocks
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES, chunk, decide
 from lazytrain.passes.costs import costs
+from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import Schedule, lower
 from lazytrain.passes.solve import smallest_budget, solve
@@ -100,7 +104,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook.dump(4, "blocks", stages_text(stages))
     decision = hook.run("chunk", decide, graph, stages, loss_chunk_bytes)
     chunked = chunk(stages, decision)
-    hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + stages_text(chunked))
+    hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + limits_text(chunked, limits(chunked)) + stages_text(chunked))
     return graph, chunked
 
 
@@ -146,7 +150,7 @@ def stages_text(stages: Stages) -> str:
             f"{s.index} {s.name} kind={s.kind} nodes={len(s.nodes)} params={s.param_bytes}B saved={s.saved_bytes}B "
             f"peak={s.peak_bytes}B out={s.out_bytes}B inputs={list(s.inputs)} outputs={list(s.outputs)} "
             f"consumers={list(s.consumers)} fwd={s.fwd_s:.3g}s bwd={s.bwd_s:.3g}s remat={s.remat_s:.3g}s "
-            f"skips={list(s.skips)} chunks={s.chunks}")
+            f"skips={list(s.skips)} chunks={s.chunks} random={s.random}")
     return "\n".join(lines) + "\n"
 
 

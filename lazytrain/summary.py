@@ -38,6 +38,11 @@ def summary(schedule: ModuleType) -> str:
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
             f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}")
+    limited = [s for s in m.STAGES if s.limits]
+    if limited:  # pass `limits`: decisions a stage can never take
+        lines.append("what no plan can change:")
+        for s in limited:
+            lines += [f"{f'{s.index:>3} {s.name}' if i == 0 else '':<28}{note}" for i, note in enumerate(s.limits)]
     skipping = [s for s in m.STAGES if s.recompute and s.skips]
     if skipping:  # NOTE: [Skipped recompute] in passes/remat.py
         lines.append(f"recompute before backward leaves out the linears no backward reads: stages "

@@ -168,6 +168,26 @@ def check_replay(source_text: str, real: nn.Module, batch: dict, atol=ATOL, rtol
     assert_grads_match(model, loss, ref_loss, ref_grads, atol, rtol)
 
 
+def check_seeded_replay(source_text: str, real: nn.Module, batch: dict, seed: int = 7, steps: int = 0, **hp) -> None:
+    """For models that draw random numbers (dropout): from the same seed, one forward_backward gives
+    eager's loss and gradients; with `steps`, that many `step`s then give eager AdamW's weights."""
+    torch.manual_seed(seed)
+    ref_loss, ref_grads = eager_grads(real, batch)
+    trainer, model = bind_source(source_text, real)
+    torch.manual_seed(seed)
+    assert_grads_match(model, trainer.forward_backward(batch), ref_loss, ref_grads)
+    if steps:
+        torch.manual_seed(seed)
+        ref = adamw_reference(real, batch, steps, **hp)
+        trainer, model = bind_source(source_text, real, **hp)
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            trainer.step(batch)
+        trainer.synchronize()
+        for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), f"{name} differs from eager AdamW"
+
+
 def replay_equals_eager(meta: nn.Module, real: nn.Module, batch: dict, budget: int, *, time_limit: float = 20.0,
                         atol=ATOL, rtol=RTOL):
     """Compile `meta` for `budget`, replay on a deepcopy of `real`, compare with eager. Returns the Compiled."""
@@ -185,12 +205,12 @@ def producers(stages, s: int) -> set[int]:
 
 def repair(stages, raw) -> list[StageDecision]:
     """Turn any (stream, recompute, outputs[, gpu_step[, fetch ahead]]) per stage into decisions that keep solve's rules:
-    stream only with weights, and (but for the last stage) only when recomputing; random and chunked
-    stages do not recompute, random ones do not drop either; offload only when every
+    stream only with weights, and (but for the last stage) only when recomputing; chunked stages do
+    not recompute; offload only when every
     consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
     resident weights whose next stage recomputes and none of whose producers offload."""
     S = len(stages)
-    rec = [bool(r[1]) and not stages[s].random and stages[s].chunks == 1 for s, r in enumerate(raw)]
+    rec = [bool(r[1]) and stages[s].chunks == 1 for s, r in enumerate(raw)]
     # streamed stages recompute, but for the last (its weights stay from forward to backward)
     stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]
@@ -198,7 +218,7 @@ def repair(stages, raw) -> list[StageDecision]:
         if outs[s] is OutMode.OFFLOAD and (
                 not g.consumers or g.consumers[-1] == S - 1 or not all(rec[c] for c in g.consumers)):
             outs[s] = OutMode.KEEP
-        if outs[s] is OutMode.DROP and (not g.chain or g.random or stream[s] or not rec[s + 1]):
+        if outs[s] is OutMode.DROP and (not g.chain or stream[s] or not rec[s + 1]):
             outs[s] = OutMode.KEEP
     for s in range(S):
         if outs[s] is OutMode.DROP and any(outs[p] is OutMode.OFFLOAD for p in producers(stages, s)):

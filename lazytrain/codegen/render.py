@@ -16,6 +16,7 @@ from lazytrain.ir.graph import Graph, OpKind
 from lazytrain.ir.plan import Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
+from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
 from lazytrain.summary import internals
@@ -97,14 +98,16 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
            optimizer_states: str = "32bit", master_weights: str = "fp32") -> str:
     buffers = {b.name: b for b in schedule.buffers}
     names = [s.name for s in stages]
+    closed = limits(stages)
     decision_lines = []
-    for s, d in zip(stages, plan.decisions):
+    for s, d, lim in zip(stages, plan.decisions, closed):
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
             f"{'streamed' if d.stream else 'resident':<8}  internals {internals(s.chunks, d.recompute):<10}  "
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
             + (", fetched 2 windows ahead" if d.lookahead == 2 else ""))
+        decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
         for n in graph.of(OpKind.PARAM, OpKind.BUFFER, OpKind.INPUT)
@@ -115,8 +118,9 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
         f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "") + (f", skips={s.skips!r}" if s.skips else "")
-        + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "") + "),"
-        for s, d in zip(stages, plan.decisions)
+        + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
+        + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"
+        for s, d, lim in zip(stages, plan.decisions, closed)
     ]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"
                     for b in schedule.buffers]

@@ -85,6 +85,7 @@ def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str 
             if any(_is_mutating(n) for n in gm.graph.nodes):
                 exported = exported.run_decompositions({})  # functionalise in-place ops
                 gm = exported.graph_module
+            _erase_identity_dropouts(gm.graph)
         except LazytrainError:
             raise
         except Exception as exc:
@@ -114,6 +115,41 @@ def _explain_export_failure(exc: Exception, source: str) -> str:
         f"cannot trace the model{where}: {construct}. lazytrain compiles a static training step with "
         "torch.export; replace the construct with tensor operations (e.g. torch.where) or move it out of forward()"
     )
+
+
+# NOTE: [Identity dropout]
+# Hugging Face configs default most dropouts to 0.0, and export records them anyway as
+# `dropout(x, 0.0, True)`. Such a node returns its input and draws no random numbers, but a stage
+# holding a random operator must replay its generator's state to recompute (NOTE: [RNG replay] in
+# runtime/rng.py), and a dropout's backward keeps a mask. So capture erases every dropout that is the
+# identity (p == 0, or train False) and its readers read its input. `native_dropout` (what
+# decompositions leave) returns (output, mask): it goes only when nothing reads the mask.
+_DROPOUTS = tuple(f"aten.{op}.default" for op in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"))
+_NATIVE_DROPOUT = "aten.native_dropout.default"
+
+
+def _erase_identity_dropouts(graph: torch.fx.Graph) -> None:
+    """Remove the dropouts that return their input (NOTE: [Identity dropout]); edits `graph` in place."""
+    for node in list(graph.nodes):
+        target = str(node.target) if node.op == "call_function" else ""
+        if target not in _DROPOUTS and target != _NATIVE_DROPOUT:
+            continue
+        schema = node.target._schema.arguments
+        given = {a.name: a.default_value for a in schema if a.has_default_value()}
+        given.update(zip((a.name for a in schema), node.args))
+        given.update(node.kwargs)
+        if given["p"] != 0 and given["train"] is not False:
+            continue
+        source = given["input"]
+        if target == _NATIVE_DROPOUT:
+            if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users if u.users):
+                continue  # the mask is read
+            for item in list(node.users):
+                item.replace_all_uses_with(source)
+                graph.erase_node(item)
+        else:
+            node.replace_all_uses_with(source)
+        graph.erase_node(node)
 
 
 def _is_mutating(node: torch.fx.Node) -> bool:

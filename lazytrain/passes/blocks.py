@@ -21,12 +21,26 @@ from dataclasses import dataclass
 import networkx as nx
 
 from lazytrain.errors import TraceError
-from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec, value_bytes
+from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
 from lazytrain.passes.remat import skips
 from lazytrain.passes.saved import saved
 
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform")
+_ATTENTION_DROPOUT = {  # attention operators whose dropout draws random numbers when its p is not 0
+    "aten.scaled_dot_product_attention.default": 4,  # the position of `dropout_p`
+    "aten._scaled_dot_product_flash_attention.default": 3,
+    "aten._scaled_dot_product_efficient_attention.default": 5,
+}
+
+
+def draws_random(node: Node) -> bool:
+    """The node draws from a random-number generator (NOTE: [RNG replay] in runtime/rng.py)."""
+    if node.target in _ATTENTION_DROPOUT:
+        i = _ATTENTION_DROPOUT[node.target]
+        p = node.args[i] if len(node.args) > i else dict(node.kwargs).get("dropout_p", 0.0)
+        return p != 0
+    return any(r in node.target for r in _RANDOM_OPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +66,7 @@ class Stage:
     fwd_s: float
     bwd_s: float
     remat_s: float  # its recompute before backward: `fwd_s` less the skipped nodes (NOTE: [Skipped recompute])
-    random: bool  # draws random numbers: recomputing would change results
+    random: bool  # draws random numbers: its recomputes replay its forward's generator state (NOTE: [RNG replay])
     chunks: int = 1  # >1: forward and backward run together in chunks of the batch, at B(s) (pass `chunk`)
     largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
     skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
@@ -201,7 +215,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             fwd_s=sum(costs[n].time_s for n in names),
             bwd_s=sum(costs[n].bwd_time_s for n in names),
             remat_s=sum(costs[n].time_s for n in names if n not in skipped),
-            random=any(r in graph[n].target for n in names for r in _RANDOM_OPS),
+            random=any(draws_random(graph[n]) for n in names),
             largest_numel=max((graph[p].spec.numel for p in params), default=0),
             skips=skipped,
         ))

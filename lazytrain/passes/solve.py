@@ -73,6 +73,7 @@ from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
 from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
 from lazytrain.passes.blocks import STATE_BYTES, Stages
+from lazytrain.passes.limits import limits
 from lazytrain.units import format_size
 
 LOSS_BYTES = 4
@@ -322,6 +323,7 @@ def _vars(m: mip.Model, stages: Stages):
          for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
     v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]
     big = sum(g.out_bytes for g in stages) + 1
+    closed = limits(stages)  # the decisions a stage can never take (pass `limits`)
     for s, g in enumerate(stages):
         sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
         m += off + drop <= 1
@@ -329,23 +331,20 @@ def _vars(m: mip.Model, stages: Stages):
         m += v["ahead"][s] <= v["gstep"][s]
         if s < 2:
             m += v["ahead"][s] == 0
-        if g.param_bytes == 0:
+        if closed[s].stream:
             m += sig == 0
         elif s < S - 1:
             # A streamed stage's weights leave between its forward and backward, but internals that
             # autograd saved are views of them: such a stage must recompute (the last stage's
             # weights stay from F to B, so it may save).
             m += sig <= rec
-        if g.random:
+        if closed[s].recompute:
             m += rec == 0
-            m += drop == 0
-        if g.chunks > 1:  # its forward runs inside its backward: nothing to recompute
-            m += rec == 0
-        if not g.consumers or g.consumers[-1] == S - 1:
+        if closed[s].offload:
             m += off == 0
         for c in g.consumers:
             m += off <= v["recompute"][c]
-        if not g.chain or g.random:
+        if closed[s].drop:
             m += drop == 0
         else:
             m += drop <= v["recompute"][s + 1]
@@ -415,9 +414,11 @@ def _decisions(v, S) -> list[StageDecision]:
 def heuristics(stages: Stages) -> dict[str, list[StageDecision]]:
     """Fixed policies, as layer-streaming trainers use: warm starts for the MIP and the fallback
     when it finds nothing in time."""
+    closed = limits(stages)
+
     def policy(stream: bool, recompute: bool, gpu_step: bool = False) -> list[StageDecision]:
-        return [StageDecision(stream and g.param_bytes > 0, recompute and not g.random and g.chunks == 1, OutMode.KEEP,
-                              gpu_step and stream and g.param_bytes > 0) for g in stages]
+        return [StageDecision(stream and not lim.stream, recompute and not lim.recompute, OutMode.KEEP,
+                              gpu_step and stream and not lim.stream) for lim in closed]
     return {
         "stream every block, checkpoint every block": policy(True, True),
         "stream every block, optimizer on the GPU, checkpoint every block": policy(True, True, gpu_step=True),

@@ -32,7 +32,8 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
            "load_source"]
 
 # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`; 4: `DEVICE`, the
-# device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py)
+# device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py),
+# `Stage.random` (its recomputes replay its generator state) and `Stage.limits`
 FORMAT_VERSION = 4
 
 
@@ -67,6 +68,8 @@ class Stage:
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
     states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
+    random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
+    limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

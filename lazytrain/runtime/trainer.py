@@ -55,6 +55,7 @@ gradient, as one unchunked call would (up to float rounding). Gradients a parame
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import Future
 from types import ModuleType
@@ -66,6 +67,7 @@ from lazytrain.ir.events import Event, Kind, Phase, Stream
 from lazytrain.runtime import model_sync
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
+from lazytrain.runtime import rng
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
@@ -297,6 +299,7 @@ class Trainer:
         self.env.update(self.store.buffers)
         self.grads: dict[str, torch.Tensor] = {}
         self.saved: dict[int, tuple] = {}
+        self.rng: dict[int, rng.RngState] = {}  # random stage -> generator states its forward began from
         self.gbuf: dict[int, dict[str, torch.Tensor]] = {}
         self.loss = None
         self.norm_sq = None
@@ -340,24 +343,30 @@ class Trainer:
             self._absorb_grads(all_stages=True)
         self.timeline = timeline or []
         loss, self.loss = self.loss, None
-        self.env = self.grads = self.saved = self.gbuf = None
+        self.env = self.grads = self.saved = self.gbuf = self.rng = None
         return loss
 
     def _weight(self, name):
         work = self.store.work.get(name)
         return work if work is not None else self.env[name]
 
-    def _call(self, stage, grad: bool, remat: bool = False):
+    def _call(self, stage, grad: bool, remat: bool = False, again: bool = False):
         """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records; with
-        `remat`, the values no backward reads are left uncomputed (NOTE: [Skipped recompute])."""
+        `remat`, the values no backward reads are left uncomputed (NOTE: [Skipped recompute]); with
+        `again` (a recompute), a random stage draws what its forward drew (NOTE: [RNG replay])."""
+        draws = contextlib.nullcontext()
+        if stage.random and again:
+            draws = rng.replay(self.rng[stage.index], self.device)
+        elif stage.random:
+            self.rng[stage.index] = rng.record(self.device)
         if grad:
             leaves = {x: self.env[x].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs}
             args = [self._weight(p) for p in stage.placeholders] + [leaves[x] for x in stage.inputs]
-            with torch.enable_grad():
+            with torch.enable_grad(), draws:
                 outs = stage.fn(self.device, *args, **({"remat": True} if remat and stage.skips else {}))
             return leaves, outs
         args = [self._weight(p) for p in stage.placeholders] + [self.env[x] for x in stage.inputs]
-        with torch.no_grad():
+        with torch.no_grad(), draws:
             return None, stage.fn(self.device, *args)
 
     def _publish(self, stage, outs):
@@ -377,14 +386,15 @@ class Trainer:
                 self.saved[e.stage] = (leaves, outs)
             self._publish(stage, outs)
         elif e.phase is Phase.RECOMPUTE:
-            self._publish(stage, self._call(stage, grad=False)[1])
+            self._publish(stage, self._call(stage, grad=False, again=True)[1])
         elif stage.chunks > 1:
             self._chunked_backward(stage)
         else:
             self._backward(stage)
 
     def _backward(self, stage):
-        leaves, outs = self.saved.pop(stage.index) if not stage.recompute else self._call(stage, grad=True, remat=True)
+        leaves, outs = self.saved.pop(stage.index) if not stage.recompute else self._call(
+            stage, grad=True, remat=True, again=True)
         tensors, grads = [], []
         for name, t in zip(stage.outputs, outs):
             g = torch.ones_like(t) if name == self.m.LOSS else self.grads.get(name)
