@@ -347,6 +347,7 @@ def test_resume_flags_need_their_partners(capsys):
     ("--data", "corpus_typo.txt", "data path corpus_typo.txt does not exist"),
     ("--tokenizer", "tok_typo", "tokenizer tok_typo does not exist"),
     ("--weights", "w_typo.safetensors", "weights file w_typo.safetensors does not exist"),
+    ("--weights", str(ROOT / "README.md"), "README.md is not a readable safetensors file"),
     ("--schedule", "s_typo.py", "schedule s_typo.py does not exist"),
     ("--hardware", "h100", "hardware profile 'h100' not found"),
     ("--log", "no_such_dir/log.jsonl", "--log no_such_dir/log.jsonl: no_such_dir does not exist"),

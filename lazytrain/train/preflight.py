@@ -46,9 +46,8 @@ def prepare(args) -> Prepared:
     if not args.schedule:
         hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
     source = resolve(args.model or examples.DEFAULT, args.batch_size, args.seq_len, args.weights)
-    if args.weights and not Path(args.weights).exists():
-        raise DataError(f"weights file {args.weights} does not exist; pass a .safetensors file saved for this model, "
-                        "or drop --weights")
+    if args.weights:
+        _check_weights(Path(args.weights))
     meta_model = build_on_meta(source.build_model)
     if args.export_hf:
         _check_export(meta_model, Path(args.export_hf))
@@ -73,6 +72,24 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
     if not resume and holds:
         raise CheckpointError(f"{run_dir} already holds checkpoints; pass --resume to continue that run (from its "
                               "newest complete checkpoint), or another --checkpoint-dir")
+
+
+def _check_weights(path: Path) -> None:
+    """The file exists and its safetensors header reads (no tensor is loaded); whether its tensors
+    fit the model is the loader's check."""
+    if not path.exists():
+        raise DataError(f"weights file {path} does not exist; pass a .safetensors file saved for this model, "
+                        "or drop --weights")
+    if path.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # SafetensorError, or OSError for an unreadable file
+            raise DataError(f"weights file {path} is not a readable safetensors file ({type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); pass a .safetensors "
+                            "file saved for this model") from None
 
 
 def _check_export(model: torch.nn.Module, out: Path) -> None:
