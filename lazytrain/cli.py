@@ -29,7 +29,7 @@ def _budget(text: str):
         return text
     valid = "write a size with a unit such as 24GiB or 512MiB, or min (the smallest that fits) or max (the whole device)"
     try:
-        value = float(text)
+        float(text)
     except ValueError:
         pass
     else:
