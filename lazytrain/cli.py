@@ -1,12 +1,13 @@
 """The `lazytrain` command: compile, inspect, train, profile.
 
-Errors from lazytrain's hierarchy print as one line (`lazytrain: error: ...`) and exit with 2;
-anything else is a bug and keeps its traceback.
+Errors from lazytrain's hierarchy, a bad flag, and a full disk print as one line
+(`lazytrain: error: ...`) and exit with 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -14,13 +15,59 @@ from lazytrain.errors import LazytrainError
 from lazytrain.units import format_size, parse_size
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as lazytrain's own errors print (argparse adds the usage text)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def _budget(text: str):
+    """A GPU budget: a size with a unit, min or max. A bare number is refused: `--budget 1.5` meant
+    1.5 GiB far more often than one byte."""
     if text in ("min", "max"):
         return text
+    valid = "write a size with a unit such as 24GiB or 512MiB, or min (the smallest that fits) or max (the whole device)"
     try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        float(text)
+    except ValueError:
+        pass
+    else:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit; {valid}")
+    try:
+        size = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a budget; {valid}") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is no memory at all; {valid}")
+    return size
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; pass an integer >= {low}")
+        return value
+    return parse
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = True):
+    """A finite float in (low, high] (or [low, high] when not `low_open`)."""
+    bounds = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass a number {bounds}") from None
+        if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; pass a number {bounds}")
+        return value
+    return parse
 
 
 def _chunk_bytes(text: str) -> int:
@@ -89,7 +136,7 @@ def cmd_profile(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lazytrain", description="Compile and run training steps under a GPU memory budget.")
+    p = _Parser(prog="lazytrain", description="Compile and run training steps under a GPU memory budget.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile model.py into a static schedule.py")
@@ -99,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
                    help="GPU memory budget, e.g. 24GiB; 'min' for the smallest feasible, 'max' (default) for the whole device")
     c.add_argument("--hardware", default=None, help="hardware profile: h200 (default), cpu, or a JSON file from `lazytrain profile`")
     c.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after every stage into DIR")
-    c.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
+    c.add_argument("--time-limit", type=_number(0), default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
     c.add_argument("--optimizer-states", choices=["32bit", "8bit"], default="32bit",
                    help="AdamW state precision: 32bit (torch AdamW) or 8bit (bitsandbytes, blockwise quantised; "
@@ -126,30 +173,37 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--weights", default=None, help="safetensors file to start from (default: the model directory's, else random init)")
     t.add_argument("--data", nargs="+", default=None, help=".txt/.jsonl files or directories (default: the shipped corpus)")
     t.add_argument("--tokenizer", default=None, help="local Hugging Face tokenizer (default: the model directory's, else the shipped one)")
-    t.add_argument("--batch-size", type=int, default=None, help="for config directories (model files set their own)")
-    t.add_argument("--seq-len", type=int, default=None, help="for config directories (model files set their own)")
+    t.add_argument("--batch-size", type=_at_least(1), default=None, help="for config directories (model files set their own)")
+    t.add_argument("--seq-len", type=_at_least(1), default=None, help="for config directories (model files set their own)")
     t.add_argument("--schedule", default=None, help="a compiled schedule (default: compile on the fly)")
     t.add_argument("--budget", type=_budget, default=None, help="GPU budget when compiling on the fly: a size, min (default) or max")
     t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
-    t.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    t.add_argument("--time-limit", type=_number(0), default=60.0, help="solver time limit in seconds")
     t.add_argument("--optimizer-states", choices=["32bit", "8bit"], default=None,
                    help="AdamW state precision when compiling on the fly (default 32bit; a given --schedule has its own)")
     t.add_argument("--master-weights", choices=["fp32", "bf16"], default=None,
                    help="master weight precision when compiling on the fly (default fp32; bf16 rounds stochastically)")
-    t.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm (exact; default off)")
-    t.add_argument("--steps", type=int, default=200)
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    t.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of --steps)")
-    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of --lr")
-    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--max-grad-norm", type=_number(0), default=None, help="clip gradients to this global norm (exact; default off)")
+    t.add_argument("--steps", type=_at_least(1), default=None,
+                   help="steps the run ends at (default 200; on --resume, the run's own)")
+    t.add_argument("--lr", type=_number(0), default=None, help="peak learning rate (default 3e-3; on --resume, the run's own)")
+    t.add_argument("--warmup-steps", type=_at_least(0), default=None,
+                   help="linear warm-up steps (default: 10%% of --steps; on --resume, the run's own)")
+    t.add_argument("--min-lr-ratio", type=_number(0, 1, low_open=False), default=None,
+                   help="cosine decay ends at this fraction of --lr (default 0.1; on --resume, the run's own)")
+    t.add_argument("--new-lr-schedule", action="store_true",
+                   help="with --resume: follow the LR schedule these flags give from the checkpoint's step on, "
+                        "instead of the one the run was started with")
+    t.add_argument("--weight-decay", type=_number(0, low_open=False), default=0.01)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--checkpoint-dir", default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
-    t.add_argument("--checkpoint-every", type=int, default=50)
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
-    t.add_argument("--log", default=None, help="JSONL log of every step (default: CHECKPOINT_DIR/log.jsonl)")
+    t.add_argument("--checkpoint-every", type=_at_least(1), default=50)
+    t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
+    t.add_argument("--log", default=None,
+                   help="JSONL log, one record per step (default: CHECKPOINT_DIR/log.jsonl); rewritten from the run's start")
     t.add_argument("--export-hf", default=None, metavar="DIR", help="after training, save a Hugging Face model directory")
     t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
-    t.add_argument("--print-every", type=int, default=10, help="print a loss line every N steps (default 10)")
+    t.add_argument("--print-every", type=_at_least(1), default=10, help="print a loss line every N steps (default 10)")
     t.set_defaults(fn=cmd_train)
 
     pr = sub.add_parser("profile", help="measure this machine into a hardware profile")
@@ -163,11 +217,25 @@ def main(argv: list[str] | None = None) -> int:
     # Weight and optimizer slots share the caching allocator's pool with activations (NOTE: [Slots]
     # in runtime/store.py); growable segments keep its reserved memory near what is allocated.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "train":
+        if args.resume and not args.checkpoint_dir:
+            p.error("--resume continues the run in --checkpoint-dir; pass --checkpoint-dir DIR")
+        if args.new_lr_schedule and not args.resume:
+            p.error("--new-lr-schedule changes the LR schedule of a resumed run; pass it with --resume, or drop it")
     try:
         return args.fn(args)
     except LazytrainError as exc:
         print(f"lazytrain: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # NOTE: [Full disk] in files.py: writes that know no size end here
+        from lazytrain.files import is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        print(f"lazytrain: error: no space left on the disk to write {exc.filename or 'a file'}; free space on that "
+              "disk, or write elsewhere", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lazytrain: interrupted", file=sys.stderr)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from lazytrain import hardware as hw_profiles
+from lazytrain.files import write_atomic
 from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 from lazytrain.pipeline import Compiled, compile_model, minimum_budget
@@ -33,7 +33,5 @@ def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.
         print(f"lazytrain: note: {compiled.plan.solver.message}")
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    tmp.write_text(compiled.source_text)
-    os.replace(tmp, output)
+    write_atomic(output, compiled.source_text)
     return compiled

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazytrain.errors import CheckpointError
+from lazytrain.errors import CheckpointError, ResourceError
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.checkpoint import export_hf, load_latest, restore_rng, save_checkpoint
 
@@ -225,6 +227,70 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         save(tmp_path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000001"]
     assert load_latest(tmp_path, FP).step == 1
+
+
+def test_enospc_in_a_save_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """An OSError(ENOSPC) from the writer: a ResourceError naming the checkpoint and the space it
+    needs; the temp directory is gone and the previous checkpoint stays the latest."""
+    save(tmp_path, 1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(ResourceError, match=re.escape(f"no space left on the disk to write {tmp_path / 'step-00000002'}: "
+                                                      "it needs about ")) as info:
+        save(tmp_path, 2)
+    assert f"the previous checkpoint ({tmp_path / 'LATEST'}) is intact" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000001"]
+    assert load_latest(tmp_path, FP).step == 1
+
+
+def test_torch_save_unexpected_pos_on_a_full_disk(tmp_path, monkeypatch):
+    """torch.save loses the errno ("unexpected pos"): the free space after the failure decides."""
+    left = {"bytes": 1 << 40}
+
+    def full(*args, **kwargs):
+        left["bytes"] = 10
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: left["bytes"])
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(ResourceError, match="no space left on the disk"):
+        save(tmp_path, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_that_cannot_fit_writes_nothing(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 100)
+    with pytest.raises(ResourceError, match="it needs about 64.1 KiB"):
+        save(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000001"]
+
+
+def test_a_failed_latest_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+    real = os.replace
+
+    def replace(src, dst):
+        if "LATEST" in str(src):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    with pytest.raises(ResourceError, match="still names the previous checkpoint"):
+        save(tmp_path, 2)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert load_latest(tmp_path, FP).step == 1
+
+
+def test_holds_checkpoints_without_latest(tmp_path):
+    assert not ckpt.holds_checkpoints(tmp_path) and not ckpt.holds_checkpoints(tmp_path / "nope")
+    save(tmp_path, 3)
+    (tmp_path / "LATEST").unlink()
+    assert ckpt.holds_checkpoints(tmp_path)
+    assert load_latest(tmp_path, FP).step == 3
 
 
 def test_a_complete_dir_not_yet_in_latest_is_replaced(tmp_path):

@@ -163,9 +163,9 @@ def test_existing_run_needs_resume(tmp_path, capsys):
     assert code == 2 and "--resume" in err
 
 
-def _train_cmd(run_dir, steps=24):
+def _train_cmd(run_dir, steps=24, resume=False):
     return [sys.executable, "-m", "lazytrain.cli", "train", "--steps", str(steps), "--checkpoint-dir", str(run_dir),
-            "--checkpoint-every", "3", "--no-progress", "--resume"]
+            "--checkpoint-every", "3", "--no-progress"] + (["--resume"] if resume else [])
 
 
 def _final_weights(run_dir, step):
@@ -188,7 +188,7 @@ def test_sigkill_mid_run_resumes_bit_identical(tmp_path):
     proc.wait()
     assert not (killed / "checkpoints" / "step-00000024").exists()
 
-    resumed = subprocess.run(_train_cmd(killed), env=env, capture_output=True, text=True)
+    resumed = subprocess.run(_train_cmd(killed, resume=True), env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
 
@@ -310,3 +310,109 @@ def test_inspect_writes_trace_and_png(tmp_path, capsys, in_root):
 
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- `lazytrain train`: every input checked before the compile, one line each ----------------------
+
+def refused_in_one_line(capsys, argv, *texts):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    for text in texts:
+        assert text in err, err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--steps", "0", "0 is below 1; pass an integer >= 1"),
+    ("--steps", "-3", "-3 is below 1; pass an integer >= 1"),
+    ("--lr", "-1", "argument --lr: -1 is out of range; pass a number > 0"),
+    ("--lr", "nan", "nan is out of range"),
+    ("--min-lr-ratio", "1.5", "pass a number >= 0 and <= 1"),
+    ("--warmup-steps", "-1", "pass an integer >= 0"),
+    ("--checkpoint-every", "0", "pass an integer >= 1"),
+    ("--max-grad-norm", "0", "pass a number > 0"),
+    ("--budget", "1.5", "'1.5' has no unit; write a size with a unit such as 24GiB or 512MiB, or min"),
+    ("--budget", "lots", "cannot read 'lots' as a budget"),
+])
+def test_bad_flag_values_are_refused(capsys, flag, value, message):
+    refused_in_one_line(capsys, ["train", flag, value], f"argument {flag}: ", message)
+
+
+def test_resume_flags_need_their_partners(capsys):
+    refused_in_one_line(capsys, ["train", "--resume"], "--resume continues the run in --checkpoint-dir")
+    refused_in_one_line(capsys, ["train", "--new-lr-schedule"], "pass it with --resume")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--data", "corpus_typo.txt", "data path corpus_typo.txt does not exist"),
+    ("--tokenizer", "tok_typo", "tokenizer tok_typo does not exist"),
+    ("--weights", "w_typo.safetensors", "weights file w_typo.safetensors does not exist"),
+    ("--weights", str(ROOT / "README.md"), "README.md is not a readable safetensors file"),
+    ("--schedule", "s_typo.py", "schedule s_typo.py does not exist"),
+    ("--hardware", "h100", "hardware profile 'h100' not found"),
+    ("--log", "no_such_dir/log.jsonl", "--log no_such_dir/log.jsonl: no_such_dir does not exist"),
+    ("--export-hf", "hf_out", None),  # tiny_gpt is not a Hugging Face model
+])
+def test_typos_are_refused_before_compiling(tmp_path, capsys, monkeypatch, flag, value, message):
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", str(ROOT / TINY_GPT)] if flag == "--export-hf" else []
+    code, out, err = run(capsys, "train", "--steps", "1", *model, flag, value)
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert message is None or message in err, err
+    if message is None:
+        assert "--export-hf saves Hugging Face models only, and this model is a TinyGPT" in err
+    assert "compiling" not in out and "schedule for" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+BUILD_RAISES = (
+    "import torch\n"
+    "def build_model():\n"
+    "    raise ValueError('hidden size must be even')\n"
+    "def example_batch(): return {'input_ids': torch.zeros(2, 4, dtype=torch.long)}\n"
+)
+
+
+@pytest.mark.parametrize("command", ["compile", "train"])
+def test_exception_in_build_model_names_the_users_line(tmp_path, capsys, command):
+    model = tmp_path / "model.py"
+    model.write_text(BUILD_RAISES)
+    argv = ["compile", str(model), "-o", str(tmp_path / "s.py")] if command == "compile" else ["train", "--model", str(model)]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert (f"build_model() in {model} raised at {model}:3 `raise ValueError('hidden size must be even')`: "
+            "ValueError: hidden size must be even; fix build_model()") in err
+
+
+def test_model_file_imports_a_helper_beside_it(tmp_path, capsys):
+    (tmp_path / "lt_helper_beside_model.py").write_text(
+        "import torch\ndef block(): return torch.nn.Linear(4, 4)\n")
+    model = tmp_path / "model.py"
+    model.write_text(
+        "import torch\nfrom lt_helper_beside_model import block\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.w = block()\n"
+        "    def forward(self, x):\n"
+        "        return self.w(x).sum()\n"
+        "def build_model(): return M()\n"
+        "def example_batch(): return {'x': torch.ones(2, 4)}\n")
+    code, out, err = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--hardware", "cpu")
+    assert code == 0, err
+    assert str(tmp_path) not in sys.path
+
+
+def test_full_disk_while_compiling_leaves_nothing(tmp_path, capsys, in_root, monkeypatch):
+    import errno
+
+    import lazytrain.files
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lazytrain.files.os, "fsync", full)
+    code, _, err = run(capsys, "compile", TINY_GPT, "-o", str(tmp_path / "s.py"), "--hardware", "cpu")
+    assert code == 2 and "Traceback" not in err, err
+    assert f"no space left on the disk to write {tmp_path / 's.py'}: it needs about" in err
+    assert list(tmp_path.iterdir()) == []

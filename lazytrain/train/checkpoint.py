@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lazytrain.errors import CheckpointError
+from lazytrain.files import free_bytes, is_disk_full, no_space
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -224,12 +225,27 @@ def _read_latest(root: Path) -> str:
 
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f"{TMP_PREFIX}LATEST-{uuid.uuid4().hex}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_FILE)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / LATEST_FILE)
+    except BaseException:
+        _remove(tmp)
+        raise
     _fsync_dir(root)
+
+
+def _state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state: a lower bound of what saving it writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
 
 
 # --------------------------------------------------------------------------- save
@@ -276,10 +292,16 @@ def save_checkpoint(
                 "step once"
             )
 
+    # NOTE: [Full disk] in files.py. Refused before writing when the tensors alone do not fit.
+    needed = _state_bytes(tensors) + _state_bytes(optimizer_state) + (1 << 16)
+    fix = f"; the previous checkpoint ({root / LATEST_FILE}) is intact"
+    free = free_bytes(root)
+    if free is not None and free < needed:
+        raise no_space(final, needed, fix)
     # Not mkdtemp: its 0700 mode would carry over to the finished checkpoint.
     tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         save_file(tensors, str(tmp / MODEL_FILE))
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save(_capture_rng(), tmp / RNG_FILE)
@@ -309,10 +331,19 @@ def save_checkpoint(
             os.replace(final, root / f"{TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}")
         os.replace(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         _remove(tmp)
+        left = free_bytes(root)  # torch.save reports a full disk as "unexpected pos", without errno
+        if isinstance(exc, Exception) and (is_disk_full(exc) or (left is not None and left < needed)):
+            raise no_space(final, needed, fix) from None
         raise
-    _write_latest(root, name)
+    try:
+        _write_latest(root, name)
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise no_space(root / LATEST_FILE, len(name) + 1, f"; {final} is complete, but "
+                           f"{root / LATEST_FILE} still names the previous checkpoint") from None
+        raise
     _prune(root, keep, name)
     return final
 
@@ -336,8 +367,28 @@ def _prune(root: Path, keep: int, current: str) -> None:
 # --------------------------------------------------------------------------- load
 
 
-def load_latest(root: str | Path, fingerprint: str) -> Checkpoint | None:
+def holds_checkpoints(root: str | Path) -> bool:
+    """Whether ``root`` holds a ``LATEST`` file or a checkpoint directory (even without ``LATEST``:
+    a kill between a checkpoint's rename and the ``LATEST`` write leaves that)."""
+    root = Path(root)
+    return root.is_dir() and ((root / LATEST_FILE).exists() or bool(_step_dirs(root)))
+
+
+def check_fingerprint(checkpoint: Checkpoint, fingerprint: str) -> None:
+    """Raise ``CheckpointError`` unless ``checkpoint`` was written for ``fingerprint``."""
+    if checkpoint.fingerprint != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was written for model fingerprint {checkpoint.fingerprint}, "
+            f"this run is {fingerprint}; resume with the same model and settings, or use a fresh "
+            "checkpoint directory"
+        )
+
+
+def load_latest(root: str | Path, fingerprint: str | None) -> Checkpoint | None:
     """The checkpoint ``LATEST`` names, fully validated, or None if ``root`` holds none.
+
+    ``fingerprint=None`` skips the fingerprint check, for a caller that knows the fingerprint only
+    later (``check_fingerprint``).
 
     Without a ``LATEST`` file (a crash during the very first save, or a deleted one) the newest
     ``step-*`` directory is used: those only ever appear complete. Raises ``CheckpointError`` if
@@ -364,7 +415,7 @@ def load_latest(root: str | Path, fingerprint: str) -> Checkpoint | None:
     return _load(path, fingerprint)
 
 
-def _load(path: Path, fingerprint: str) -> Checkpoint:
+def _load(path: Path, fingerprint: str | None) -> Checkpoint:
     latest = path.parent / LATEST_FILE
 
     def corrupt(reason: str) -> CheckpointError:
@@ -392,12 +443,10 @@ def _load(path: Path, fingerprint: str) -> Checkpoint:
     dir_step = _parse_step(path.name)
     if body["step"] != dir_step:
         raise corrupt(f"{META_FILE} says step {body['step']} but the directory is step {dir_step}")
-    if body["fingerprint"] != fingerprint:
-        raise CheckpointError(
-            f"checkpoint {path} was written for model fingerprint {body['fingerprint']}, this run "
-            f"is {fingerprint}; resume with the same model and settings, or use a fresh "
-            "checkpoint directory"
-        )
+    found = Checkpoint(step=dir_step, model_state={}, optimizer_state={}, extra={}, rng={},
+                       fingerprint=body["fingerprint"], path=path)
+    if fingerprint is not None:
+        check_fingerprint(found, fingerprint)
 
     files = body["files"]
     for fname in _DATA_FILES:
@@ -427,7 +476,7 @@ def _load(path: Path, fingerprint: str) -> Checkpoint:
         optimizer_state=optimizer_state,
         extra=body["extra"],
         rng=rng,
-        fingerprint=fingerprint,
+        fingerprint=body["fingerprint"],
         path=path,
     )
 
