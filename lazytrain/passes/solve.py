@@ -139,8 +139,9 @@ def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int
 def backward_workspace(g) -> int:
     """Gradients of a stage's internals live during its backward. Walking the stage backwards, the
     gradients alive at any point are those of the tensors alive at that point of the forward, so
-    they never exceed the forward's live peak (`peak_bytes`), nor everything it saved."""
-    return min(g.saved_bytes, g.peak_bytes)
+    they never exceed the forward's live peak (`peak_bytes`), nor everything it saved; plus the
+    gradients of an operator's own intermediates (NOTE: [Operator workspace] in memory.py)."""
+    return min(g.saved_bytes, g.peak_bytes) + g.internal_bytes
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class _Model:
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
-            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s]
+            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + g.internal_bytes * (1 - rec[s])
             mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + g.saved_bytes * rec[s]
             if chunked:  # one chunk's forward and backward
                 mem[L.bw(s)] = mem[L.bw(s)] + g.peak_bytes

@@ -21,7 +21,8 @@ from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 
 __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "load_schedule", "load_source"]
 
-FORMAT_VERSION = 3  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`
+FORMAT_VERSION = 4  # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`;
+# 4: chunked loss stages cut along tokens and their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`)
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -52,6 +53,10 @@ class Stage:
     param_numel: int = 0
     gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
+    chunk_len: int = 0  # >0: the slices are pieces of one row, this many positions each (NOTE: [Chunked loss])
+    tokens: tuple[int, ...] = ()  # with chunk_len: (rows, positions) of the batch the pieces cut
+    whole_fn: Callable | None = None  # a chunked stage's part run once for the whole batch, before the slices
+    whole_outputs: tuple[str, ...] = ()  # whole_fn's results, which the slices read
     states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
 
