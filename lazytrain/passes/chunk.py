@@ -13,8 +13,8 @@ runtime/trainer.py). Otherwise the stages come back unchanged (k = 1). Two ways 
 
     epilogue  saved=31.8 GB peak=29.9 GB   (batch 32; logits 32768 x 152064)
       -> epilogue chunks=32 saved=0 peak=2.0 GB                      (rows)
-    epilogue  (batch 1 x 65536; logits 65536 x 152064, bf16; 119.6 GB in its backward)
-      -> epilogue chunks=112 (586 positions each) peak=1.1 GB         (tokens)
+    epilogue  peak=79.7 GB saved=41.7 GB internal=39.9 GB  (batch 1 x 65536; logits 65536 x 152064, bf16)
+      -> epilogue chunks=115 chunk_len=570 peak=1.0 GiB             (tokens; working set 123.4 GB / 115)
 
 The proof: every tensor that depends on the batch (a batch input or a stage input) is cut at the
 same positions, and every operator keeps those positions apart (the rules in chunk_rules.py):

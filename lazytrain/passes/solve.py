@@ -18,6 +18,9 @@ A chunked last stage (`chunks` > 1, pass `chunk`) runs forward and backward toge
 chunk, at B(s): its compute moves there, it saves nothing from F(s) (saved_bytes 0, recompute 0)
 and its working set at B(s) is one chunk's (its peak_bytes); the full-size gradient of its input is
 its producers' grad_out, already counted from B(s) on.
+An operator's own workspace beyond graph values (`internal_bytes`: cross-entropy's log-probabilities,
+NOTE: [Operator workspace] in memory.py) is live at F(s) beside what the stage saves, and at B(s)
+as their gradient; a chunked stage's one-chunk working set already holds its share.
 Transfers are continuous volumes per window; a window's exposed time is the most its H2D, D2H, both
 directions together, or CPU work overruns its compute (DESIGN.md). Memory per window is the sum of
 the buffers `lower` keeps live there, so `verify` can check the plan event by event.
