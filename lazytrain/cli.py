@@ -157,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: the model's); master weights stay fp32 unless --master-weights bf16")
     c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
-                   help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of the batch, each at most "
+                   help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of rows or tokens, each at most "
                         "this working set (default 1GiB); 0 or 'off' never chunks")
     c.set_defaults(fn=cmd_compile)
 

@@ -61,7 +61,7 @@ def schedule_source(case: str) -> str:
         return _gpu_stepped(meta)
     opts = {"optimizer_states": "8bit" if case.endswith("8bit") else "32bit",
             "master_weights": "bf16" if case.startswith("bf16master") else "fp32"}
-    if case.endswith("chunked"):  # the loss stage in one chunk per row (NOTE: [Chunked loss])
+    if case.endswith("chunked"):  # the loss stage in one chunk per token (NOTE: [Chunked loss])
         opts["loss_chunk_bytes"] = 1
     if budget == "min":
         budget = minimum_budget(meta, tiny_batch(), "h200", **opts)

@@ -30,20 +30,56 @@ _ENV = jinja2.Environment(
 
 def stage_function(graph: Graph, stage) -> str:
     """The stage as a function of ATen calls. A chunked stage also takes `loss_sum`: then its loss is
-    the sum over targets, returned with the number of targets counted (NOTE: [Chunked loss] in
-    runtime/trainer.py)."""
+    the sum over targets, returned with the number of targets counted, and it reads its whole
+    part's results after its inputs (NOTE: [Chunked loss] in runtime/trainer.py)."""
     chunked = stage.chunks > 1
-    args = ", ".join(("device",) + stage.placeholders + stage.inputs + (("loss_sum=False",) if chunked else ())
+    whole = set(stage.whole)
+    results = whole_outputs(graph, stage)
+    args = ", ".join(("device",) + stage.placeholders + stage.inputs + results + (("loss_sum=False",) if chunked else ())
                      + (("remat=False",) if stage.skips else ()))
     doc = f"{stage.name} (kind {stage.kind})"
     if chunked:
-        doc += f"; runs in {stage.chunks} chunks: with loss_sum, returns (sum of the losses, targets counted)"
+        doc += f"; runs in {chunk_text(stage)}: with loss_sum, returns (sum of the losses, targets counted)"
     if stage.skips:
         doc += ("; with remat (its recompute before backward), the linears whose values backward never reads "
                 "return zeros (NOTE: [Skipped recompute])")
     lines = [f"def stage_{stage.index}({args}):", f'    """{doc}"""']
-    dead_after = _dead_after(graph, stage)
-    for name in stage.nodes:
+    body = tuple(n for n in stage.nodes if n not in whole)
+    keep = set(stage.outputs) | {graph.output} | ({loss_args(graph[graph.output]).target.value} if chunked else set())
+    lines += _node_lines(graph, stage, body, keep, chunked)
+    if chunked:
+        a = loss_args(graph[graph.output])
+        lines.append("    if loss_sum:  # the mean's numerator and denominator: chunks add them up exactly")
+        lines.append(f"        return ({graph.output}, ({format_arg(a.target)} != {a.ignore_index!r}).sum())")
+    outs = "".join(f"{o}, " for o in stage.outputs)
+    lines.append(f"    return ({outs.rstrip(' ')})")
+    if stage.whole:
+        args = ", ".join(("device",) + stage.placeholders)
+        lines = [f"def stage_{stage.index}_whole({args}):",
+                 f'    """{stage.name}: its nodes reading batch inputs alone, run once for the whole batch before its chunks"""',
+                 *_node_lines(graph, stage, stage.whole, set(results), False),
+                 f"    return ({''.join(f'{o}, ' for o in results).rstrip(' ')})", "", "", *lines]
+    return "\n".join(lines)
+
+
+def whole_outputs(graph: Graph, stage) -> tuple[str, ...]:
+    """A chunked stage's whole-part results that its chunks read."""
+    whole = set(stage.whole)
+    read = {r for n in stage.nodes if n not in whole for r in graph[n].inputs()}
+    return tuple(n for n in stage.whole if n in read)
+
+
+def chunk_text(stage) -> str:
+    """How a chunked stage is cut, in words (the schedule's docstrings and header)."""
+    if stage.chunk_len:
+        return f"{stage.chunks} chunks along tokens ({stage.chunk_len} positions of one row each)"
+    return f"{stage.chunks} chunks along rows"
+
+
+def _node_lines(graph: Graph, stage, names: tuple[str, ...], keep: set[str], chunked: bool) -> list[str]:
+    lines = []
+    dead_after = _dead_after(graph, names, keep)
+    for name in names:
         node = graph[name]
         if node.op is OpKind.GETITEM:
             src, idx = node.args
@@ -61,25 +97,17 @@ def stage_function(graph: Graph, stage) -> str:
         lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
         if dead_after.get(name):
             lines.append(f"    del {', '.join(dead_after[name])}")
-    if chunked:
-        a = loss_args(graph[graph.output])
-        lines.append("    if loss_sum:  # the mean's numerator and denominator: chunks add them up exactly")
-        lines.append(f"        return ({graph.output}, ({format_arg(a.target)} != {a.ignore_index!r}).sum())")
-    outs = "".join(f"{o}, " for o in stage.outputs)
-    lines.append(f"    return ({outs.rstrip(' ')})")
-    return "\n".join(lines)
+    return lines
 
 
-def _dead_after(graph: Graph, stage) -> dict[str, list[str]]:
-    """node -> the stage's own values last read by it. Deleting them there keeps a forward's memory
-    at the liveness peak the plan counts (`peak_bytes`): without autograd, a local stays alive until
-    the function returns. Outputs, and what a chunked stage's epilogue reads, are kept."""
-    local = set(stage.nodes)
-    keep = set(stage.outputs) | {graph.output}
-    if stage.chunks > 1:
-        keep |= {loss_args(graph[graph.output]).target.value}
+def _dead_after(graph: Graph, names: tuple[str, ...], keep: set[str]) -> dict[str, list[str]]:
+    """node -> the function's own values last read by it. Deleting them there keeps a forward's
+    memory at the liveness peak the plan counts (`peak_bytes`): without autograd, a local stays
+    alive until the function returns. Values in `keep` (outputs, what a chunked stage's epilogue
+    reads) are kept."""
+    local = set(names)
     last: dict[str, str] = {}
-    for name in stage.nodes:
+    for name in names:
         for src in graph[name].inputs():
             if src in local:
                 last[src] = name
@@ -87,7 +115,18 @@ def _dead_after(graph: Graph, stage) -> dict[str, list[str]]:
     for src, reader in last.items():
         if src not in keep:
             dead.setdefault(reader, []).append(src)
-    return {k: sorted(v, key=stage.nodes.index) for k, v in dead.items()}
+    return {k: sorted(v, key=names.index) for k, v in dead.items()}
+
+
+def _chunk_fields(graph: Graph, stage) -> str:
+    """The runtime's fields of a chunked stage cut along tokens, or with a whole part."""
+    text = ""
+    if stage.chunk_len:
+        rows, seq = next(n.spec.shape[:2] for n in graph.of(OpKind.INPUT))  # pass `chunk`: every batch input's
+        text += f", chunk_len={stage.chunk_len}, tokens={(rows, seq)!r}"
+    if stage.whole:
+        text += f", whole_fn=stage_{stage.index}_whole, whole_outputs={whole_outputs(graph, stage)!r}"
+    return text
 
 
 def _ms(seconds: float) -> str:
@@ -106,7 +145,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
             f"{'streamed' if d.stream else 'resident':<8}  internals {internals(s.chunks, d.recompute):<10}  "
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
-            + (", fetched 2 windows ahead" if d.lookahead == 2 else ""))
+            + (", fetched 2 windows ahead" if d.lookahead == 2 else "")
+            + (f"; forward and backward in {chunk_text(s)}" if s.chunks > 1 else ""))
         decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
@@ -117,7 +157,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + (", gpu_step=True" if d.gpu_step else "") + (f", skips={s.skips!r}" if s.skips else "")
+        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "") + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"
         for s, d, lim in zip(stages, plan.decisions, closed)

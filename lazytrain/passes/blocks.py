@@ -23,6 +23,7 @@ import networkx as nx
 from lazytrain.errors import TraceError
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
+from lazytrain.passes.memory import internal_bytes
 from lazytrain.passes.remat import skips
 from lazytrain.passes.saved import saved
 
@@ -68,6 +69,9 @@ class Stage:
     remat_s: float  # its recompute before backward: `fwd_s` less the skipped nodes (NOTE: [Skipped recompute])
     random: bool  # draws random numbers: its recomputes replay its forward's generator state (NOTE: [RNG replay])
     chunks: int = 1  # >1: forward and backward run together in chunks of the batch, at B(s) (pass `chunk`)
+    chunk_len: int = 0  # chunked along tokens: positions of one row per chunk (0: along whole rows)
+    whole: tuple[str, ...] = ()  # a chunked stage's nodes run once for the whole batch (they read batch inputs alone)
+    internal_bytes: int = 0  # largest operator workspace beyond graph values (NOTE: [Operator workspace] in memory.py)
     largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
     skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
 
@@ -210,6 +214,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             saved_bytes=sum(value_bytes(n.value) for n in owned
                             if n.name in kept and (n.name not in outputs or not kept[n.name].isdisjoint(names))),
             peak_bytes=_peak(graph, names, costs, last_use, position),
+            internal_bytes=max((internal_bytes(graph[n], graph) for n in names), default=0),
             out_bytes=sum(value_bytes(graph[o].value) for o in outputs),
             grad_out_bytes=sum(value_bytes(graph[o].value) for o in outputs if o in rg and o != graph.output),
             fwd_s=sum(costs[n].time_s for n in names),
@@ -226,12 +231,13 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
 
 
 def _peak(graph, names, costs, last_use, position) -> int:
-    """Largest sum of live non-view intermediates while the stage's forward runs; a tensor stays
-    live until its last reader (in this stage or a later one)."""
+    """Largest sum of live non-view intermediates while the stage's forward runs, with the running
+    operator's own workspace (NOTE: [Operator workspace] in memory.py); a tensor stays live until
+    its last reader (in this stage or a later one)."""
     live, peak = {}, 0
     for n in names:
         if not costs[n].alias:
             live[n] = value_bytes(graph[n].value)
-        peak = max(peak, sum(live.values()))
+        peak = max(peak, sum(live.values()) + internal_bytes(graph[n], graph))
         live = {k: v for k, v in live.items() if last_use[k] > position[n]}
     return peak

@@ -186,8 +186,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
         save = not dec[s].recompute and g.chunks == 1
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
+        # a saving forward holds its operators' own workspace beside what it saves (NOTE: [Operator workspace])
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
-               allocs=allocs, workspace=0 if save or g.chunks > 1 else g.peak_bytes)
+               allocs=allocs, workspace=g.internal_bytes if save else 0 if g.chunks > 1 else g.peak_bytes)
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late

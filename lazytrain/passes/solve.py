@@ -18,6 +18,9 @@ A chunked last stage (`chunks` > 1, pass `chunk`) runs forward and backward toge
 chunk, at B(s): its compute moves there, it saves nothing from F(s) (saved_bytes 0, recompute 0)
 and its working set at B(s) is one chunk's (its peak_bytes); the full-size gradient of its input is
 its producers' grad_out, already counted from B(s) on.
+An operator's own workspace beyond graph values (`internal_bytes`: cross-entropy's log-probabilities,
+NOTE: [Operator workspace] in memory.py) is live at F(s) beside what the stage saves, and at B(s)
+as their gradient; a chunked stage's one-chunk working set already holds its share.
 Transfers are continuous volumes per window; a window's exposed time is the most its H2D, D2H, both
 directions together, or CPU work overruns its compute (DESIGN.md). Memory per window is the sum of
 the buffers `lower` keeps live there, so `verify` can check the plan event by event.
@@ -143,8 +146,9 @@ def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int
 def backward_workspace(g) -> int:
     """Gradients of a stage's internals live during its backward. Walking the stage backwards, the
     gradients alive at any point are those of the tensors alive at that point of the forward, so
-    they never exceed the forward's live peak (`peak_bytes`), nor everything it saved."""
-    return min(g.saved_bytes, g.peak_bytes)
+    they never exceed the forward's live peak (`peak_bytes`), nor everything it saved; plus the
+    gradients of an operator's own intermediates (NOTE: [Operator workspace] in memory.py)."""
+    return min(g.saved_bytes, g.peak_bytes) + g.internal_bytes
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,7 @@ class _Model:
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
-            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s]
+            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + g.internal_bytes * (1 - rec[s])
             mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + g.saved_bytes * rec[s]
             if chunked:  # one chunk's forward and backward
                 mem[L.bw(s)] = mem[L.bw(s)] + g.peak_bytes

@@ -33,7 +33,8 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 
 # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`; 4: `DEVICE`, the
 # device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py),
-# `Stage.random` (its recomputes replay its generator state) and `Stage.limits`
+# `Stage.random` (its recomputes replay its generator state), `Stage.limits`, and chunked loss
+# stages cut along tokens with their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`)
 FORMAT_VERSION = 4
 
 
@@ -66,6 +67,10 @@ class Stage:
     param_numel: int = 0
     gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
+    chunk_len: int = 0  # >0: the slices are pieces of one row, this many positions each (NOTE: [Chunked loss])
+    tokens: tuple[int, ...] = ()  # with chunk_len: (rows, positions) of the batch the pieces cut
+    whole_fn: Callable | None = None  # a chunked stage's part run once for the whole batch, before the slices
+    whole_outputs: tuple[str, ...] = ()  # whole_fn's results, which the slices read
     states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)

@@ -45,12 +45,18 @@ dominate a tiny plan. `cap_memory=False` leaves the allocator alone (and any cap
 NOTE: [Chunked loss]
 A stage with `chunks` = k > 1 (the last: final norm, lm_head, cross-entropy; pass `chunk`) runs its
 forward and backward together at its BWD event, over k slices of the batch, so only one slice's
-logits exist at a time. The mean over the whole batch is not the mean of the chunks' means when
-ignored targets (-100) are spread unevenly over the rows, so each chunk returns its loss as a *sum*
-with the *count* of targets it covers, and backward runs on the sum. Sums and their gradients add
-up over chunks exactly; scaling both by 1 / (total count) at the end gives the mean and its
-gradient, as one unchunked call would (up to float rounding). Gradients a parameter already held
-(tied weights, accumulation over calls) are set aside meanwhile, so only this stage's part is scaled.
+logits exist at a time. Slices are either k groups of whole rows (`chunk_len` 0: every cut tensor
+splits along dim 0 into k), or pieces of `chunk_len` consecutive positions of one row, row by row
+(`tokens` = (B, T)): a tensor whose leading dimensions are (B, T) is cut at [b, j*len:(j+1)*len],
+a flattened one (leading B*T, row-major) at the same tokens, [b*T + j*len, ...). The stage's
+inputs, the batch inputs it reads and the results of its whole part (`whole_fn`: nodes reading
+batch inputs alone, such as Hugging Face's label shift, run once before the slices) are cut so.
+The mean over the whole batch is not the mean of the chunks' means when ignored targets (-100) are
+spread unevenly, so each chunk returns its loss as a *sum* with the *count* of targets it covers,
+and backward runs on the sum. Sums and their gradients add up over chunks exactly; scaling both by
+1 / (total count) at the end gives the mean and its gradient, as one unchunked call would (up to
+float rounding). Gradients a parameter already held (tied weights, accumulation over calls) are
+set aside meanwhile, so only this stage's part is scaled.
 """
 
 from __future__ import annotations
@@ -74,6 +80,18 @@ from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
 
 CAP_FLOOR = 1 << 30  # NOTE: [Memory cap]
+
+
+def _slices(stage, t: torch.Tensor) -> list[torch.Tensor]:
+    """Views of `t` for each slice of a chunked stage, in order (NOTE: [Chunked loss])."""
+    if not stage.chunk_len:
+        return list(t.chunk(stage.chunks))
+    rows, seq = stage.tokens
+    n = stage.chunk_len
+    if t.dim() >= 2 and tuple(t.shape[:2]) == (rows, seq):
+        return [t[b:b + 1, j:j + n] for b in range(rows) for j in range(0, seq, n)]
+    flat = t.unflatten(0, (rows, seq))  # leading B*T, row-major: splitting a dimension is a view
+    return [flat[b, j:j + n] for b in range(rows) for j in range(0, seq, n)]
 
 
 def _fmt(shape, dtype) -> str:
@@ -411,25 +429,32 @@ class Trainer:
 
     def _chunked_backward(self, stage):
         """Forward and backward of a chunked stage, slice by slice of the batch (NOTE: [Chunked loss])."""
-        k, work = stage.chunks, self.store.work
+        work = self.store.work
         params = [p for p in stage.placeholders if p in work]  # shared (tied) ones too
         held = {p: work[p].grad for p in params}
         for p in params:
             work[p].grad = None
-        rows = {x: self.env[x].chunk(k) for x in stage.inputs}  # activations and batch inputs: views
-        rows.update({p: self.env[p].chunk(k) for p in stage.placeholders if self.m.PLACEHOLDERS[p][0] == "input"})
+        whole = {}
+        if stage.whole_fn is not None:
+            with torch.no_grad():
+                outs = stage.whole_fn(self.device, *[self._weight(p) for p in stage.placeholders])
+            whole = dict(zip(stage.whole_outputs, outs))
+        cut = {x: _slices(stage, self.env[x]) for x in stage.inputs}  # activations and batch inputs: views
+        cut.update({p: _slices(stage, self.env[p]) for p in stage.placeholders if self.m.PLACEHOLDERS[p][0] == "input"})
+        cut.update({n: _slices(stage, t) for n, t in whole.items()})
         grads = {x: torch.zeros_like(self.env[x]) for x in stage.grad_inputs}
+        grad_slices = {x: _slices(stage, g) for x, g in grads.items()}
         loss_sum = count = 0
-        for c in range(k):
-            leaves = [rows[x][c].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs]
-            args = [rows[p][c] if p in rows else self._weight(p) for p in stage.placeholders] + leaves
+        for c in range(stage.chunks):
+            leaves = [cut[x][c].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs]
+            args = [cut[p][c] if p in cut else self._weight(p) for p in stage.placeholders] + leaves
             with torch.enable_grad():
-                part, n = stage.fn(self.device, *args, loss_sum=True)
+                part, n = stage.fn(self.device, *args, *(cut[w][c] for w in stage.whole_outputs), loss_sum=True)
             if part.requires_grad:
                 part.backward()
             for x, leaf in zip(stage.inputs, leaves):
                 if x in grads and leaf.grad is not None:
-                    grads[x].chunk(k)[c].copy_(leaf.grad)
+                    grad_slices[x][c].copy_(leaf.grad)
             loss_sum, count = loss_sum + part.detach().float(), count + n  # fp32: k partial sums
         scale = 1.0 / count
         for x, g in grads.items():

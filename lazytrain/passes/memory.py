@@ -1,0 +1,67 @@
+"""Memory rules: bytes an operator holds inside itself, beyond the graph values it reads and makes.
+
+Needs: a node and its `Graph`. Guarantees: `internal_bytes(node, graph)` is the most memory the
+operator's own intermediates (not graph nodes) take while its forward runs; its backward holds
+their gradients, of the same size. One rule per target with a default of 0, like `costs.RULES`.
+
+    cross_entropy_loss(logits float32[N,V], target int64[N])  ->  4*N*V  (its log_softmax)
+
+NOTE: [Operator workspace]
+Liveness sees graph values only, but a composite operator can allocate more than its output inside
+itself. `aten.cross_entropy_loss` is `nll_loss(log_softmax(input))`: forward allocates the
+log-probabilities, as large as its input and in its dtype, and autograd keeps them; backward
+allocates the gradient of those log-probabilities (nll_loss_backward, dense) and then the gradient
+of the input (log_softmax_backward), while the log-probabilities are still held. Hugging Face's
+`ForCausalLMLoss` upcasts the logits to fp32 first, so every one of these is fp32.
+Qwen2.5-7B's vocabulary (152064) at 1 x 65536 tokens, bf16 compute:
+    logits (lm_head output, bf16)        65536 * 152064 * 2 = 19.9 GB  (18.6 GiB)
+    their fp32 upcast                    65536 * 152064 * 4 = 39.9 GB  (37.1 GiB)
+    log_softmax inside the loss (fp32)                        39.9 GB  (37.1 GiB)
+    backward: grad of the log-probs, then grad of the logits  39.9 GB each
+The allocation that failed on the H200 asked for 37.1 GiB: one of these fp32 buffers. Counted:
+  - a stage's `peak_bytes` (forward, liveness) adds the workspace at its node: upcast + log-probs
+    = 79.7 GB there, where liveness alone saw the upcast and the bf16 logits (59.8 GB);
+  - `internal_bytes` (the stage's largest) is added to a saving forward (beside what it saves)
+    and to backward (the log-probs' gradient, beside the saved log-probs, which `saved` counts as
+    the loss's input: same size and dtype, and the input's gradient, which the gradient model
+    counts), so the unchunked 7B loss stage holds 3 x 39.9 GB in its backward, as torch does;
+  - pass `chunk` sizes chunks by that working set, so one chunk's internals are in its peak.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lazytrain.ir.graph import Graph, Node, Sym, TensorSpec
+
+Rule = Callable[[Node, Graph], int]
+RULES: dict[str, Rule] = {}
+
+
+def rule(*targets: str):
+    def register(fn: Rule) -> Rule:
+        for t in targets:
+            RULES[t] = fn
+        return fn
+    return register
+
+
+def _spec(graph: Graph, arg) -> TensorSpec | None:
+    if isinstance(arg, Sym) and arg.kind == "ref" and isinstance(graph[arg.value].value, TensorSpec):
+        return graph[arg.value].value
+    return None
+
+
+@rule("aten.cross_entropy_loss.default")
+def _cross_entropy(node: Node, graph: Graph) -> int:
+    """log_softmax of the input, in the input's dtype (NOTE: [Operator workspace])."""
+    x = _spec(graph, node.args[0])
+    return x.nbytes if x is not None else 0
+
+
+def _none(node: Node, graph: Graph) -> int:
+    return 0
+
+
+def internal_bytes(node: Node, graph: Graph) -> int:
+    return RULES.get(node.target, _none)(node, graph)
