@@ -150,9 +150,9 @@ def stages_text(stages: Stages) -> str:
             f"{s.index} {s.name} kind={s.kind} nodes={len(s.nodes)} params={s.param_bytes}B saved={s.saved_bytes}B "
             f"peak={s.peak_bytes}B out={s.out_bytes}B inputs={list(s.inputs)} outputs={list(s.outputs)} "
             f"consumers={list(s.consumers)} fwd={s.fwd_s:.3g}s bwd={s.bwd_s:.3g}s remat={s.remat_s:.3g}s "
-            f"skips={list(s.skips)} chunks={s.chunks} random={s.random}"
+            f"skips={list(s.skips)} chunks={s.chunks}"
             + (f" chunk_len={s.chunk_len}" if s.chunk_len else "") + (f" whole={list(s.whole)}" if s.whole else "")
-            + (f" internal={s.internal_bytes}B" if s.internal_bytes else ""))
+            + (f" internal={s.internal_bytes}B" if s.internal_bytes else "") + f" random={s.random}")
     return "\n".join(lines) + "\n"
 
 

@@ -43,7 +43,7 @@ def summary(schedule: ModuleType) -> str:
         lines.append("what no plan can change:")
         for s in limited:
             lines += [f"{f'{s.index:>3} {s.name}' if i == 0 else '':<28}{note}" for i, note in enumerate(s.limits)]
-    for s in (s for s in m.STAGES if s.chunks > 1):  # NOTE: [Chunked loss] in runtime/trainer.py
+    for s in (s for s in m.STAGES if s.chunks > 1):  # NOTE: [Chunked loss] in runtime/replay.py
         how = (f"along tokens, {s.chunk_len} positions of one row each" if s.chunk_len else
                f"along rows, {next(iter(m.BATCH.values()))[0][0] // s.chunks} row(s) each")
         lines.append(f"stage {s.index} ({s.name}) runs its forward and backward in {s.chunks} chunks {how}")

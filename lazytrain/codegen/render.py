@@ -31,7 +31,7 @@ _ENV = jinja2.Environment(
 def stage_function(graph: Graph, stage) -> str:
     """The stage as a function of ATen calls. A chunked stage also takes `loss_sum`: then its loss is
     the sum over targets, returned with the number of targets counted, and it reads its whole
-    part's results after its inputs (NOTE: [Chunked loss] in runtime/trainer.py)."""
+    part's results after its inputs (NOTE: [Chunked loss] in runtime/replay.py)."""
     chunked = stage.chunks > 1
     whole = set(stage.whole)
     results = whole_outputs(graph, stage)

@@ -178,7 +178,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             # Issued after this window's prefetches: a prefetch's slot waits for the compute work
             # issued before it (NOTE: [Slots] in runtime/store.py), so a step issued first and run
             # in compute order would hold up every fetch. (The CUDA runtime runs it beside compute,
-            # NOTE: [Optimizer stream] in runtime/trainer.py; the order keeps other runtimes right.)
+            # NOTE: [Optimizer stream] in runtime/stepping.py; the order keeps other runtimes right.)
             gpu_step(s)
         step_out(s)
         for p in producers[s]:

@@ -8,7 +8,7 @@ tensor its optimizer updates (in the master's dtype).
   - resident stage: work is a persistent device tensor; home is the master when work *is* the
     master (CPU, same dtype), else a copy in the master's dtype beside work on the device (the GPU optimizer step).
   - streamed stage: work is a persistent leaf whose storage is a view into a weight *slot* while the
-    stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in trainer.py); home is the
+    stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in replay.py); home is the
     master on the host, stepped by the CPU optimizer; `source` is what PREFETCH copies from (the
     master, or a pinned copy in the compute dtype that each CPU step refreshes).
 NOTE: [Slots]

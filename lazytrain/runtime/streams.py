@@ -62,7 +62,7 @@ class CudaStreams:
 
     def __init__(self, device: torch.device):
         self.device = device
-        # NOTE: [Optimizer stream] in trainer.py: compute gets a stream of its own and optimizer
+        # NOTE: [Optimizer stream] in stepping.py: compute gets a stream of its own and optimizer
         # steps run on the device's default stream, where bitsandbytes launches them
         self.streams = {Stream.COMPUTE: torch.cuda.Stream(device),
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),

@@ -1,0 +1,308 @@
+"""Replaying a schedule's events: forward, backward, recompute, prefetch, offload, reload, free.
+
+The `Trainer`'s event handlers (a mixin): each touches only the buffers its event names, so a wrong
+schedule fails loudly instead of computing something else.
+
+NOTE: [Streamed weights]
+A streamed stage's parameters are persistent leaf tensors whose storage comes and goes: PREFETCH
+points `leaf.data` at a weight slot and copies the weights in, FREE swaps in an empty tensor.
+Autograd saved the leaf itself during forward, so backward (after the next PREFETCH) sees the same
+leaf with its data back, and gradients accumulate on it, whatever the stage's recompute mode.
+Swapping `.data` does not bump the version counter, so autograd accepts it.
+
+NOTE: [Chunked loss]
+A stage with `chunks` = k > 1 (the last: final norm, lm_head, cross-entropy; pass `chunk`) runs its
+forward and backward together at its BWD event, over k slices of the batch, so only one slice's
+logits exist at a time. Slices are either k groups of whole rows (`chunk_len` 0: every cut tensor
+splits along dim 0 into k), or pieces of `chunk_len` consecutive positions of one row, row by row
+(`tokens` = (B, T)): a tensor whose leading dimensions are (B, T) is cut at [b, j*len:(j+1)*len],
+a flattened one (leading B*T, row-major) at the same tokens, [b*T + j*len, ...). The stage's
+inputs, the batch inputs it reads and the results of its whole part (`whole_fn`: nodes reading
+batch inputs alone, such as Hugging Face's label shift, run once before the slices) are cut so.
+The mean over the whole batch is not the mean of the chunks' means when ignored targets (-100) are
+spread unevenly, so each chunk returns its loss as a *sum* with the *count* of targets it covers,
+and backward runs on the sum. Sums and their gradients add up over chunks exactly; scaling both by
+1 / (total count) at the end gives the mean and its gradient, as one unchunked call would (up to
+float rounding). Gradients a parameter already held (tied weights, accumulation over calls) are
+set aside meanwhile, so only this stage's part is scaled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lazytrain.ir.events import Event, Kind, Phase, Stream
+from lazytrain.runtime import rng
+
+
+def _slices(stage, t: torch.Tensor) -> list[torch.Tensor]:
+    """Views of `t` for each slice of a chunked stage, in order (NOTE: [Chunked loss])."""
+    if not stage.chunk_len:
+        return list(t.chunk(stage.chunks))
+    rows, seq = stage.tokens
+    n = stage.chunk_len
+    if t.dim() >= 2 and tuple(t.shape[:2]) == (rows, seq):
+        return [t[b:b + 1, j:j + n] for b in range(rows) for j in range(0, seq, n)]
+    flat = t.unflatten(0, (rows, seq))  # leading B*T, row-major: splitting a dimension is a view
+    return [flat[b, j:j + n] for b in range(rows) for j in range(0, seq, n)]
+
+
+
+
+class Replay:
+    """Runs one step's events (`_run`) for `Trainer`, whose state it reads: the schedule, the
+    parameter store, the streams and the optimizer (stepping.py)."""
+
+    def _run(self, batch: dict, optimize: bool) -> torch.Tensor:
+        with self.streams.compute_context():  # NOTE: [Optimizer stream] in stepping.py
+            self.env = dict(self._check_batch(batch))  # placeholder/activation name -> tensor
+        self.env.update(self.store.buffers)
+        self.grads: dict[str, torch.Tensor] = {}
+        self.saved: dict[int, tuple] = {}
+        self.rng: dict[int, rng.RngState] = {}  # random stage -> generator states its forward began from
+        self.gbuf: dict[int, dict[str, torch.Tensor]] = {}
+        self.loss = None
+        self.norm_sq = None
+        handlers = {
+            Kind.PREFETCH: self._prefetch, Kind.COMPUTE: self._compute, Kind.OFFLOAD: self._offload,
+            Kind.RELOAD: self._reload, Kind.FREE: self._free,
+        }
+        deferred = []
+        self.streams.begin(self.record_timeline)
+        for event in self.events:
+            if event.kind is Kind.OPT_STEP and event.stage >= 0 and self.stages[event.stage].gpu_step:
+                # last step's update of a GPU-stepped streamed stage, at its prefetch
+                self.streams.run_aside(event, lambda s=event.stage: self.stepper.step(s, self._group(s)),
+                                       after_compute=False)
+                continue
+            if event.kind is Kind.OPT_STEP:
+                if optimize and self.max_grad_norm is None and not self.serial_optimizer:
+                    self._opt_step(event, 1.0)
+                elif optimize:
+                    deferred.append(event)
+                continue
+            if event.kind is Kind.COMPUTE:  # its weights must be stepped (NOTE: [Optimizer stream] in stepping.py)
+                self.streams.wait_aside(event.stage)
+                self.streams.wait_aside(-1)  # shared (tied) weights
+            self.streams.run(event, lambda e=event: handlers[e.kind](e))
+        if optimize and (deferred or self.stepper.params):
+            with self.streams.compute_context():
+                coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
+            if coef is None:
+                self.skipped_steps += 1
+                self.fresh.clear()
+                self.zero_grad()
+            else:
+                for event in sorted(deferred, key=lambda e: (e.stage < 0, e.stage)):
+                    self._opt_step(event, coef)
+                self._record_gpu_steps(coef)
+                if self.serial_optimizer:
+                    self.synchronize()
+        timeline = self.streams.finish()
+        if not optimize:
+            self._absorb_grads(all_stages=True)
+        self.timeline = timeline or []
+        loss, self.loss = self.loss, None
+        self.env = self.grads = self.saved = self.gbuf = self.rng = None
+        return loss
+
+    def _weight(self, name):
+        work = self.store.work.get(name)
+        return work if work is not None else self.env[name]
+
+    def _call(self, stage, grad: bool, remat: bool = False, again: bool = False):
+        """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records; with
+        `remat`, the values no backward reads are left uncomputed (NOTE: [Skipped recompute] in passes/remat.py); with
+        `again` (a recompute), a random stage draws what its forward drew (NOTE: [RNG replay] in rng.py)."""
+        draws = contextlib.nullcontext()
+        if stage.random and again:
+            draws = rng.replay(self.rng[stage.index], self.device)
+        elif stage.random:
+            self.rng[stage.index] = rng.record(self.device)
+        if grad:
+            leaves = {x: self.env[x].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs}
+            args = [self._weight(p) for p in stage.placeholders] + [leaves[x] for x in stage.inputs]
+            with torch.enable_grad(), draws:
+                outs = stage.fn(self.device, *args, **({"remat": True} if remat and stage.skips else {}))
+            return leaves, outs
+        args = [self._weight(p) for p in stage.placeholders] + [self.env[x] for x in stage.inputs]
+        with torch.no_grad(), draws:
+            return None, stage.fn(self.device, *args)
+
+    def _publish(self, stage, outs):
+        for name, t in zip(stage.outputs, outs):
+            if name == self.m.LOSS:
+                self.loss = t.detach()
+            else:
+                self.env[name] = t.detach()
+
+    def _compute(self, e: Event):
+        stage = self.stages[e.stage]
+        if e.phase is Phase.FWD:
+            if stage.chunks > 1:  # its loss comes out of its backward (NOTE: [Chunked loss])
+                return
+            leaves, outs = self._call(stage, grad=not stage.recompute)
+            if not stage.recompute:
+                self.saved[e.stage] = (leaves, outs)
+            self._publish(stage, outs)
+        elif e.phase is Phase.RECOMPUTE:
+            self._publish(stage, self._call(stage, grad=False, again=True)[1])
+        elif stage.chunks > 1:
+            self._chunked_backward(stage)
+        else:
+            self._backward(stage)
+
+    def _backward(self, stage):
+        leaves, outs = self.saved.pop(stage.index) if not stage.recompute else self._call(
+            stage, grad=True, remat=True, again=True)
+        tensors, grads = [], []
+        for name, t in zip(stage.outputs, outs):
+            g = torch.ones_like(t) if name == self.m.LOSS else self.grads.get(name)
+            if g is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for x in stage.grad_inputs:
+            g = leaves[x].grad
+            if g is not None:
+                self.grads[x] = g if x not in self.grads else self.grads[x] + g
+        self._grads_done(stage)
+
+    def _chunked_backward(self, stage):
+        """Forward and backward of a chunked stage, slice by slice of the batch (NOTE: [Chunked loss])."""
+        work = self.store.work
+        params = [p for p in stage.placeholders if p in work]  # shared (tied) ones too
+        held = {p: work[p].grad for p in params}
+        for p in params:
+            work[p].grad = None
+        whole = {}
+        if stage.whole_fn is not None:
+            with torch.no_grad():
+                outs = stage.whole_fn(self.device, *[self._weight(p) for p in stage.placeholders])
+            whole = dict(zip(stage.whole_outputs, outs))
+        cut = {x: _slices(stage, self.env[x]) for x in stage.inputs}  # activations and batch inputs: views
+        cut.update({p: _slices(stage, self.env[p]) for p in stage.placeholders if self.m.PLACEHOLDERS[p][0] == "input"})
+        cut.update({n: _slices(stage, t) for n, t in whole.items()})
+        grads = {x: torch.zeros_like(self.env[x]) for x in stage.grad_inputs}
+        grad_slices = {x: _slices(stage, g) for x, g in grads.items()}
+        loss_sum = count = 0
+        for c in range(stage.chunks):
+            leaves = [cut[x][c].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs]
+            args = [cut[p][c] if p in cut else self._weight(p) for p in stage.placeholders] + leaves
+            with torch.enable_grad():
+                part, n = stage.fn(self.device, *args, *(cut[w][c] for w in stage.whole_outputs), loss_sum=True)
+            if part.requires_grad:
+                part.backward()
+            for x, leaf in zip(stage.inputs, leaves):
+                if x in grads and leaf.grad is not None:
+                    grad_slices[x][c].copy_(leaf.grad)
+            loss_sum, count = loss_sum + part.detach().float(), count + n  # fp32: k partial sums
+        scale = 1.0 / count
+        for x, g in grads.items():
+            g.mul_(scale)
+            self.grads[x] = g if x not in self.grads else self.grads[x] + g
+        for p in params:
+            g = work[p].grad
+            if g is not None:
+                g.mul_(scale)
+            if held[p] is not None:
+                work[p].grad = held[p] if g is None else held[p].add_(g)
+        self._publish(stage, ((loss_sum / count).to(part.dtype),))
+        self._grads_done(stage)
+
+    def _grads_done(self, stage):
+        """After a stage's backward: park streamed gradients for their offload; add to the norm."""
+        work = self.store.work
+        if stage.stream:  # gradients of streamed weights wait in g:S for their offload
+            self.gbuf[stage.index] = {p: work[p].grad for p in stage.params}
+            for p in stage.params:
+                work[p].grad = None
+        if self.max_grad_norm is not None:
+            names = stage.params + (self.m.SHARED if stage.index == 0 else ())
+            done = [g for g in (self.gbuf[stage.index].values() if stage.stream else ()) if g is not None]
+            done += [work[p].grad for p in names if not stage.stream or p in self.m.SHARED if work[p].grad is not None]
+            self._add_norm(done)
+
+    def _prefetch(self, e: Event):
+        job = self.cpu_jobs.pop(e.stage, None)
+        if job is not None:  # the previous step's host optimizer must finish updating the source
+            job.result()
+        self._fetch_stage(e.stage, update=e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending)
+
+    def _fetch_stage(self, stage: int, update: bool):
+        """A weight slot for `stage`; the weights copied in, or with a pending GPU step its master,
+        states and gradient into an optimizer slot (the step writes the weights)."""
+        self._take_slot(f"w:{stage}")
+        if update:
+            self.stepper.fetch(stage, self._take_slot(f"opt:{stage}"))
+        with torch.no_grad():
+            for p in self.stages[stage].params:
+                view = self.store.slot_view(stage, p)
+                if not update:
+                    view.copy_(self.store.source[p], non_blocking=True)
+                self.store.work[p].data = view
+
+    def _offload(self, e: Event):
+        buf = e.reads[0]
+        if buf.startswith("w:"):
+            self.stepper.write_weights(e.stage)
+        elif buf.startswith("opt:"):
+            self.stepper.write_back(e.stage)
+        elif buf.startswith("g:"):  # gradients of streamed weights go to page-locked host buffers
+            for name, g in self.gbuf[e.stage].items():
+                if g is None:
+                    continue
+                host = self.host_grad.get(name)
+                if host is None or host.shape != g.shape:
+                    host = self.host_grad[name] = self.pinned.empty(g.shape, g.dtype)
+                host.copy_(g, non_blocking=True)
+                self.fresh.add(name)
+        else:
+            for name in self.stages[e.stage].outputs:
+                if name in self.env:
+                    t = self.env[name]
+                    host = self.host_act.get(name)
+                    if host is None:
+                        host = self.host_act[name] = self.pinned.empty(t.shape, t.dtype)
+                    host.copy_(t, non_blocking=True)
+
+    def _reload(self, e: Event):
+        for name in self.stages[e.stage].outputs:
+            if name in self.host_act:
+                t = self.host_act[name].to(self.device, non_blocking=True)
+                if self.cuda:
+                    t.record_stream(self.streams.stream(Stream.COMPUTE))
+                self.env[name] = t
+
+    def _free(self, e: Event):
+        kind, _, idx = e.frees[0].partition(":")
+        if kind == "host":  # host buffers are kept for the next step
+            return
+        stage = self.stages[int(idx)]
+        if kind == "w":
+            self._release_weights(stage.index)
+        elif kind == "opt":
+            if e.frees[0] in self.store.slots:
+                self.store.release_slot(e.frees[0])
+        elif kind == "g":
+            self.gbuf.pop(stage.index, None)
+        elif kind == "act":
+            for name in stage.outputs:
+                self.env.pop(name, None)
+        elif kind == "saved":
+            self.saved.pop(stage.index, None)
+        elif kind == "grad":
+            for name in stage.outputs:
+                self.grads.pop(name, None)
+
+    def _take_slot(self, name: str) -> torch.Tensor:
+        return self.store.take_slot(name, lambda n: self.streams.slot(n, self.device))
+
+    def _release_weights(self, stage: int) -> None:
+        for p in self.stages[stage].params:
+            self.store.work[p].data = torch.empty(0, device=self.device, dtype=self.store.dtype[p])
+        self.store.release_slot(f"w:{stage}")
+

@@ -1,0 +1,119 @@
+"""Gradients into the optimizer: the global norm, clipping, and each stage's AdamW step where
+the schedule places it (the host CPU, the optimizer stream, or a GPU-stepped streamed stage's next
+prefetch).
+
+NOTE: [Gradient clipping]
+With `max_grad_norm`, each stage's squared gradient norm is added up right after its backward (no
+extra pass over the gradients); optimizer steps, which need the global norm, wait until backward
+ends, then run in forward order so the next step's forward can start on the first updated stages.
+A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
+
+NOTE: [Optimizer stream]
+Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
+stream apart from compute, so their memory-bound kernels overlap compute instead of queueing on it.
+That stream is the device's default stream and compute gets a stream of its own:
+bitsandbytes launches its 8-bit kernels on the default stream whatever stream is current, so they
+must be the optimizer's. Work outside events that touches compute's tensors (the batch's copy, the
+gradient norm's read) runs in `streams.compute_context()`. Then:
+  - a resident stage's step first waits for the compute issued so far (its gradients); a streamed
+    stage's waits only for its prefetch (the schedule's waits), so it overlaps the compute before it;
+  - the first compute that reads a stage's weights waits for that stage's step (shared weights:
+    every compute until the shared step is done); the write-back copies wait on the step's event;
+  - gradients a step reads are `record_stream`ed on that stream: the next step drops them while
+    the step may still run.
+Without clipping, resident steps overlap the rest of backward; with it, they overlap the next forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lazytrain.ir.events import Event
+
+
+class Stepping:
+    """The optimizer side of `Trainer` (a mixin)."""
+
+    def _add_norm(self, grads):
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+            self.norm_sq = sq if self.norm_sq is None else self.norm_sq + sq
+
+    def _clip_coefficient(self) -> float | None:
+        """torch.nn.utils.clip_grad_norm_'s coefficient, or None when the norm is not finite."""
+        norm = math.sqrt(self.norm_sq.item()) if self.norm_sq is not None else 0.0
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            return None
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _record_gpu_steps(self, coef: float) -> None:
+        """GPU-stepped streamed stages: their gradients wait on the host for the next prefetch."""
+        for s, names in self.stepper.params.items():
+            if any(p in self.fresh for p in names):
+                self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
+                self.fresh.difference_update(names)
+
+    def _names(self, stage: int) -> tuple[str, ...]:
+        return self.stages[stage].params if stage >= 0 else self.m.SHARED
+
+    def _group(self, stage: int) -> int:
+        return stage if stage >= 0 else len(self.stages)
+
+    def _absorb_grads(self, all_stages: bool = False, stage: int | None = None):
+        """Accumulate gradients held elsewhere (host buffers, device work copies) into the homes'
+        (and, without a step, the model's) `.grad`."""
+        stages = range(-1, len(self.stages)) if all_stages else [stage]
+        for s in stages:
+            for p in self._names(s):
+                streamed = s >= 0 and self.stages[s].stream
+                if streamed:  # page-locked buffers stay (allocating them is slow); the mark is consumed
+                    src = self.host_grad[p] if p in self.fresh else None
+                    self.fresh.discard(p)
+                else:
+                    src = self.store.work[p].grad
+                target = self.store.master[p] if all_stages else self.store.home[p]
+                if src is None or (not streamed and target is self.store.work[p]):
+                    continue
+                if target.grad is None and streamed and not all_stages:  # a step: reuse a buffer
+                    buf = self.grad_buffers.get(p)
+                    if buf is None:
+                        buf = self.grad_buffers[p] = torch.empty(src.shape, dtype=target.dtype, device=target.device)
+                    target.grad = buf.copy_(src)
+                    continue
+                g = src.to(target.device, target.dtype, copy=True)
+                target.grad = g if target.grad is None else target.grad + g
+                if not streamed:
+                    self.store.work[p].grad = None
+
+    def _opt_step(self, e: Event, coef: float):
+        s = e.stage
+        names = self._names(s)
+        hyper = self.optimizer.hyperparameters(self._group(s))  # a later LR scheduler step must not reach it
+
+        def step():
+            self._absorb_grads(stage=s)
+            if coef != 1.0:
+                for p in names:
+                    if self.store.home[p].grad is not None:
+                        self.store.home[p].grad.mul_(coef)
+            self.optimizer.step_group(self._group(s), hyper)
+
+        if e.device == "cpu":
+            def host_step():
+                step()
+                self.store.refresh_source(names)
+                for p in names:  # consumed: the next step starts from fresh gradients
+                    self.store.home[p].grad = None
+            self.cpu_jobs[s] = self.streams.host(e, host_step)
+        else:
+            def device_step():
+                grads = [t.grad for p in names for t in (self.store.work[p], self.store.home[p]) if t.grad is not None]
+                step()
+                self.store.refresh_work(names)
+                if self.cuda:  # the next step drops these gradients while this stream may still read them
+                    for g in grads:
+                        g.record_stream(torch.cuda.current_stream())
+            self.streams.run_aside(e, device_step, after_compute=True)
