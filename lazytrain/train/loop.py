@@ -26,7 +26,7 @@ from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.summary import summary
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.data import PackedBatches, builtin_tokenizer, load_tokenizer, CORPUS_PATH
-from lazytrain.train.source import ModelSource, load_weights, resolve
+from lazytrain.train.source import ModelSource, resolve
 from lazytrain.units import format_size
 
 
@@ -77,16 +77,34 @@ def vocab_size(model: torch.nn.Module) -> int | None:
     return next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
 
 
-def _data(args, source: ModelSource, model: torch.nn.Module, seed: int) -> PackedBatches:
-    vocab = vocab_size(model)
+def _tokenizer(args, source: ModelSource):
+    """--tokenizer, else the model directory's, else the shipped one (which only models built for it
+    understand: a checkpoint directory without a tokenizer is refused)."""
     if args.tokenizer:
-        tokenizer = load_tokenizer(args.tokenizer)
-    elif source.tokenizer_dir is not None:
-        tokenizer = load_tokenizer(source.tokenizer_dir)
-    else:
-        tokenizer = builtin_tokenizer()
+        return load_tokenizer(args.tokenizer)
+    if source.tokenizer_dir is not None:
+        return load_tokenizer(source.tokenizer_dir)
+    if source.weights is not None and source.path.is_dir():
+        raise DataError(f"{source.path} holds weights but no tokenizer (tokenizer.json, tokenizer_config.json or "
+                        "tokenizer.model); copy the checkpoint's tokenizer files there, or pass --tokenizer DIR")
+    return builtin_tokenizer()
+
+
+def _data(args, source: ModelSource, model: torch.nn.Module, tokenizer, seed: int) -> PackedBatches:
     paths = args.data or [CORPUS_PATH]
-    return PackedBatches(paths, tokenizer, *source.batch_shape, seed=seed, vocab_size=vocab)
+    return PackedBatches(paths, tokenizer, *source.batch_shape, seed=seed, vocab_size=vocab_size(model))
+
+
+def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
+    """The model with its starting weights, loaded in the masters' dtype (NOTE: [Loading weights]
+    in weights.py); casts are said once."""
+    bf16 = getattr(schedule, "MASTER_WEIGHTS", "fp32") == "bf16"
+    model, casts = source.materialize(torch.bfloat16 if bf16 else None)
+    if source.weights is not None:
+        files = len(set(source.weights.files.values()))
+        print(f"loaded {len(source.weights.files)} tensors from {source.weights.origin}"
+              + (f" ({files} shards)" if files > 1 else "") + "".join(f"; {c}" for c in casts), flush=True)
+    return model
 
 
 def _host_gib() -> float:
@@ -99,13 +117,12 @@ def train(args) -> dict:
     run_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(args, source)  # before compiling: a bad tokenizer fails fast
     schedule = _schedule(args, source, run_dir)
     print(summary(schedule), end="", flush=True)
 
     torch.manual_seed(args.seed)
-    model = source.build_model()
-    if source.weights is not None:
-        load_weights(model, source.weights)
+    model = _materialize(source, schedule)
     found = None
     if run_dir is not None and args.resume:
         found = ckpt.load_latest(run_dir / "checkpoints", schedule.FINGERPRINT)
@@ -116,7 +133,7 @@ def train(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else None
     trainer = schedule.bind(model, lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                             device=device)
-    data = _data(args, source, model, args.seed)
+    data = _data(args, source, model, tokenizer, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(warmup, args.steps, args.min_lr_ratio))
     start = 0
@@ -170,7 +187,7 @@ def train(args) -> dict:
         log.close()
     if args.export_hf:
         trainer.sync_model()
-        ckpt.export_hf(model, args.export_hf)
+        ckpt.export_hf(model, args.export_hf, tokenizer=tokenizer)
         print(f"exported to {args.export_hf}")
     return record
 
