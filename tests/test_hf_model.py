@@ -8,6 +8,7 @@ refused before compiling with one line naming the cause and the fix.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,21 @@ def test_unexpected_tensor(tmp_path, capsys):
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     err = _refused(capsys, "--model", str(src))
     assert "hold model.layers.9.mlp.up_proj.weight, which the model built from" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_loaded_parameters_own_their_memory(tmp_path):
+    """The loaded model holds the checkpoint's values in its own memory, not in views of the shards'
+    file mappings (an export into the same directory rewrites those files)."""
+    import gc
+
+    from lazytrain.train.source import resolve
+
+    src = tmp_path / "m"
+    want = save_model(src, "llama", True, True).state_dict()
+    model, casts = resolve(src, BATCH, SEQ, None).materialize()
+    gc.collect()
+    assert casts == [] and not [line for line in open("/proc/self/maps") if str(src) in line]
+    got = model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight

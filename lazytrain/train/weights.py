@@ -268,8 +268,10 @@ def _check_twin(model, weights, name, loaded_as, tensor) -> None:
 def _set_parameter(model, names, tensor, dtype, requires_grad, casts) -> None:
     if tensor.dtype != dtype:
         casts[(tensor.dtype, dtype)] += 1
-        tensor = tensor.to(dtype)
-    param = torch.nn.Parameter(tensor.contiguous(), requires_grad=requires_grad)
+    # `get_tensor` returns a view of the shard's private file mapping: the copy owns its memory, so
+    # that nothing reads the file again (an export into the same directory rewrites it).
+    owned = torch.empty(tensor.shape, dtype=dtype).copy_(tensor)
+    param = torch.nn.Parameter(owned, requires_grad=requires_grad)
     for name in names:  # tied names share the one new parameter
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._parameters[attr] = param
