@@ -231,6 +231,19 @@ def test_tied_checkpoint_under_an_untied_config(tmp_path, capsys):
     assert "lack lm_head.weight" in err and '"tie_word_embeddings": true' in err
 
 
+def test_old_per_layer_rotary_frequencies_are_ignored(tmp_path, capsys):
+    """Older checkpoints saved `rotary_emb.inv_freq` in every layer; the model computes its own."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "m"
+    save_model(src, "llama", False, False)
+    state = load_file(str(src / "model.safetensors"))
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.full((4,), 7.0)
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    records, _ = train(capsys, src, tmp_path / "run")
+    assert records[0]["loss"] == pytest.approx(eager_first_loss(src), rel=1e-5, abs=1e-6)
+
+
 def test_unexpected_tensor(tmp_path, capsys):
     from safetensors.torch import save_file
 

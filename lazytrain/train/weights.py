@@ -171,7 +171,7 @@ def _non_persistent(model: torch.nn.Module) -> set[str]:
 def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
     """Raise `DataError` (one line: the first offending name and the fix) unless `weights` fit
     `model` (on meta or real): every parameter present under one of its names, every tensor a
-    parameter or buffer of the model, shapes equal. Non-persistent buffers (recomputed from the
+    parameter or buffer of the model, shapes equal. Non-persistent buffers (computed from the
     config, e.g. old checkpoints' `rotary_emb.inv_freq`) in the checkpoint are ignored; persistent
     buffers it lacks keep the values the model was built with."""
     fix = f"use the weights saved for {built_from}, or a config that matches these weights"
@@ -185,10 +185,12 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
                             f"{built_from} needs; {hint or fix}")
         expected.update({n: names for n in present})
     buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
-    skip = _non_persistent(model)
+    # old checkpoints hold rotary frequencies per layer (`model.layers.0.self_attn.rotary_emb.inv_freq`)
+    # where the model now keeps one: a name ending like a non-persistent buffer is that buffer
+    tails = {".".join(n.split(".")[-2:]) for n in _non_persistent(model)}
     own = dict(model.named_parameters(remove_duplicate=False))
     for name in sorted(weights.files):
-        if name in skip:
+        if ".".join(name.split(".")[-2:]) in tails:
             continue
         target = own.get(name, buffers.get(name))
         if target is None:
