@@ -272,3 +272,38 @@ def test_loaded_parameters_own_their_memory(tmp_path):
     got = model.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _tiny_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                            shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=2, num_experts_per_tok=1, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(config)
+
+
+def test_moe_checkpoint_in_the_hub_layout_names_the_conversion(tmp_path, capsys):
+    """transformers 5 saves MoE experts one tensor per expert and fuses them when loading; lazytrain
+    does not convert, and says how to convert once."""
+    src = tmp_path / "m"
+    _tiny_moe().save_pretrained(str(src))
+    save_tokenizer(src)
+    err = _refused(capsys, "--model", str(src))
+    assert "in the layout transformers converts when loading" in err
+    assert "save_pretrained(NEW, save_original_format=False)" in err
+
+
+def test_moe_export_loads_in_transformers_and_in_lazytrain(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain.train.checkpoint import export_hf
+    from lazytrain.train.source import resolve
+
+    model = _tiny_moe()
+    out = export_hf(model, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in model.state_dict().items())
+    loaded, _ = resolve(out, BATCH, SEQ, None).materialize()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lazytrain.errors import CheckpointError
+from lazytrain.train.weights import converts_weights
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -442,7 +443,9 @@ def export_hf(model: Any, out_dir: str | Path, tokenizer: Any = None, max_shard_
     loads both and ``lazytrain train --model out_dir`` continues from them.
 
     ``save_pretrained`` semantics: tied weights are saved once, and a model larger than
-    ``max_shard_size`` is split into shards with a ``model.safetensors.index.json``.
+    ``max_shard_size`` is split into shards with a ``model.safetensors.index.json``. Models whose
+    checkpoint layout transformers converts (fused MoE experts) are saved in their parameters'
+    layout, which both transformers and ``lazytrain train --model`` load.
     Raises ``CheckpointError`` for any other model.
     """
     # A model cannot be a PreTrainedModel unless transformers is loaded: skip its slow import.
@@ -456,8 +459,13 @@ def export_hf(model: Any, out_dir: str | Path, tokenizer: Any = None, max_shard_
     out_dir = Path(out_dir)
     # transformers 5 always writes safetensors and dropped the flag; 4.x needs it.
     kwargs = {"max_shard_size": max_shard_size}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+    accepted = inspect.signature(model.save_pretrained).parameters
+    if "safe_serialization" in accepted:
         kwargs["safe_serialization"] = True
+    if "save_original_format" in accepted and converts_weights(model):
+        # the parameters' own layout (fused experts): transformers loads it as it is, and so does
+        # `lazytrain train --model`, which does not apply transformers' weight conversions
+        kwargs["save_original_format"] = False
     model.save_pretrained(str(out_dir), **kwargs)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))

@@ -22,6 +22,7 @@ tensor by tensor, so loading after bind would save no host memory.
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -168,6 +169,21 @@ def _non_persistent(model: torch.nn.Module) -> set[str]:
     return out
 
 
+def converts_weights(model: torch.nn.Module) -> bool:
+    """Whether transformers merges or splits this model's tensors between its checkpoint layout
+    and its parameters (transformers 5's weight conversions: fused MoE experts). lazytrain reads
+    and writes the parameters' own layout."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return False
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # transformers 4 has no conversions
+        return False
+    return any(isinstance(c, WeightConverter) for c in get_model_conversion_mapping(model))
+
+
 def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
     """Raise `DataError` (one line: the first offending name and the fix) unless `weights` fit
     `model` (on meta or real): every parameter present under one of its names, every tensor a
@@ -175,6 +191,10 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
     config, e.g. old checkpoints' `rotary_emb.inv_freq`) in the checkpoint are ignored; persistent
     buffers it lacks keep the values the model was built with."""
     fix = f"use the weights saved for {built_from}, or a config that matches these weights"
+    if converts_weights(model):  # names missing or unexpected: most likely the checkpoint's layout
+        fix = ("these are in the layout transformers converts when loading (e.g. one tensor per expert), which "
+               "lazytrain does not convert; convert once with AutoModelForCausalLM.from_pretrained(DIR)"
+               ".save_pretrained(NEW, save_original_format=False) and train --model NEW")
     expected = {}
     for names in _groups(model):
         present = [n for n in names if n in weights.files]
@@ -196,12 +216,13 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
         if target is None:
             raise DataError(f"weights {weights.origin} hold {name}, which the model built from {built_from} "
                             f"does not have; {fix}")
+        mismatch = f"the weights saved for {built_from}, or a config that matches these weights"
         if tuple(target.shape) != weights.shapes[name]:
             raise DataError(f"{name} in {weights.files[name]} has shape {list(weights.shapes[name])} but the model "
-                            f"built from {built_from} has {list(target.shape)}; {fix}")
+                            f"built from {built_from} has {list(target.shape)}; use {mismatch}")
         if weights.dtypes[name] is None or weights.dtypes[name].is_floating_point != target.is_floating_point():
             raise DataError(f"{name} in {weights.files[name]} has dtype {weights.dtypes[name]} but the model "
-                            f"built from {built_from} has {target.dtype}; {fix}")
+                            f"built from {built_from} has {target.dtype}; use {mismatch}")
 
 
 def _untied_hint(model: torch.nn.Module, missing: str, weights: Weights) -> str | None:
