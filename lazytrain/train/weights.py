@@ -195,20 +195,19 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
         fix = ("these are in the layout transformers converts when loading (e.g. one tensor per expert), which "
                "lazytrain does not convert; convert once with AutoModelForCausalLM.from_pretrained(DIR)"
                ".save_pretrained(NEW, save_original_format=False) and train --model NEW")
-    expected = {}
     for names in _groups(model):
         present = [n for n in names if n in weights.files]
         if not present:
             tied = (" or " + " / ".join(names[1:])) if len(names) > 1 else ""
-            hint = _untied_hint(model, names[0], weights)
+            hint = _untied_hint(model, names[0])
             raise DataError(f"weights {weights.origin} lack {names[0]}{tied}, which the model built from "
                             f"{built_from} needs; {hint or fix}")
-        expected.update({n: names for n in present})
     buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
     # old checkpoints hold rotary frequencies per layer (`model.layers.0.self_attn.rotary_emb.inv_freq`)
     # where the model now keeps one: a name ending like a non-persistent buffer is that buffer
     tails = {".".join(n.split(".")[-2:]) for n in _non_persistent(model)}
     own = dict(model.named_parameters(remove_duplicate=False))
+    mismatch = f"the weights saved for {built_from}, or a config that matches these weights"
     for name in sorted(weights.files):
         if ".".join(name.split(".")[-2:]) in tails:
             continue
@@ -216,7 +215,6 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
         if target is None:
             raise DataError(f"weights {weights.origin} hold {name}, which the model built from {built_from} "
                             f"does not have; {fix}")
-        mismatch = f"the weights saved for {built_from}, or a config that matches these weights"
         if tuple(target.shape) != weights.shapes[name]:
             raise DataError(f"{name} in {weights.files[name]} has shape {list(weights.shapes[name])} but the model "
                             f"built from {built_from} has {list(target.shape)}; use {mismatch}")
@@ -225,7 +223,7 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
                             f"built from {built_from} has {target.dtype}; use {mismatch}")
 
 
-def _untied_hint(model: torch.nn.Module, missing: str, weights: Weights) -> str | None:
+def _untied_hint(model: torch.nn.Module, missing: str) -> str | None:
     """The fix when a checkpoint of tied embeddings meets a config that does not tie them."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
