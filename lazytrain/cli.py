@@ -169,12 +169,14 @@ def parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train a model with a schedule (default: the built-in tiny model on the shipped corpus)")
-    t.add_argument("--model", default=None, help="model file or Hugging Face config directory (default: the bundled tiny Qwen2-style model)")
-    t.add_argument("--weights", default=None, help="safetensors file to start from (default: the model directory's, else random init)")
+    t.add_argument("--model", default=None, help="model file, or Hugging Face model directory: config.json, safetensors "
+                                                "(one file or shards with their index), tokenizer (default: the bundled tiny Qwen2-style model)")
+    t.add_argument("--weights", default=None, help="a .safetensors file or model.safetensors.index.json to start from "
+                                                  "(default: the model directory's); 'random' for a fresh initialisation")
     t.add_argument("--data", nargs="+", default=None, help=".txt/.jsonl files or directories (default: the shipped corpus)")
     t.add_argument("--tokenizer", default=None, help="local Hugging Face tokenizer (default: the model directory's, else the shipped one)")
-    t.add_argument("--batch-size", type=_at_least(1), default=None, help="for config directories (model files set their own)")
-    t.add_argument("--seq-len", type=_at_least(1), default=None, help="for config directories (model files set their own)")
+    t.add_argument("--batch-size", type=_at_least(1), default=None, help="for model directories (model files set their own)")
+    t.add_argument("--seq-len", type=_at_least(1), default=None, help="for model directories (model files set their own)")
     t.add_argument("--schedule", default=None, help="a compiled schedule (default: compile on the fly)")
     t.add_argument("--budget", type=_budget, default=None, help="GPU budget when compiling on the fly: a size, min (default) or max")
     t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
@@ -201,7 +203,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     t.add_argument("--log", default=None,
                    help="JSONL log, one record per step (default: CHECKPOINT_DIR/log.jsonl); rewritten from the run's start")
-    t.add_argument("--export-hf", default=None, metavar="DIR", help="after training, save a Hugging Face model directory")
+    t.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="after training, save a Hugging Face model directory (weights and the training tokenizer)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
     t.add_argument("--print-every", type=_at_least(1), default=10, help="print a loss line every N steps (default 10)")
     t.set_defaults(fn=cmd_train)

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from lazytrain.errors import CheckpointError
 from lazytrain.files import free_bytes, is_disk_full, no_space
+from lazytrain.train.weights import converts_weights
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -47,6 +48,7 @@ META_FILE = "meta.json"
 LATEST_FILE = "LATEST"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
+EXPORT_SHARD_SIZE = "5GB"  # the Hugging Face Hub's customary shard size
 
 _DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE)
 _STEP_DIR = re.compile(r"step-(\d{8,})")
@@ -484,9 +486,15 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
 # --------------------------------------------------------------------------- export
 
 
-def export_hf(model: Any, out_dir: str | Path) -> Path:
-    """Save a ``transformers.PreTrainedModel`` with ``save_pretrained`` as safetensors.
+def export_hf(model: Any, out_dir: str | Path, tokenizer: Any = None, max_shard_size: int | str = EXPORT_SHARD_SIZE) -> Path:
+    """Save a ``transformers.PreTrainedModel`` with ``save_pretrained`` as safetensors, and
+    ``tokenizer`` (the one it was trained with) beside it, so that ``from_pretrained(out_dir)``
+    loads both and ``lazytrain train --model out_dir`` continues from them.
 
+    ``save_pretrained`` semantics: tied weights are saved once, and a model larger than
+    ``max_shard_size`` is split into shards with a ``model.safetensors.index.json``. Models whose
+    checkpoint layout transformers converts (fused MoE experts) are saved in their parameters'
+    layout, which both transformers and ``lazytrain train --model`` load.
     Raises ``CheckpointError`` for any other model.
     """
     # A model cannot be a PreTrainedModel unless transformers is loaded: skip its slow import.
@@ -499,8 +507,15 @@ def export_hf(model: Any, out_dir: str | Path) -> Path:
         )
     out_dir = Path(out_dir)
     # transformers 5 always writes safetensors and dropped the flag; 4.x needs it.
-    kwargs = {}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+    kwargs = {"max_shard_size": max_shard_size}
+    accepted = inspect.signature(model.save_pretrained).parameters
+    if "safe_serialization" in accepted:
         kwargs["safe_serialization"] = True
+    if "save_original_format" in accepted and converts_weights(model):
+        # the parameters' own layout (fused experts): transformers loads it as it is, and so does
+        # `lazytrain train --model`, which does not apply transformers' weight conversions
+        kwargs["save_original_format"] = False
     model.save_pretrained(str(out_dir), **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
     return out_dir

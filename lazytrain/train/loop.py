@@ -26,7 +26,7 @@ from lazytrain.summary import summary
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.preflight import prepare
 from lazytrain.train.resume import LrSchedule, check_structure, trim_log
-from lazytrain.train.source import ModelSource, load_weights
+from lazytrain.train.source import ModelSource
 from lazytrain.units import format_size
 
 
@@ -67,6 +67,18 @@ def _schedule(args, source: ModelSource, meta_model: torch.nn.Module):
     return load_source(compiled.source_text, f"lazytrain_train_schedule_{id(compiled)}"), compiled.source_text
 
 
+def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
+    """The model with its starting weights, loaded in the masters' dtype (NOTE: [Loading weights]
+    in weights.py); casts are said once."""
+    bf16 = getattr(schedule, "MASTER_WEIGHTS", "fp32") == "bf16"
+    model, casts = source.materialize(torch.bfloat16 if bf16 else None)
+    if source.weights is not None:
+        files = len(set(source.weights.files.values()))
+        print(f"loaded {len(source.weights.files)} tensors from {source.weights.origin}"
+              + (f" ({files} shards)" if files > 1 else "") + "".join(f"; {c}" for c in casts), flush=True)
+    return model
+
+
 def _host_gib() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
@@ -88,9 +100,7 @@ def train(args) -> dict:
         print(prep.lr_notice, flush=True)
 
     torch.manual_seed(args.seed)
-    model = source.build_model()
-    if source.weights is not None:
-        load_weights(model, source.weights)
+    model = _materialize(source, schedule)
     if found is not None:  # weights first: binding copies them to the GPU
         _restore_weights(found, model)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
@@ -151,7 +161,7 @@ def train(args) -> dict:
         log.close()
     if args.export_hf:
         trainer.sync_model()
-        ckpt.export_hf(model, args.export_hf)
+        ckpt.export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
         print(f"exported to {args.export_hf}")
     return record
 

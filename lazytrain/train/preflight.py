@@ -22,13 +22,14 @@ from lazytrain.ir.capture import build_on_meta
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.data import CORPUS_PATH, PackedBatches, builtin_tokenizer, load_tokenizer
 from lazytrain.train.resume import LrSchedule, settle
-from lazytrain.train.source import ModelSource, resolve
+from lazytrain.train.source import RANDOM, ModelSource, resolve
 
 
 @dataclass(frozen=True)
 class Prepared:
     source: ModelSource
     meta_model: torch.nn.Module  # names, shapes and dtypes of the model, no storage
+    tokenizer: object  # --tokenizer, else the model directory's, else the shipped one
     data: PackedBatches
     run_dir: Path | None
     found: ckpt.Checkpoint | None  # the checkpoint to resume from (digests verified)
@@ -45,9 +46,9 @@ def prepare(args) -> Prepared:
                         "or drop --schedule to compile on the fly")
     if not args.schedule:
         hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
-    source = resolve(args.model or examples.DEFAULT, args.batch_size, args.seq_len, args.weights)
-    if args.weights:
+    if args.weights and args.weights != RANDOM:
         _check_weights(Path(args.weights))
+    source = resolve(args.model or examples.DEFAULT, args.batch_size, args.seq_len, args.weights)
     meta_model = build_on_meta(source.build_model)
     if args.export_hf:
         _check_export(meta_model, Path(args.export_hf))
@@ -56,10 +57,11 @@ def prepare(args) -> Prepared:
         if log.is_dir() or not log.parent.is_dir():
             raise DataError(f"--log {log}: {'is a directory' if log.is_dir() else f'{log.parent} does not exist'}; "
                             "pass a file path in an existing directory")
-    data = _data(args, source, meta_model)
+    tokenizer = _tokenizer(args, source)
+    data = _data(args, source, meta_model, tokenizer)
     found = ckpt.load_latest(run_dir / "checkpoints", None) if args.resume else None
     lr, notice = settle(args, found)
-    return Prepared(source, meta_model, data, run_dir, found, lr, notice)
+    return Prepared(source, meta_model, tokenizer, data, run_dir, found, lr, notice)
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -110,12 +112,19 @@ def vocab_size(model: torch.nn.Module) -> int | None:
     return next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
 
 
-def _data(args, source: ModelSource, model: torch.nn.Module) -> PackedBatches:
+def _tokenizer(args, source: ModelSource):
+    """--tokenizer, else the model directory's, else the shipped one (which only models built for it
+    understand: a checkpoint directory without a tokenizer is refused)."""
     if args.tokenizer:
-        tokenizer = load_tokenizer(args.tokenizer)
-    elif source.tokenizer_dir is not None:
-        tokenizer = load_tokenizer(source.tokenizer_dir)
-    else:
-        tokenizer = builtin_tokenizer()
+        return load_tokenizer(args.tokenizer)
+    if source.tokenizer_dir is not None:
+        return load_tokenizer(source.tokenizer_dir)
+    if source.weights is not None and source.path.is_dir():
+        raise DataError(f"{source.path} holds weights but no tokenizer (tokenizer.json, tokenizer_config.json or "
+                        "tokenizer.model); copy the checkpoint's tokenizer files there, or pass --tokenizer DIR")
+    return builtin_tokenizer()
+
+
+def _data(args, source: ModelSource, model: torch.nn.Module, tokenizer) -> PackedBatches:
     paths = args.data or [CORPUS_PATH]
     return PackedBatches(paths, tokenizer, *source.batch_shape, seed=args.seed, vocab_size=vocab_size(model))
