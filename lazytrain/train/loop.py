@@ -86,7 +86,12 @@ def _data(args, source: ModelSource, model: torch.nn.Module, seed: int) -> Packe
     else:
         tokenizer = builtin_tokenizer()
     paths = args.data or [CORPUS_PATH]
-    return PackedBatches(paths, tokenizer, *source.batch_shape, seed=seed, vocab_size=vocab)
+    data = PackedBatches(paths, tokenizer, *source.batch_shape, seed=seed, vocab_size=vocab)
+    stats = data.stats
+    if stats.truncated or stats.skipped:
+        print(f"data: {stats.truncated} of {stats.examples + stats.skipped} examples truncated to "
+              f"seq_len {source.batch_shape[1]}, {stats.skipped} skipped (nothing left to learn)", flush=True)
+    return data
 
 
 def _host_gib() -> float:

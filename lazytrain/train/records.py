@@ -35,7 +35,7 @@ FORMATS = (
     "with datasets' save_to_disk()"
 )
 MAX_DEPTH = 100  # nesting a training record never needs; far below pyarrow's crash
-_READ_BYTES = 8 << 20
+_READ_BYTES = 1 << 20
 # A blank line (only whitespace) between two lines separates documents; several count as one.
 _DOC_SEPARATOR = re.compile(r"\n(?:[^\S\n]*\n)+")
 _SPACE_BEFORE_WORD = re.compile(r"\s(?=\S)")
@@ -328,7 +328,9 @@ def _open_table(inp: Input, cache_dir: Path, datasets):
             loaded = loaded["train"]
         return loaded
     builder = "parquet" if inp.kind == "parquet" else "json"
-    options = {"on_mixed_types": None} if builder == "json" else {}
+    # Mixed types raise instead of becoming JSON strings (a number would turn into text);
+    # smaller reads than the library's 10 MB keep its working set small.
+    options = {"on_mixed_types": None, "chunksize": _READ_BYTES} if builder == "json" else {}
     return datasets.load_dataset(
         builder, data_files=str(inp.path), split="train", streaming=True,
         cache_dir=str(cache_dir), **options,

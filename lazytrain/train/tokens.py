@@ -35,9 +35,9 @@ from lazytrain.train import records as rec
 MASKED = np.uint32(1 << 31)
 IGNORE = -100  # the label Hugging Face's cross-entropy skips
 PIECE_CHARS = 1 << 16  # the longest text handed to the tokenizer in one piece
-BATCH_CHARS = 1 << 20  # text tokenised per call (the tokenizer's parallel batch)
+BATCH_CHARS = 1 << 19  # text tokenised per call (the tokenizer's parallel batch)
 BATCH_ROWS = 256  # records read per batch
-_FLUSH_TOKENS = 1 << 20
+_FLUSH_TOKENS = 1 << 18
 
 
 @dataclass
