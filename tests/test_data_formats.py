@@ -5,6 +5,7 @@ against the model's vocabulary, and pathological JSON reported as one line namin
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,19 @@ def test_parquet_and_saved_dataset_inputs(tmp_path, tok):
     )
     with pytest.raises(DataError, match=r"nosplit has splits \['test'\] but no 'train'"):
         PackedBatches(tmp_path / "nosplit", tok, 1, 4)
+
+
+def test_json_arrays(tmp_path, tok):
+    texts = ["Rivers carry mud.", "Bees make honey."]
+    (tmp_path / "objects.json").write_text(json.dumps([{"text": t} for t in texts], indent=1))
+    (tmp_path / "strings.json").write_text(json.dumps(texts))
+    want = [i for d in texts + texts for i in enc(tok, d) + [EOS]]
+    batches = PackedBatches([tmp_path / "objects.json", tmp_path / "strings.json"], tok, 1, len(want))
+    assert next(batches)["input_ids"][0].tolist() == want
+    deep = tmp_path / "deep.json"
+    deep.write_text('[{"text": "ok"},\n {"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}]")
+    with pytest.raises(DataError, match=r"deep\.json:2 could not be read as JSON .*depth limit"):
+        PackedBatches(deep, tok, 1, 2)
 
 
 # --------------------------------------------------------------------------- masking
@@ -289,3 +303,19 @@ def test_large_integers_and_surrogate_pairs_where_harmless_are_accepted(tmp_path
     path.write_text('{"text": "emoji \\ud83d\\ude00 pair", "n": ' + "9" * 5000 + "}\n")
     want = enc(tok, "emoji \U0001F600 pair") + [EOS]
     assert next(PackedBatches(path, tok, 1, len(want)))["input_ids"][0].tolist() == want
+
+
+def test_train_on_chat_records_from_the_command_line(tmp_path, capsys, chat_tok):
+    """`lazytrain train --data chat.jsonl --tokenizer DIR` trains the default model on padded,
+    masked rows: the compiled step accepts the batches and the loss is finite."""
+    from lazytrain.cli import main
+
+    chat_tok.save_pretrained(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}] * 7 + [{"messages": CHAT}])
+    code = main(["train", "--steps", "2", "--data", str(data), "--tokenizer", str(tmp_path / "tok"),
+                 "--no-progress", "--log", str(tmp_path / "log.jsonl")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "data: 1 of 8 examples truncated to seq_len 64, 0 skipped" in out
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

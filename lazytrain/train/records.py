@@ -269,11 +269,23 @@ def locate_json_error(path: Path, exc: Exception, check: Callable[[Any, str], An
                 except ValueError:
                     pass
     message = " ".join(str(exc).split())[:300]
+    found = re.search(r"at position (\d+)", message)  # the whole-file parser of a JSON array
+    where = f"{path}:{_line_at(path, int(found.group(1)))}" if found else str(path)
     return DataError(
-        f"{path} could not be read as JSON ({type(exc).__name__}: {message}); each line of a "
+        f"{where} could not be read as JSON ({type(exc).__name__}: {message}); each line of a "
         ".jsonl file must be one JSON object, its fields keeping one type throughout, and a "
         ".json file one array of such objects"
     )
+
+
+def _line_at(path: Path, offset: int) -> int:
+    """The line of ``path`` holding byte ``offset``."""
+    newlines = 0
+    with open(path, "rb") as f:
+        while offset > 0 and (chunk := f.read(min(offset, _READ_BYTES))):
+            newlines += chunk.count(b"\n")
+            offset -= len(chunk)
+    return newlines + 1
 
 
 def json_line_of(path: Path, row: int) -> int:
