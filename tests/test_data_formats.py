@@ -91,18 +91,20 @@ def test_blank_lines_separate_txt_documents(tmp_path, tok):
     assert next(batches)["input_ids"][0].tolist() == want
 
 
-def test_a_one_line_txt_is_tokenised_in_bounded_pieces(tmp_path, tok, monkeypatch):
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_long_line_is_tokenised_in_bounded_pieces(tmp_path, tok, monkeypatch, suffix):
     """No text longer than the piece size reaches the tokenizer, yet the tokens are those of the
     whole line: pieces are cut before a space."""
     words = "the quick brown fox jumps over a lazy dog while rivers carry mud to the sea".split()
     line = " ".join(words[i % len(words)] for i in range(3000))
-    (tmp_path / "long.txt").write_text(line)
+    path = tmp_path / f"long{suffix}"
+    path.write_text(line if suffix == ".txt" else json.dumps({"text": line}) + "\n")
     seen = []
     encode = tokens._encode
     monkeypatch.setattr(tokens, "PIECE_CHARS", 100)
     monkeypatch.setattr(tokens, "_encode", lambda t, texts: seen.extend(texts) or encode(t, texts))
     want = enc(tok, line) + [EOS]
-    batches = PackedBatches(tmp_path / "long.txt", tok, 1, 16)
+    batches = PackedBatches(path, tok, 1, 16)
     assert max(len(t) for t in seen) <= 100 and len(seen) > 100
     assert batches.num_tokens == len(want)
     got = torch.cat([next(batches)["input_ids"][0] for _ in range(batches.rows_per_epoch)])

@@ -114,16 +114,15 @@ def split_at_whitespace(text: str, limit: int) -> int:
     return limit
 
 
-def pieces(text: str, limit: int) -> list[str]:
-    """``text`` as consecutive pieces of at most ``limit`` chars, cut at whitespace."""
-    out = []
-    while len(text) > limit:
-        cut = split_at_whitespace(text, limit)
-        out.append(text[:cut])
-        text = text[cut:]
-    if text:
-        out.append(text)
-    return out
+def pieces(text: str, limit: int) -> Iterator[tuple[str, bool]]:
+    """One document ``text`` as ``(piece, ends_document)`` of at most ``limit`` chars, cut at
+    whitespace."""
+    start = 0
+    while len(text) - start > limit:
+        cut = start + split_at_whitespace(text[start : start + limit + 2], limit)
+        yield text[start:cut], False
+        start = cut
+    yield text[start:], True
 
 
 def text_pieces(path: Path, limit: int) -> Iterator[tuple[str, bool]]:

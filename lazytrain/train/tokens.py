@@ -31,6 +31,7 @@ import numpy as np
 
 from lazytrain.errors import DataError
 from lazytrain.train import records as rec
+from lazytrain.train.chat import chat_example
 
 MASKED = np.uint32(1 << 31)
 IGNORE = -100  # the label Hugging Face's cross-entropy skips
@@ -248,68 +249,6 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 
-def _render(tokenizer, messages: list[dict], generation: bool, where: str) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation
-        )
-    except Exception as exc:  # jinja and the template raise anything
-        raise DataError(
-            f"{where}: the tokenizer's chat template cannot render this conversation "
-            f"({type(exc).__name__}: {exc}); fix the messages"
-        ) from None
-
-
-def chat_example(tokenizer, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of a conversation rendered by the chat template, and which are the
-    assistant's (content and what the template closes the turn with).
-
-    An assistant turn spans, in the rendered text, from the end of the conversation before it
-    rendered with the generation prompt to the end of the conversation up to it; tokens whose
-    first character falls in such a span are supervised.
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(
-            f"{where}: chat records need a tokenizer with a chat template, and this one has "
-            "none; pass --tokenizer with one that has (the model's own, if it is a chat model), "
-            'or write {"prompt": ..., "completion": ...} records. Chat examples are not packed: '
-            "each is padded to one row with labels -100 outside the assistant's tokens"
-        )
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    full = _render(tokenizer, messages, False, where)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        if i == 0:
-            raise DataError(
-                f"{where}: the conversation starts with an assistant turn, which has no prompt "
-                "to render; start it with a system or user message"
-            )
-        before = _render(tokenizer, messages[:i], True, where)
-        upto = _render(tokenizer, messages[: i + 1], False, where)
-        if not (full.startswith(upto) and upto.startswith(before)):
-            raise DataError(
-                f"{where}: the chat template renders turn {i + 1} differently once later turns "
-                "follow (e.g. it drops past reasoning), so the assistant's tokens cannot be "
-                "located; write one record per assistant turn, or prompt/completion records"
-            )
-        spans.append((len(before), len(upto)))
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise DataError(
-            f"{where}: chat records need a fast (Rust) tokenizer to locate the assistant's "
-            "tokens; load the tokenizer with use_fast=True"
-        )
-    encoding = backend.encode(full, add_special_tokens=False)
-    ids = np.asarray(encoding.ids, dtype=np.int64)
-    starts = np.asarray([start for start, _ in encoding.offsets], dtype=np.int64)
-    supervised = np.zeros(ids.size, dtype=bool)
-    for lo, hi in spans:
-        supervised |= (starts >= lo) & (starts < hi)
-    return ids, supervised
-
-
 # --------------------------------------------------------------------------- building
 
 
@@ -340,21 +279,20 @@ class _Builder:
         self.stats.truncated += outcome == "truncated"
         self.stats.skipped += outcome == "skipped"
 
-    def text_document(self, pieces_ids: list[list[int]]) -> None:
-        for ids in pieces_ids:
-            self.writer.extend(ids)
-        self.stats.documents += self.writer.end_document()
-
-    def add_txt(self, path: Path) -> None:
-        def piece(ends: bool) -> Callable[[list[list[int]]], None]:
-            def then(ids: list[list[int]]) -> None:
+    def document(self, pieces: Iterator[tuple[str, bool]]) -> None:
+        """Packed documents from ``(piece, ends_document)``, a bounded batch of text at a time."""
+        def then(ends: bool) -> Callable[[list[list[int]]], None]:
+            def append(ids: list[list[int]]) -> None:
                 self.writer.extend(ids[0])
                 if ends:
                     self.stats.documents += self.writer.end_document()
-            return then
+            return append
 
-        for text, ends in rec.text_pieces(path, PIECE_CHARS):
-            self.later([text], piece(ends))
+        for text, ends in pieces:
+            self.later([text], then(ends))
+
+    def add_txt(self, path: Path) -> None:
+        self.document(rec.text_pieces(path, PIECE_CHARS))
         self.flush()
 
     def add_record(self, record: dict, where: Callable[[], str], seq_len: int) -> None:
@@ -363,7 +301,7 @@ class _Builder:
         except DataError:  # worded again with the location only now: finding a line scans
             kind = kind_of(record, where())
         if kind == "text":
-            self.later(rec.pieces(record["text"], PIECE_CHARS), self.text_document)
+            self.document(rec.pieces(record["text"], PIECE_CHARS))
         elif kind == "instruction":
             def then(ids: list[list[int]]) -> None:
                 prompt, completion = ids
@@ -373,7 +311,7 @@ class _Builder:
             self.later([record["prompt"], record["completion"]], then)
         elif kind == "chat":
             self.flush()  # keep the records' order
-            self.example(*chat_example(self.tokenizer, record["messages"], where()))
+            self.example(*chat_example(self.tokenizer, record["messages"], where))
         else:
             self.flush()
             self._ids_record(record, where, seq_len)
