@@ -300,6 +300,14 @@ def test_pathological_json_is_one_line_naming_file_and_line(tmp_path, tok, line,
     assert "\n" not in str(info.value)
 
 
+def test_records_that_change_format_part_way_through_a_file(tmp_path, tok):
+    path = tmp_path / "mixed.jsonl"
+    write_jsonl(path, [{"text": "hello world " * 50}] * 3000 + [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(DataError, match=r"mixed\.jsonl: its records change fields part way .*"
+                                        r"keep one record format per file"):
+        PackedBatches(path, tok, 1, 8)
+
+
 def test_large_integers_and_surrogate_pairs_where_harmless_are_accepted(tmp_path, tok):
     path = tmp_path / "ok.jsonl"
     path.write_text('{"text": "emoji \\ud83d\\ude00 pair", "n": ' + "9" * 5000 + "}\n")

@@ -268,6 +268,11 @@ def locate_json_error(path: Path, exc: Exception, check: Callable[[Any, str], An
                 except ValueError:
                     pass
     message = " ".join(str(exc).split())[:300]
+    if "column names don't match" in message:  # fields are fixed by the first MiB of records
+        return DataError(
+            f"{path}: its records change fields part way ({message}); keep one record format "
+            "per file, e.g. text records and prompt/completion records in separate files"
+        )
     found = re.search(r"at position (\d+)", message)  # the whole-file parser of a JSON array
     where = f"{path}:{_line_at(path, int(found.group(1)))}" if found else str(path)
     return DataError(
