@@ -80,8 +80,10 @@ def test_builtin_batches_shapes(tok):
     assert batch["input_ids"].shape == (4, 64) and batch["input_ids"].dtype == torch.long
     assert torch.equal(batch["labels"], batch["input_ids"])
     assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()
-    # Epoch 0 is the stream in order: the first row starts the corpus.
-    assert CORPUS_PATH.read_text().startswith(tok.decode(batch["input_ids"][0]))
+    # Epoch 0 is the stream in order: the first row starts the corpus, whose paragraphs
+    # (separated by blank lines) are documents joined by eos.
+    documents = CORPUS_PATH.read_text().replace("\n\n", "<|endoftext|>")
+    assert documents.startswith(tok.decode(batch["input_ids"][0]))
 
 
 def test_documents_are_joined_by_eos_and_the_tail_is_dropped(tmp_path, tok):
@@ -219,10 +221,10 @@ def test_invalid_json_line_names_file_and_line(tmp_path, tok):
 
 def test_record_without_text_or_input_ids(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"body": "no"}])
-    with pytest.raises(DataError, match=r'd\.jsonl:2 has neither a "text" nor an "input_ids"'):
+    with pytest.raises(DataError, match=r'd\.jsonl:2 has none of the fields "text", "input_ids"'):
         PackedBatches(path, tok, 1, 4)
     path = write_jsonl(tmp_path / "e.jsonl", [["not", "an", "object"]])
-    with pytest.raises(DataError, match=r"e\.jsonl:1 has neither"):
+    with pytest.raises(DataError, match=r"e\.jsonl:1 is a JSON array, not an object"):
         PackedBatches(path, tok, 1, 4)
 
 

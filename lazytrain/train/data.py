@@ -1,30 +1,34 @@
 """Training data: tokenizers, and packed batches that can be resumed exactly.
 
-``PackedBatches`` turns ``.txt`` and ``.jsonl`` files into an endless stream of fixed-shape
-batches ``{"input_ids", "labels"}`` of ``[batch_size, seq_len]`` int64 tensors, which is the
-only shape a compiled training step accepts. Every document is tokenised, followed by the end of
-text token, concatenated into one token stream and cut into rows of ``seq_len`` tokens (the
-tail that does not fill a row is dropped). Epoch 0 reads the rows in stream order; every later
-epoch reads them in a permutation drawn from ``(seed, epoch)``, so the whole sequence of
-batches is a pure function of the data, ``seq_len`` and ``seed``. ``state_dict()`` is the
-position in that sequence, so a resumed run yields exactly the batches an uninterrupted run
-would have.
+``PackedBatches`` turns the ``--data`` inputs (``.txt``, ``.jsonl``/``.json``/``.parquet``
+records, a saved ``datasets`` directory) into an endless stream of fixed-shape batches
+``{"input_ids", "labels"}`` of ``[batch_size, seq_len]`` int64 tensors, which is the only shape a
+compiled training step accepts. The inputs are tokenised once into rows of ``seq_len`` tokens in a
+file on disk (``lazytrain.train.tokens``: documents packed with end-of-text tokens between them,
+prompt/completion and chat examples one padded row each, labels -100 outside what is learnt).
+Epoch 0 reads the rows in order; every later epoch reads them in a permutation drawn from
+``(seed, epoch)``, so the whole sequence of batches is a pure function of the data, ``seq_len``
+and ``seed``. ``state_dict()`` is the position in that sequence, so a resumed run yields exactly
+the batches an uninterrupted run would have.
 
 Every problem with the data is a ``DataError`` that names the file (and line) and the fix.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from array import array
+import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lazytrain.errors import DataError
+from lazytrain.train import records, tokens
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 CORPUS_PATH = ASSETS / "corpus.txt"
@@ -32,7 +36,7 @@ TOKENIZER_PATH = ASSETS / "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = records.SUFFIXES
 _STATE_VERSION = 1
 # Names a bare tokenizer.json commonly uses for its end-of-text token.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|im_end|>")
@@ -118,127 +122,24 @@ def _eos_id(tokenizer) -> int:
     return int(eos)
 
 
-def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, without special tokens.
-
-    Goes through the Rust backend when there is one: it batches, and it skips transformers'
-    warning about documents longer than the model's context, which packing makes irrelevant.
-    """
-    if not texts:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
-    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-
-
-# --------------------------------------------------------------------------- reading files
-
-
-def _expand(paths: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The data files in ``paths``: files as given, directories expanded to their sorted
-    ``.txt``/``.jsonl`` files (not recursive)."""
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.exists():
-            raise DataError(
-                f"data path {path} does not exist; check the path passed as training data"
-            )
-        if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
-            if not found:
-                raise DataError(
-                    f"data directory {path} holds no .txt or .jsonl files; put the training "
-                    "text there or pass the files directly"
-                )
-            files.extend(found)
-        elif path.suffix in SUFFIXES:
-            files.append(path)
-        else:
-            raise DataError(
-                f"data file {path} has unknown suffix {path.suffix!r}; use .txt (the whole file "
-                'is one document) or .jsonl (one {"text": ...} or {"input_ids": [...]} per line)'
-            )
-    if not files:
-        raise DataError("no data files were given; pass at least one .txt or .jsonl file")
-    return files
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"data file {path} is not valid UTF-8 (byte {exc.start}); re-encode it as UTF-8"
-        ) from exc
-
-
-def _read_jsonl(path: Path, seq_len: int, vocab_bound: int) -> list[tuple[str, Any]]:
-    """The documents of a JSONL file, in order, as ``("text", str)`` or ``("ids", list[int])``.
-
-    A record with ``input_ids`` is used as is (it wins over ``text``); it must fit in one row
-    and every id must be in ``[0, vocab_bound)``.
-    """
-    docs: list[tuple[str, Any]] = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{where} is not valid JSON ({exc.msg}); each line of a .jsonl file must be "
-                'one JSON object such as {"text": "..."}'
-            ) from exc
-        if isinstance(record, dict) and "input_ids" in record:
-            ids = record["input_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids
-            ):
-                raise DataError(f'{where}: "input_ids" must be a list of integers')
-            if len(ids) > seq_len:
-                raise DataError(
-                    f"{where}: sequence of {len(ids)} tokens is longer than the compiled shape's "
-                    f"seq_len {seq_len}; split the record or compile with a larger seq_len"
-                )
-            bad = next((i for i in ids if not 0 <= i < vocab_bound), None)
-            if bad is not None:
-                raise DataError(
-                    f"{where}: token id {bad} is outside the vocab (valid ids are "
-                    f"0..{vocab_bound - 1}); tokenise the data with the model's tokenizer"
-                )
-            docs.append(("ids", ids))
-        elif isinstance(record, dict) and "text" in record:
-            if not isinstance(record["text"], str):
-                raise DataError(f'{where}: "text" must be a string')
-            docs.append(("text", record["text"]))
-        else:
-            raise DataError(
-                f'{where} has neither a "text" nor an "input_ids" field; each line must be '
-                '{"text": "..."} or {"input_ids": [...]}'
-            )
-    return docs
-
-
 # --------------------------------------------------------------------------- batches
 
 
 class PackedBatches:
     """An endless, resumable iterator of packed ``[batch_size, seq_len]`` batches.
 
-    ``paths``: a ``.txt``/``.jsonl`` file, a directory of them, or a sequence of either.
-    ``vocab_size``: the model's vocabulary; defaults to the tokenizer's. Token ids at or above
-    it are rejected (a larger tokenizer is rejected through ``check_vocab``).
+    ``paths``: a data file, a directory of them or a saved dataset, or a sequence of these (the
+    formats: ``records.FORMATS``). ``vocab_size``: the model's vocabulary; defaults to the
+    tokenizer's. Pre-tokenised ids at or above it are rejected (a larger tokenizer is rejected
+    through ``check_vocab``). ``workdir``: where the token file goes (a temporary directory
+    under it, removed with this object); the system's temporary directory by default.
 
     Each document contributes its tokens followed by one eos (a pre-tokenised record that
-    already ends with eos gets no second one; empty documents contribute nothing). A batch takes
-    the next ``batch_size`` rows and continues into the next epoch when the current one runs
-    out, so no row is skipped. Batches are fresh tensors; ``labels`` equals ``input_ids`` (the
-    model shifts them).
+    already ends with eos gets no second one; empty documents contribute nothing); examples
+    take a padded row each (NOTE: [Packing and masking] in ``tokens``). A batch takes the next
+    ``batch_size`` rows and continues into the next epoch when the current one runs out, so no
+    row is skipped. Batches are fresh tensors; ``labels`` equals ``input_ids`` (the model shifts
+    them) except for -100 where nothing is learnt.
     """
 
     def __init__(
@@ -250,6 +151,7 @@ class PackedBatches:
         *,
         seed: int = 0,
         vocab_size: int | None = None,
+        workdir: str | Path | None = None,
     ):
         if batch_size < 1 or seq_len < 1:
             raise DataError(
@@ -263,56 +165,55 @@ class PackedBatches:
             check_vocab(tokenizer, vocab_size)
         vocab_bound = int(vocab_size) if vocab_size is not None else _id_bound(tokenizer)
         eos = _eos_id(tokenizer)
-        files = _expand(paths)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        inputs = records.find_inputs(paths)
 
-        stream = self._tokenise(files, tokenizer, eos, vocab_bound)
-        if stream.numel() == 0:
-            names = ", ".join(str(f) for f in files)
+        self._dir = Path(tempfile.mkdtemp(prefix="lazytrain-data-", dir=workdir))
+        self._fd: int | None = None
+        self._cleanup = weakref.finalize(self, _release, self._dir, [None])
+        try:
+            built = tokens.build_rows(
+                inputs, tokenizer, self.seq_len, vocab_bound, eos,
+                eos if pad is None else int(pad), self._dir,
+            )
+        except BaseException:
+            self._cleanup()
+            raise
+        self.stats = built.stats
+        names = ", ".join(str(i.path) for i in inputs)
+        if built.tokens == 0:
+            self._cleanup()
             raise DataError(f"the training data has no tokens (all documents are empty): {names}")
         need = self.batch_size * self.seq_len
-        if stream.numel() < need:
+        if built.tokens < need:
+            self._cleanup()
             raise DataError(
-                f"the training data has {stream.numel()} tokens but one batch of "
+                f"the training data has {built.tokens} tokens but one batch of "
                 f"{self.batch_size} x {self.seq_len} needs {need}; add data or use a smaller "
                 "batch_size or seq_len"
             )
-        self.num_tokens = int(stream.numel())
-        rows = self.num_tokens // self.seq_len
-        self._rows = stream[: rows * self.seq_len].view(rows, self.seq_len)
+        self.num_tokens = built.tokens
+        self._rows_total = self.num_tokens // self.seq_len
         # Binds a saved position to this exact token stream (data, tokenizer and seq_len).
-        self.data_digest = hashlib.sha256(self._rows.numpy().tobytes()).hexdigest()[:16]
+        self.data_digest = tokens.row_digest(built.path, self._rows_total, self.seq_len, built.masked)
+        self._fd = os.open(built.path, os.O_RDONLY)
+        self._cleanup.detach()
+        self._cleanup = weakref.finalize(self, _release, self._dir, [self._fd])
         self._epoch = 0
         self._row = 0
         self._order_epoch = -1
         self._order: torch.Tensor | None = None
 
-    def _tokenise(self, files: list[Path], tokenizer, eos: int, vocab_bound: int) -> torch.Tensor:
-        """The whole token stream: every document's ids followed by eos, in file order."""
-        stream = array("q")  # flat int64 buffer: far cheaper than one tensor per document
-        for path in files:
-            if path.suffix == ".txt":
-                docs: list[tuple[str, Any]] = [("text", _read_text(path))]
-            else:
-                docs = _read_jsonl(path, self.seq_len, vocab_bound)
-            texts = [doc for kind, doc in docs if kind == "text"]
-            encoded = iter(_encode(tokenizer, texts))
-            for kind, doc in docs:
-                ids = next(encoded) if kind == "text" else doc
-                if not ids:
-                    continue  # an empty document would only add a stray eos
-                stream.extend(ids)
-                if ids[-1] != eos:
-                    stream.append(eos)
-        if not stream:
-            return torch.empty(0, dtype=torch.long)
-        return torch.frombuffer(stream, dtype=torch.long).clone()
+    def close(self) -> None:
+        """Delete the token file now (it also goes when this object is collected)."""
+        self._cleanup()
 
     # ---------------------------------------------------------------- sizes
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows of ``seq_len`` tokens in one pass over the data."""
-        return int(self._rows.shape[0])
+        return self._rows_total
 
     @property
     def tokens_per_batch(self) -> int:
@@ -337,26 +238,30 @@ class PackedBatches:
             self._order_epoch = epoch
         return self._order
 
+    def _read(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return tokens.read_rows(self._fd, self.seq_len, first, count)
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        picked: list[torch.Tensor] = []
+        picked: list[tuple[np.ndarray, np.ndarray]] = []
         need = self.batch_size
         while need:
             take = min(need, self.rows_per_epoch - self._row)
             order = self._epoch_order(self._epoch)
             if order is None:
-                picked.append(self._rows[self._row : self._row + take])
+                picked.append(self._read(self._row, take))
             else:
-                picked.append(self._rows[order[self._row : self._row + take]])
+                picked.extend(self._read(int(r), 1) for r in order[self._row : self._row + take])
             self._row += take
             need -= take
             if self._row == self.rows_per_epoch:
                 self._epoch += 1
                 self._row = 0
-        input_ids = torch.cat(picked).clone()
-        return {"input_ids": input_ids, "labels": input_ids.clone()}
+        input_ids = torch.from_numpy(np.concatenate([ids for ids, _ in picked]))
+        labels = torch.from_numpy(np.concatenate([labels for _, labels in picked]))
+        return {"input_ids": input_ids, "labels": labels}
 
     # ---------------------------------------------------------------- resume
 
@@ -407,6 +312,13 @@ class PackedBatches:
             )
         self.seed, self._epoch, self._row = seed, epoch, row
         self._order_epoch, self._order = -1, None
+
+
+def _release(directory: Path, fds: list[int | None]) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def builtin_batches(batch_size: int, seq_len: int, seed: int = 0) -> PackedBatches:

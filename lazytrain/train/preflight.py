@@ -127,4 +127,9 @@ def _tokenizer(args, source: ModelSource):
 
 def _data(args, source: ModelSource, model: torch.nn.Module, tokenizer) -> PackedBatches:
     paths = args.data or [CORPUS_PATH]
-    return PackedBatches(paths, tokenizer, *source.batch_shape, seed=args.seed, vocab_size=vocab_size(model))
+    data = PackedBatches(paths, tokenizer, *source.batch_shape, seed=args.seed, vocab_size=vocab_size(model))
+    stats = data.stats
+    if stats.truncated or stats.skipped:
+        print(f"data: {stats.truncated} of {stats.examples + stats.skipped} examples truncated to "
+              f"seq_len {source.batch_shape[1]}, {stats.skipped} skipped (nothing left to learn)", flush=True)
+    return data

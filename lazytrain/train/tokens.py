@@ -1,0 +1,372 @@
+"""Training records to rows of tokens in a file on disk.
+
+``build_rows`` tokenises every input into one flat stream of ``uint32`` tokens, written in whole
+rows of ``seq_len`` to a file, so host memory stays bounded whatever the corpus size.
+
+NOTE: [Packing and masking] The compiled step takes exactly ``input_ids`` and ``labels``; no
+attention mask or position ids. So:
+
+* Documents (``.txt`` documents, ``{"text"}`` records, ``{"input_ids"}`` records without labels)
+  are packed: each one's tokens and an end-of-text token are appended to the stream, which is
+  cut into rows; attention crosses document boundaries, as in usual pre-training.
+* Examples (``{"prompt", "completion"}``, ``{"messages"}``, ``{"input_ids", "labels"}``) are not
+  packed: each one starts a row, is truncated to ``seq_len`` and padded to it. Causal attention
+  never looks ahead, so right padding changes nothing for the real tokens and no example sees
+  another. Labels are -100 on padding, prompt and non-assistant tokens.
+
+A token whose label is -100 is stored with bit 31 set (``MASKED``): labels are otherwise the
+input ids themselves (the model shifts them), so one ``uint32`` per token holds both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lazytrain.errors import DataError
+from lazytrain.train import records as rec
+from lazytrain.train.chat import chat_example
+
+MASKED = np.uint32(1 << 31)
+IGNORE = -100  # the label Hugging Face's cross-entropy skips
+PIECE_CHARS = 1 << 16  # the longest text handed to the tokenizer in one piece
+BATCH_CHARS = 1 << 19  # text tokenised per call (the tokenizer's parallel batch)
+BATCH_ROWS = 256  # records read per batch
+_FLUSH_TOKENS = 1 << 18
+
+
+@dataclass
+class Stats:
+    """What the data turned into. ``truncated``: examples cut to ``seq_len``; ``skipped``:
+    examples with no supervised token left (their loss would be empty)."""
+
+    documents: int = 0
+    examples: int = 0
+    truncated: int = 0
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The token file: ``tokens`` written (whole rows, plus a tail that fills no row)."""
+
+    path: Path
+    tokens: int
+    masked: bool  # some label is -100 (else labels equal input_ids everywhere)
+    stats: Stats
+
+
+# --------------------------------------------------------------------------- the file
+
+
+class _Writer:
+    """Appends documents and examples to the token file; only whole rows reach the file, so
+    the row being filled can still be padded or dropped."""
+
+    def __init__(self, path: Path, seq_len: int, eos: int, pad: int):
+        self._file = open(path, "wb")
+        self.seq_len, self.eos, self.pad = seq_len, eos, pad
+        self._parts: list[np.ndarray] = []
+        self._held = 0  # tokens in _parts
+        self.written = 0  # tokens in the file
+        self.masked = False
+        self._doc = 0  # tokens of the document being appended
+        self._last = -1
+
+    @property
+    def tokens(self) -> int:
+        return self.written + self._held
+
+    def _append(self, tokens: np.ndarray) -> None:
+        self._parts.append(tokens)
+        self._held += tokens.size
+        if self._held >= _FLUSH_TOKENS:
+            self._flush(whole_rows=True)
+
+    def _flush(self, whole_rows: bool) -> None:
+        if not self._parts:
+            return
+        held = np.concatenate(self._parts)
+        n = held.size - held.size % self.seq_len if whole_rows else held.size
+        self._file.write(held[:n].tobytes())
+        self.written += n
+        self._parts = [held[n:]] if n < held.size else []
+        self._held = held.size - n
+
+    def extend(self, ids: list[int] | np.ndarray) -> None:
+        """Part of the packed document being appended."""
+        if len(ids):
+            self._append(np.asarray(ids, dtype=np.uint32))
+            self._doc += len(ids)
+            self._last = int(ids[-1])
+
+    def end_document(self) -> bool:
+        """Close the document with eos (unless it is empty or ends with eos already)."""
+        had = self._doc > 0
+        if had and self._last != self.eos:
+            self._append(np.array([self.eos], dtype=np.uint32))
+        self._doc, self._last = 0, -1
+        return had
+
+    def example(self, ids: np.ndarray, supervised: np.ndarray) -> str:
+        """One example in a row of its own: "ok", "truncated" or "skipped" (nothing to learn)."""
+        fill = self.tokens % self.seq_len
+        if fill == 1:  # one packed token alone in a row teaches nothing: drop it
+            self._drop_last()
+        elif fill:
+            self._pad(self.seq_len - fill)
+        outcome = "ok"
+        if ids.size > self.seq_len:
+            ids, supervised, outcome = ids[: self.seq_len], supervised[: self.seq_len], "truncated"
+        if not supervised[1:].any():  # the model shifts labels: position 0 is never predicted
+            return "skipped"
+        tokens = ids.astype(np.uint32)
+        tokens[~supervised] |= MASKED
+        self.masked = self.masked or not supervised.all()
+        self._append(tokens)
+        self._pad(self.seq_len - ids.size)
+        return outcome
+
+    def _pad(self, n: int) -> None:
+        if n:
+            self._append(np.full(n, self.pad | MASKED, dtype=np.uint32))
+            self.masked = True
+
+    def _drop_last(self) -> None:
+        self._flush(whole_rows=True)  # leaves exactly the partial row held
+        self._parts = [np.concatenate(self._parts)[:-1]] if self._parts else []
+        self._held -= 1
+
+    def close(self) -> None:
+        self._flush(whole_rows=False)
+        self._file.close()
+
+
+def row_digest(path: Path, rows: int, seq_len: int, masked: bool) -> str:
+    """A digest of the first ``rows`` rows; for data without masked labels it equals the
+    sha256 of the int64 token rows, as it always has, so saved positions stay valid."""
+    ids_hash, raw_hash = hashlib.sha256(), hashlib.sha256()
+    remaining = rows * seq_len
+    with open(path, "rb") as f:
+        while remaining:
+            n = min(remaining, _FLUSH_TOKENS)
+            raw = np.frombuffer(f.read(4 * n), dtype=np.uint32)
+            ids_hash.update((raw & ~MASKED).astype(np.int64).tobytes())
+            raw_hash.update(raw.tobytes())
+            remaining -= n
+    return (raw_hash if masked else ids_hash).hexdigest()[:16]
+
+
+def read_rows(fd: int, seq_len: int, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` consecutive rows from row ``first``: ``(input_ids, labels)`` as int64."""
+    size = 4 * seq_len
+    raw = np.frombuffer(os.pread(fd, size * count, size * first), dtype=np.uint32)
+    ids = (raw & ~MASKED).astype(np.int64)
+    labels = np.where(raw & MASKED, IGNORE, ids)
+    return ids.reshape(count, seq_len), labels.reshape(count, seq_len)
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _ids(value: Any, field: str, where: str, bound: int, allow_ignore: bool = False) -> np.ndarray:
+    """A list of token ids from a record, checked: integers (a JSON reader may give integral
+    floats) in ``[0, bound)``, or -100 where ``allow_ignore``."""
+    fix = "tokenise the data with the model's tokenizer"
+    if not isinstance(value, (list, tuple)):
+        raise DataError(f'{where}: "{field}" must be a list of integers')
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise DataError(f'{where}: "{field}" must be a list of integers')
+    values = np.asarray(value, dtype=np.float64 if any(isinstance(v, float) for v in value) else np.int64)
+    if values.dtype == np.float64:
+        bad = ~np.isfinite(values) | (values != np.round(values))
+        if bad.any():
+            raise DataError(
+                f'{where}: "{field}" must be a list of integers, but holds {float(values[bad][0])}'
+                f"; {fix}"
+            )
+    ok = (values >= 0) & (values < bound)
+    if allow_ignore:
+        ok |= values == IGNORE
+    if not ok.all():
+        bad_value = value[int(np.argmin(ok))]
+        raise DataError(
+            f"{where}: token id {bad_value} is outside the vocab (valid ids are 0..{bound - 1}"
+            f"{' and -100' if allow_ignore else ''}); {fix}"
+        )
+    return values.astype(np.int64)
+
+
+def kind_of(record: dict, where: str) -> str:
+    """Which format a record is in: "ids", "chat", "instruction" or "text"; checks the types."""
+    get = record.get if isinstance(record, dict) else (lambda _k: None)
+    if get("input_ids") is not None:
+        return "ids"
+    if get("messages") is not None:
+        messages = get("messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise DataError(
+                f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects'
+            )
+        return "chat"
+    if get("prompt") is not None or get("completion") is not None:
+        if not isinstance(get("prompt"), str) or not isinstance(get("completion"), str):
+            raise DataError(f'{where}: "prompt" and "completion" must both be strings')
+        return "instruction"
+    if get("text") is not None:
+        if not isinstance(get("text"), str):
+            raise DataError(f'{where}: "text" must be a string')
+        return "text"
+    raise DataError(
+        f'{where} has none of the fields "text", "input_ids", "prompt"/"completion" or '
+        '"messages"; each record must be {"text": "..."}, {"input_ids": [...]}, '
+        '{"prompt": "...", "completion": "..."} or {"messages": [{"role": ..., "content": ...}]}'
+    )
+
+
+def check_record(record: Any, where: str) -> None:
+    """Refuse a record lazytrain cannot use (its format's fields and their types)."""
+    kind_of(record, where)
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens, through the Rust backend when there is
+    one: it batches in parallel and skips transformers' warning about long documents."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [enc.ids for enc in encode(texts, add_special_tokens=False)]
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+
+
+# --------------------------------------------------------------------------- building
+
+
+class _Builder:
+    def __init__(self, writer: _Writer, tokenizer, vocab_bound: int):
+        self.writer, self.tokenizer, self.bound = writer, tokenizer, vocab_bound
+        self.stats = Stats()
+        self._pending: list[tuple[Callable[[list[list[int]]], None], list[str]]] = []
+        self._chars = 0
+
+    def later(self, texts: list[str], then: Callable[[list[list[int]]], None]) -> None:
+        """Tokenise ``texts`` with the next batch, then call ``then`` with their ids, in order."""
+        self._pending.append((then, texts))
+        self._chars += sum(len(t) for t in texts)
+        if self._chars >= BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        texts = [t for _, group in self._pending for t in group]
+        encoded = iter(_encode(self.tokenizer, texts))
+        for then, group in self._pending:
+            then([next(encoded) for _ in group])
+        self._pending, self._chars = [], 0
+
+    def example(self, ids: np.ndarray, supervised: np.ndarray) -> None:
+        outcome = self.writer.example(ids, supervised)
+        self.stats.examples += outcome != "skipped"
+        self.stats.truncated += outcome == "truncated"
+        self.stats.skipped += outcome == "skipped"
+
+    def document(self, pieces: Iterator[tuple[str, bool]]) -> None:
+        """Packed documents from ``(piece, ends_document)``, a bounded batch of text at a time."""
+        def then(ends: bool) -> Callable[[list[list[int]]], None]:
+            def append(ids: list[list[int]]) -> None:
+                self.writer.extend(ids[0])
+                if ends:
+                    self.stats.documents += self.writer.end_document()
+            return append
+
+        for text, ends in pieces:
+            self.later([text], then(ends))
+
+    def add_txt(self, path: Path) -> None:
+        self.document(rec.text_pieces(path, PIECE_CHARS))
+        self.flush()
+
+    def add_record(self, record: dict, where: Callable[[], str], seq_len: int) -> None:
+        try:
+            kind = kind_of(record, "")
+        except DataError:  # worded again with the location only now: finding a line scans
+            kind = kind_of(record, where())
+        if kind == "text":
+            self.document(rec.pieces(record["text"], PIECE_CHARS))
+        elif kind == "instruction":
+            def then(ids: list[list[int]]) -> None:
+                prompt, completion = ids
+                tokens = np.asarray(prompt + completion + [self.writer.eos], dtype=np.int64)
+                supervised = np.arange(tokens.size) >= len(prompt)
+                self.example(tokens, supervised)
+            self.later([record["prompt"], record["completion"]], then)
+        elif kind == "chat":
+            self.flush()  # keep the records' order
+            self.example(*chat_example(self.tokenizer, record["messages"], where))
+        else:
+            self.flush()
+            self._ids_record(record, where, seq_len)
+
+    def _ids_record(self, record: dict, where: Callable[[], str], seq_len: int) -> None:
+        raw, labels = record["input_ids"], record.get("labels")
+        try:
+            ids = _ids(raw, "input_ids", "", self.bound)
+            checked = None if labels is None else _ids(labels, "labels", "", self.bound, True)
+        except DataError as exc:  # named with the line only now: finding it scans the file
+            raise DataError(f"{where()}{exc}") from None
+        if ids.size > seq_len:
+            raise DataError(
+                f"{where()}: sequence of {ids.size} tokens is longer than the compiled shape's "
+                f"seq_len {seq_len}; split the record or compile with a larger seq_len"
+            )
+        if checked is None:
+            self.writer.extend(ids)
+            self.stats.documents += self.writer.end_document()
+            return
+        if checked.size != ids.size or not np.all((checked == ids) | (checked == IGNORE)):
+            raise DataError(
+                f'{where()}: "labels" must have one entry per input id, each equal to that '
+                "input id or -100 (the model shifts labels itself)"
+            )
+        self.example(ids, checked != IGNORE)
+
+
+def build_rows(
+    inputs: list[rec.Input], tokenizer, seq_len: int, vocab_bound: int, eos: int, pad: int,
+    workdir: Path,
+) -> Rows:
+    """Tokenise ``inputs`` in order into ``workdir/tokens.u32`` (see NOTE: [Packing and
+    masking]); raises ``DataError`` naming the file and line of any unusable record."""
+    path = workdir / "tokens.u32"
+    writer = _Writer(path, seq_len, eos, pad)
+    builder = _Builder(writer, tokenizer, vocab_bound)
+    try:
+        for inp in inputs:
+            if inp.kind == "text":
+                builder.add_txt(inp.path)
+                continue
+            for first, columns in rec.record_batches(
+                inp, BATCH_ROWS, workdir / "datasets-cache", check_record
+            ):
+                for i, record in enumerate(_rows_of(columns)):
+                    where = lambda inp=inp, row=first + i: rec.where(inp, row)  # noqa: E731
+                    builder.add_record(record, where, seq_len)
+            builder.flush()
+    finally:
+        writer.close()
+    return Rows(path, writer.tokens, writer.masked, builder.stats)
+
+
+def _rows_of(columns: dict[str, list]) -> Iterator[dict]:
+    names = list(columns)
+    for values in zip(*(columns[n] for n in names)):
+        yield dict(zip(names, values))
