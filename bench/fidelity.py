@@ -68,7 +68,7 @@ CASES = _cases()
 
 
 def _selected(only: str | None) -> list[Case]:
-    return [c for c in CASES if only is None or fnmatch.fnmatch(c.name, only)]
+    return [c for c in CASES if only is None or any(fnmatch.fnmatch(c.name, g) for g in only.split(","))]
 
 
 def _commit() -> str:
@@ -325,7 +325,7 @@ def main(argv=None):
         s.set_defaults(fn=fn)
         if name == "table":
             continue
-        s.add_argument("--only", default=None, help="a glob over case names, e.g. 'qwen2.5-7b_*_24GiB_*'")
+        s.add_argument("--only", default=None, help="globs over case names, comma-separated, e.g. 'qwen2.5-7b_*_24GiB_*'")
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)
