@@ -427,3 +427,4 @@ def test_first_gpu_step_states_live_in_the_opt_slot(gpt, states):
         ref = adamw_reference(real, batch, 2, **hp)
         for (name, got), want in zip(model.named_parameters(), ref.parameters()):
             assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), name
+

@@ -13,7 +13,7 @@ from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.codegen.render import render
 from lazytrain.runtime.optim import round_stochastic_
 from lazytrain.runtime.schedule import load_source
-from models import tiny_gpt_pair, unique_name
+from models import bind_source, decisions, tiny_gpt_pair, unique_name
 
 
 def test_stochastic_rounding_is_unbiased_between_neighbours():
@@ -155,7 +155,7 @@ def test_fp32_twin_workspace_follows_the_resident_stages():
     _, stages = analyse(meta, batch, hw, master_weights="bf16")
     biggest = max(g.largest_numel for g in stages)
     everything = twin_bytes(stages, [True] * len(stages))
-    assert everything == 8 * max(biggest, stages.largest_shared_numel)
+    assert everything == 12 * max(biggest, stages.largest_shared_numel)  # fp32 twin, fp32 gradient, int32 noise
     streamed = [g.largest_numel == biggest for g in stages]
     assert twin_bytes(stages, [not x for x in streamed]) < everything
     last = len(stages) - 1
@@ -164,3 +164,24 @@ def test_fp32_twin_workspace_follows_the_resident_stages():
     plans = [evaluate(stages, hw, 1 << 30, d) for d in (resident, streaming)]
     held = [next(b.bytes for b in lower(stages, p, hw).buffers if b.name == "twins") for p in plans]
     assert held == [everything, twin_bytes(stages, [not x for x in streamed])]
+
+
+def test_bf16_rounding_noise_lives_in_the_opt_slot():
+    """A GPU-stepped bf16 master rounds back with int32 noise of its largest tensor, drawn into its
+    `opt:S` slot (which the plan sized for it, NOISE_BYTES in solve.py), not into a fresh buffer."""
+    meta, real, batch = tiny_gpt_pair()
+    text = _schedule(meta, batch, decisions(["-Rk", "GRk", "GRk", "GRk", "-rk"]))
+    trainer, _ = bind_source(text, real, lr=1e-3)
+    seen = []
+    inner = trainer.stepper.step
+
+    def step(stage, group):
+        u = trainer.stepper.live.get(stage)
+        if u is not None:
+            slot = trainer.store.slots[f"opt:{stage}"].untyped_storage().data_ptr()
+            seen.append(u.noise is not None and u.noise.untyped_storage().data_ptr() == slot)
+        inner(stage, group)
+    trainer.stepper.step = step
+    trainer.step(batch)
+    trainer.step(batch)
+    assert len(seen) == 3 and all(seen)

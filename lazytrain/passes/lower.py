@@ -126,7 +126,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
             b.buffer(f"host:grad:{s}", "host", g.param_bytes, persistent=dec[s].gpu_step)
             if dec[s].gpu_step:
-                b.buffer(f"opt:{s}", "gpu", gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M))
+                b.buffer(f"opt:{s}", "gpu", gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
+                                                          g.largest_numel))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)

@@ -136,10 +136,19 @@ def gpu_step_out_bytes(param_bytes: int, numel: int, state_bytes: float, master:
     return out - param_bytes if param_bytes == master * numel else out
 
 
-def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+# A bf16 master stepped on the GPU is rounded back with int32 noise of its size (NOTE: [bf16 master
+# weights] in runtime/optim.py): one tensor at a time, so the largest tensor's, beside its fp32 twin
+# and gradient. Uncounted, it was a fresh 2.9 GiB allocation (the 14B embedding) that ran a 40 GiB
+# plan out of memory on the H200.
+NOISE_BYTES = 4
+
+
+def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES,
+                   largest_numel: int = 0) -> int:
     """The `opt:S` GPU buffer of a GPU-stepped streamed stage: master and states, the gradient as
-    it arrives, the fp32 gradient the optimizer reads, and an fp32 twin of a bf16 master."""
-    twin = MASTER_BYTES * numel if master != MASTER_BYTES else 0
+    it arrives, the fp32 gradient the optimizer reads, and for a bf16 master its fp32 twin and the
+    rounding noise of its largest tensor."""
+    twin = MASTER_BYTES * numel + NOISE_BYTES * largest_numel if master != MASTER_BYTES else 0
     return gpu_step_state_bytes(numel, state_bytes, master) + param_bytes + MASTER_BYTES * numel + twin
 
 
@@ -184,13 +193,16 @@ def fixed_bytes(stages: Stages) -> int:
         stages.shared_bytes, stages.shared_numel, stages.state_bytes, stages.master_bytes)
 
 
+TWIN_BYTES = 2 * MASTER_BYTES + NOISE_BYTES  # per parameter of the largest tensor: fp32 twin, fp32 gradient, noise
+
+
 def twin_bytes(stages: Stages, resident) -> int:
     """The device workspace where bf16 masters stepped in place on the GPU (resident stages, shared
     weights) get fp32 twins, one tensor at a time: the largest such tensor and its gradient (NOTE:
     [Master weights]). GPU-stepped streamed stages have theirs in their `opt:S` buffer."""
     if stages.master_bytes == MASTER_BYTES:
         return 0
-    return 2 * MASTER_BYTES * max([stages.largest_shared_numel] + [g.largest_numel for g, r in zip(stages, resident) if r])
+    return TWIN_BYTES * max([stages.largest_shared_numel] + [g.largest_numel for g, r in zip(stages, resident) if r])
 
 
 class _Model:
@@ -249,7 +261,7 @@ class _Model:
             fetch = gpu_step_state_bytes(g.param_numel, stages.state_bytes, M)
             h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
             d2h[L.fw(s)] += gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
-            opt_bytes = gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
+            opt_bytes = gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
                 mem[t] = mem[t] + opt_bytes * gst[s]
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
@@ -309,7 +321,7 @@ class _Model:
         tw = self.m.add_var("twins", lb=0.0)  # in units of `unit` bytes
         self.m += tw >= twin_bytes(st, [False] * len(st)) / self.unit
         for s, g in enumerate(st):
-            self.m += tw >= (2 * MASTER_BYTES * g.largest_numel / self.unit) * (1 - sig[s])
+            self.m += tw >= (TWIN_BYTES * g.largest_numel / self.unit) * (1 - sig[s])
         return tw * self.unit
 
     def _spread(self, table, windows, volume, tag):

@@ -36,6 +36,7 @@ class _Update:
     grad32: dict[str, torch.Tensor] = field(default_factory=dict)
     arrived: dict[str, torch.Tensor] = field(default_factory=dict)  # bf16 masters as they arrived
     state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
+    noise: torch.Tensor | None = None  # bf16 masters: int32 rounding noise of the largest tensor, from the slot
 
 
 # NOTE: [First step's states] A stage's first update on the device has no states on the host yet.
@@ -59,6 +60,8 @@ class GpuStepper:
         """Copy master, gradient and states of `stage` into `slot` (on the current stream)."""
         u = self.pending.pop(stage)
         carve = Carver(slot)
+        if any(self.store.master[p].dtype != torch.float32 for p in self.params[stage]):  # planned: NOISE_BYTES in solve.py
+            u.noise = carve.take((max(self.store.master[p].numel() for p in self.params[stage]),), torch.int32)
         for p in self.params[stage]:
             master = self.store.master[p].detach()
             if master.dtype == torch.float32:
@@ -102,7 +105,7 @@ class GpuStepper:
                     self.store.work[p].data.copy_(u.master[p])
                 else:  # NOTE: [bf16 master weights] in optim.py: the rounded master, then its compute copy
                     seed = self.optimizer.sr_seed(group, i, u.state[p])
-                    self.store.work[p].data.copy_(round_stochastic_(u.arrived[p], u.master[p], seed))
+                    self.store.work[p].data.copy_(round_stochastic_(u.arrived[p], u.master[p], seed, u.noise))
 
     def write_weights(self, stage: int) -> None:
         """New compute-dtype weights to the host copy that prefetches read (on the current stream);

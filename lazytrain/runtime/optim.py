@@ -30,10 +30,13 @@ from collections import defaultdict
 import torch
 
 
-def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
     """`dst` (bf16) <- `src` (fp32) with stochastic rounding: random low 16 bits are added to the
     fp32 bit pattern, then truncated; a value 1/4 of the way between two bf16 numbers rounds up
-    with probability 1/4. Infinities stay infinite. `seed`: draw the noise from its own generator."""
+    with probability 1/4. Infinities stay infinite. `seed`: draw the noise from its own generator.
+    `noise`: an int32 buffer of `src`'s numel to draw it into (on a device: the memory the plan
+    counted for it), instead of a fresh one."""
     bits = src.view(torch.int32)
     if seed is None:
         noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=src.device)
@@ -41,7 +44,8 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = N
         noise = _host_noise(_host_buffer("noise", bits.numel(), torch.int32), seed).view(bits.shape)
     else:
         gen = torch.Generator(device=src.device).manual_seed(seed)
-        noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32, device=src.device)
+        out = noise.view(-1)[:bits.numel()].view(bits.shape) if noise is not None else None
+        noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32, device=src.device, out=out)
     return dst.copy_(noise.add_(bits).bitwise_and_(-65536).view(torch.float32))
 
 
