@@ -233,7 +233,7 @@ def test_masked_first_step_loss_equals_eager_cross_entropy(tmp_path, chat_tok):
     meta, real = model_pair(lambda: Qwen2ForCausalLM(hf_config("qwen2", layers=2, vocab=512)))
     compiled = compile_model(meta, batch, 1 << 30, "cpu", source="test", time_limit=20,
                              loss_chunk_bytes=1)
-    assert "chunks=4)" in compiled.source_text
+    assert compiled.stages.stages[-1].chunks > 1  # the masked loss summed over chunks
     with torch.no_grad():
         eager = real(**batch).loss
         logits = real(input_ids=batch["input_ids"]).logits

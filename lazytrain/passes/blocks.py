@@ -25,7 +25,7 @@ from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
 from lazytrain.passes.memory import internal_bytes
 from lazytrain.passes.remat import skips
-from lazytrain.passes.saved import saved
+from lazytrain.passes.saved import saved, saved_internal
 
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform")
 _ATTENTION_DROPOUT = {  # attention operators whose dropout draws random numbers when its p is not 0
@@ -212,7 +212,8 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             param_numel=sum(graph[p].spec.numel for p in params),
             param_bytes=sum(graph[p].spec.nbytes for p in params),
             saved_bytes=sum(value_bytes(n.value) for n in owned
-                            if n.name in kept and (n.name not in outputs or not kept[n.name].isdisjoint(names))),
+                            if n.name in kept and (n.name not in outputs or not kept[n.name].isdisjoint(names)))
+            + sum(saved_internal(graph[n], graph) for n in names),
             peak_bytes=_peak(graph, names, costs, last_use, position),
             internal_bytes=max((internal_bytes(graph[n], graph) for n in names), default=0),
             out_bytes=sum(value_bytes(graph[o].value) for o in outputs),

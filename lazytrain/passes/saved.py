@@ -71,6 +71,25 @@ SAVES: dict[str, Rule] = {
 }
 
 
+def _logsumexp_bytes(node, graph: Graph) -> int:
+    """Fused attention (flash, memory-efficient, the CPU's flash) keeps the fp32 log-sum-exp of each
+    query row, [B, H, T], for its backward: no graph value holds it."""
+    shape = getattr(node.value, "shape", None)
+    return 4 * shape[0] * shape[1] * shape[2] if shape is not None and len(shape) == 4 else 0
+
+
+# target -> bytes its backward keeps that are no value of the graph (an operator's own buffers)
+SAVED_INTERNAL: dict[str, Callable] = {
+    "aten.scaled_dot_product_attention.default": _logsumexp_bytes,
+}
+
+
+def saved_internal(node, graph: Graph) -> int:
+    """What `node`'s backward keeps beyond the graph's values (`SAVED_INTERNAL`; 0 by default)."""
+    rule = SAVED_INTERNAL.get(node.target)
+    return rule(node, graph) if rule is not None and node.op is OpKind.CALL else 0
+
+
 def _tensor_args(node) -> list[str | None]:
     """The node's positional arguments as node names (None where not a tensor reference)."""
     return [a.value if isinstance(a, Sym) and a.kind == "ref" else None for a in node.args]
