@@ -196,7 +196,9 @@ class _Model:
         self.v = vars_
         # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
         # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
-        # and time in `unit_s` (the step's compute), so coefficients stay near 1.
+        # and time in `unit_s` (the step's compute), so coefficients stay near 1. Variables that
+        # hold bytes (R, the offload parts, twins) hold them in `unit`s too: HiGHS warns of, and
+        # slows on, rows whose coefficients span more than about 1e9.
         M = stages.master_bytes
         self.unit = _byte_unit(stages)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
