@@ -92,7 +92,7 @@ def _highs(m, time_limit, gap, start) -> Result:
     import numpy as np
 
     t0 = time.perf_counter()
-    h = highspy._Highs()  # the bare solver: the `Highs` wrapper prints a banner to stdout
+    h = getattr(highspy, "_Highs", highspy.Highs)()  # the bare solver: the `Highs` wrapper prints a banner to stdout
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
