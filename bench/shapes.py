@@ -16,6 +16,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddi
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
     "qwen2.5-14b": (5120, 13824, 48, 40, 8, 152064, False),
     "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064, False),
+    "qwen2.5-72b": (8192, 29568, 80, 64, 8, 152064, False),
 }
 
 

@@ -37,7 +37,8 @@ from lazytrain.passes.costs import costs
 from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import Schedule, lower
-from lazytrain.passes.solve import smallest_budget, solve
+from lazytrain.passes.plancache import cached_solve
+from lazytrain.passes.solve import smallest_budget
 from lazytrain.passes.verify import verify
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class _Hook:
             raise PlanError(f"stage {name} failed: {type(exc).__name__}: {exc}") from exc
         if self.time_passes:
             print(f"[lazytrain] {name:<9} {time.perf_counter() - start:8.3f} s", file=sys.stderr)
+            info = getattr(out, "solver", None)
+            if info is not None and info.times:  # where the solve's time went
+                parts = ", ".join(f"{part} {secs:.3f} s" for part, secs in info.times)
+                print(f"[lazytrain]   {info.solver or 'solver'}: {parts}; {info.status}, gap {info.gap:.2%}", file=sys.stderr)
         return out
 
     def dump(self, index: int, name: str, text: str):
@@ -123,7 +128,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
     budget = hw.max_budget if budget is None else int(budget)
-    plan = hook.run("solve", solve, stages, hw, budget, time_limit)
+    plan = hook.run("solve", cached_solve, stages, hw, budget, time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)

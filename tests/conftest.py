@@ -12,10 +12,12 @@ does this in passes/solve.py; test_properties.py::test_solver_garbage_cannot_dea
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from models import ...` in every test file
+os.environ.setdefault("LAZYTRAIN_NO_CACHE", "1")  # every test solves (test_plancache.py turns the cache on)
 
 
 def _resolve_cbc_delete() -> None:

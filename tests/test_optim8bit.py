@@ -105,10 +105,13 @@ def test_steps_equal_the_reference_optimizers(gpt, case, clip):
 
 
 @pytest.mark.parametrize("master", ["fp32", "bf16"])
-def test_state_dict_round_trips_quantised_states_exactly(gpt, master):
+def test_state_dict_round_trips_quantised_states_exactly(gpt, master, monkeypatch):
     """Both kinds of state in one state dict; with bf16 masters, loading must not cast the 32-bit
     stages' moments or step counts to bf16."""
     meta, real, batch = gpt
+    # The test needs GPU-stepped streamed stages beside host-stepped ones. With bf16 masters, plans
+    # without them are as fast at this budget; CBC's choice among the equals has them, HiGHS's not.
+    monkeypatch.setenv("LAZYTRAIN_SOLVER", "cbc")
     _, module = _schedule(meta, batch, "mixed", f"lt_8bit_sd_{master}", master)
     # host-stepped 32-bit stages, and 8-bit ones or the 8-bit shared (tied) embedding
     assert "32bit" in {s.states for s in module.STAGES} and ("8bit" in {s.states for s in module.STAGES} or module.SHARED)

@@ -45,6 +45,8 @@ class SolverInfo:
     bound_s: float
     seconds: float
     message: str = ""
+    solver: str = ""  # the MIP solver that ran: "highs" or "cbc"
+    times: tuple[tuple[str, float], ...] = ()  # seconds per part of the solve, in order (`--time-passes`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,7 @@ if getattr(_cbc, "has_cbc", False):
 from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
 from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
+from lazytrain.passes import milp
 from lazytrain.passes.blocks import STATE_BYTES, Stages
 from lazytrain.passes.limits import limits
 from lazytrain.units import format_size
@@ -215,10 +216,11 @@ class _Model:
         self.v = vars_
         # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
         # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
-        # and time in `unit_s` (the step's compute), so coefficients stay near 1.
+        # and time in `unit_s` (the step's compute), so coefficients stay near 1. Variables that
+        # hold bytes (R, the offload parts, twins) hold them in `unit`s too: HiGHS warns of, and
+        # slows on, rows whose coefficients span more than about 1e9.
         M = stages.master_bytes
-        self.unit = max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + g.saved_bytes
-                                                          for g in stages)) / 1000.0)
+        self.unit = _byte_unit(stages)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
@@ -296,10 +298,10 @@ class _Model:
                 if cmax < S - 1:
                     self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
                     h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
-        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1])
+        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
         R = vars_["R"]
         for c in range(1, S):
-            mem[L.bw(c)] = mem[L.bw(c)] + R[c] + PK * drop[c - 1]
+            mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
         self.mem = mem
         self.host = sum(M * g.param_numel for g in stages) + sum(
             sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
@@ -333,13 +335,20 @@ class _Model:
             table[w] = table[w] + p * scale
 
 
+def _byte_unit(stages: Stages) -> float:
+    """Bytes per unit in the model's memory rows: about a thousandth of the model (NOTE: [MIP scaling])."""
+    M = stages.master_bytes
+    return max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + g.saved_bytes
+                                               for g in stages)) / 1000.0)
+
+
 def _vars(m: mip.Model, stages: Stages):
     S = len(stages)
     v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)]
          for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
-    v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]
-    big = sum(g.out_bytes for g in stages) + 1
     closed = limits(stages)  # the decisions a stage can never take (pass `limits`)
+    v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]  # in `_byte_unit` bytes (NOTE: [MIP scaling])
+    unit = _byte_unit(stages)
     for s, g in enumerate(stages):
         sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
         m += off + drop <= 1
@@ -368,8 +377,12 @@ def _vars(m: mip.Model, stages: Stages):
             for p in g.producers:
                 m += drop <= 1 - v["off"][p]
     m += v["R"][0] == 0
+    # Without drop[c-1] the row must leave R[c] free: the least R[c-1] is at most the outputs of the
+    # stages before c-1, so those and out[c-1] are a big enough M (a tighter one, a tighter relaxation).
+    below = 0
     for c in range(1, S):
-        m += v["R"][c] >= v["R"][c - 1] + stages[c - 1].out_bytes - big * (1 - v["drop"][c - 1])
+        below += stages[c - 1].out_bytes
+        m += v["R"][c] >= v["R"][c - 1] + (stages[c - 1].out_bytes - below * (1 - v["drop"][c - 1])) / unit
     return v
 
 
@@ -418,18 +431,18 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     return m, v, model, exposed
 
 
-def _decisions(v, S) -> list[StageDecision]:
+def _decisions(v, S, val) -> list[StageDecision]:
     out = []
     for s in range(S):
-        mode = OutMode.OFFLOAD if v["off"][s].x > 0.5 else OutMode.DROP if v["drop"][s].x > 0.5 else OutMode.KEEP
-        out.append(StageDecision(v["stream"][s].x > 0.5, v["recompute"][s].x > 0.5, mode, v["gstep"][s].x > 0.5,
-                                 2 if v["ahead"][s].x > 0.5 else 1))
+        on = {k: val(v[k][s]) > 0.5 for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
+        mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
+        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"], 2 if on["ahead"] else 1))
     return out
 
 
 def heuristics(stages: Stages) -> dict[str, list[StageDecision]]:
-    """Fixed policies, as layer-streaming trainers use: warm starts for the MIP and the fallback
-    when it finds nothing in time."""
+    """Fixed policies, as layer-streaming trainers use: warm starts for CBC and the fallback when
+    the solver finds nothing in time."""
     closed = limits(stages)
 
     def policy(stream: bool, recompute: bool, gpu_step: bool = False) -> list[StageDecision]:
@@ -455,10 +468,16 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
     return min(fits, key=lambda f: f[1].step_s) if fits else None
 
 
-def _plan(stages, hw, budget, m, v, model, exposed, info: SolverInfo) -> Plan:
-    dec = _decisions(v, len(stages))
+def _start(v, decisions: list[StageDecision]) -> dict:
+    return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
+        ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2))}
+
+
+def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
     def val(e) -> float:  # solver values carry tolerance noise: no negative seconds or bytes
-        return max(0.0, e.x if hasattr(e, "x") else float(e))
+        return max(0.0, milp.value(e, r))
+    dec = _decisions(v, len(stages), val)
     mem = [int(round(val(t))) for t in model.mem]
     secs = [val(model.cap[t]) + val(exposed[t]) for t in range(len(mem))]
     edges = [("pre", 0, val(exposed[-2]))] + list(zip(model.L.labels(), mem, secs)) + [("tail", 0, val(exposed[-1]))]
@@ -475,35 +494,43 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     m, v, model, exposed = _build(stages, hw, None, minimise_memory=True)
     # Min-max objectives have many near-ties; proving the last 1% can take CBC minutes. The plan
     # found is feasible either way, so the budget it names always works.
-    m.max_mip_gap = 1e-2
-    status = m.optimize(max_seconds=time_limit)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+    r = milp.optimize(m, time_limit, 1e-2)
+    if not r.found:
         weights = stages.master_bytes * (sum(g.param_numel for g in stages) + stages.shared_numel)
         if weights > hw.host_capacity:
             raise PlanError(
                 f"the model's master weights alone ({format_size(weights)}) exceed the host memory plans may use on hardware "
                 f"profile '{hw.name}' ({format_size(hw.host_capacity)}); use a profile of a machine with more host memory")
-        raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {status.name}); the host memory plans "
+        raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {r.status}); the host memory plans "
                         f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "
                         "states and offloaded tensors this model needs")
-    return max(int(round(t.x if hasattr(t, "x") else t)) for t in model.mem)
+    return max(int(round(milp.value(t, r))) for t in model.mem)
 
 
-def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -> Plan:
+GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
+
+
+def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, gap: float = GAP) -> Plan:
     start = time.perf_counter()
-    warm = _warm_start(stages, hw, budget)
+    # CBC searches better from a start; HiGHS finds one as fast as the heuristics are evaluated,
+    # so they are evaluated only if it finds none (the fallback below).
+    warm = _warm_start(stages, hw, budget) if milp.solver_name() == "cbc" else None
+    t_warm = time.perf_counter()
     m, v, model, exposed = _build(stages, hw, budget, minimise_memory=False)
-    if warm is not None:
-        m.start = [(v[key][s], float(value)) for s, d in enumerate(warm[1].decisions) for key, value in (
-            ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-            ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2))]
-    status = m.optimize(max_seconds=max(1.0, time_limit - (time.perf_counter() - start)))
+    t_build = time.perf_counter()
+    r = milp.optimize(m, max(1.0, time_limit - (t_build - start)), gap,
+                      _start(v, warm[1].decisions) if warm is not None else None)
     took = time.perf_counter() - start
-    if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        gap = abs(m.objective_value - m.objective_bound) / max(abs(m.objective_value), 1e-12)
-        info = SolverInfo(status.name.lower(), gap, m.objective_value * model.unit_s, m.objective_bound * model.unit_s, took)
-        return _plan(stages, hw, budget, m, v, model, exposed, info)
-    if status is mip.OptimizationStatus.INFEASIBLE:
+    times = ((("heuristics", t_warm - start),) if warm else ()) + (
+        ("model", t_build - t_warm), ("handover", r.setup_s), ("search", r.search_s))
+    if r.found:
+        info = SolverInfo(r.status, r.gap, r.objective * model.unit_s, r.bound * model.unit_s, took,
+                          solver=r.solver, times=times)
+        plan = _plan(stages, hw, budget, v, model, exposed, r, info)
+        extract = time.perf_counter() - start - took
+        return dataclasses.replace(plan, solver=dataclasses.replace(
+            info, seconds=took + extract, times=times + (("plan", extract),)))
+    if r.status == milp.INFEASIBLE:
         need = smallest_budget(stages, hw)
         have, want = format_size(budget), format_size(need, round_up=True)
         if have == want:  # one decimal cannot tell them apart: give bytes too
@@ -514,6 +541,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0) -
             need,
         )
     # Time-out without a solution: use the best heuristic policy that fits.
+    warm = warm or _warm_start(stages, hw, budget)
     if warm is None:
         raise PlanError(f"the solver found no plan in {time_limit:.0f}s and no heuristic policy fits "
                         f"{format_size(budget)}; raise --time-limit or --budget")
@@ -528,9 +556,9 @@ def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[StageDec
     `PlanError` if the decisions break a rule (e.g. dropping outputs a saved stage needs) or the budget."""
     start = time.perf_counter()
     m, v, model, exposed = _build(stages, hw, budget, minimise_memory=False, fixed=decisions)
-    result = m.optimize(max_seconds=60)
-    if result not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        raise PlanError(f"the given decisions are not a valid plan within {format_size(budget)} (solver: {result.name})")
-    objective = m.objective_value * model.unit_s
-    info = SolverInfo(status, 0.0, objective, objective, time.perf_counter() - start, message)
-    return _plan(stages, hw, budget, m, v, model, exposed, info)
+    r = milp.optimize(m, 60.0, 1e-4)
+    if not r.found:
+        raise PlanError(f"the given decisions are not a valid plan within {format_size(budget)} (solver: {r.status})")
+    objective = r.objective * model.unit_s
+    info = SolverInfo(status, 0.0, objective, objective, time.perf_counter() - start, message, solver=r.solver)
+    return _plan(stages, hw, budget, v, model, exposed, r, info)

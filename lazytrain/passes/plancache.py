@@ -1,0 +1,113 @@
+"""Plans solved before, on disk: `solve` once per (stages, hardware, budget, gap).
+
+The key is a SHA-256 of everything `solve` reads, written out canonically: every field of the
+`Stages` (sizes, times, consumers, names: the graph's fingerprint, which the batch and the
+optimizer options shape), every field of the `Hardware` profile (the states' GPU rate included),
+the budget, the gap and `FORMAT`. Only plans the solver finished (status "optimal": within the gap)
+are stored: a plan cut short by the time limit is solved again next time. The directory is
+`$XDG_CACHE_HOME/lazytrain/plans` (else `~/.cache/lazytrain/plans`); `LAZYTRAIN_NO_CACHE=1` turns
+the cache off. A file that cannot be read or written is ignored: the cache never fails a compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from lazytrain.hardware import Hardware
+from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
+from lazytrain.passes.blocks import Stages
+from lazytrain.passes.solve import GAP, solve
+
+FORMAT = 1  # bump when the step model or the plan's fields change meaning
+
+
+def enabled() -> bool:
+    return os.environ.get("LAZYTRAIN_NO_CACHE", "") in ("", "0")
+
+
+def directory() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lazytrain" / "plans"
+
+
+def _canon(x):
+    """A deterministic text form: fields by name, sets sorted, floats exact."""
+    if dataclasses.is_dataclass(x):
+        return [type(x).__name__] + [[f.name, _canon(getattr(x, f.name))] for f in dataclasses.fields(x)]
+    if isinstance(x, (set, frozenset)):
+        return sorted(_canon(v) for v in x)
+    if isinstance(x, dict):
+        return sorted([str(k), _canon(v)] for k, v in x.items())
+    if isinstance(x, (tuple, list)):
+        return [_canon(v) for v in x]
+    if isinstance(x, float):
+        return x.hex()
+    if isinstance(x, enum.Enum):
+        return x.value
+    return x
+
+
+def key(stages: Stages, hw: Hardware, budget: int, gap: float = GAP) -> str:
+    text = json.dumps([FORMAT, _canon(stages), _canon(hw), int(budget), float(gap).hex()], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _to_json(plan: Plan) -> dict:
+    data = dataclasses.asdict(plan)
+    data["decisions"] = [dict(d, outputs=d["outputs"].value) for d in data["decisions"]]
+    return data
+
+
+def _from_json(data: dict) -> Plan:
+    info = data["solver"]
+    return Plan(
+        decisions=tuple(StageDecision(**dict(d, outputs=OutMode(d["outputs"]))) for d in data["decisions"]),
+        budget=data["budget"], peak_bytes=data["peak_bytes"], host_bytes=data["host_bytes"], step_s=data["step_s"],
+        compute_s=data["compute_s"], recompute_s=data["recompute_s"], exposed_s=data["exposed_s"],
+        optimizer_s=data["optimizer_s"], windows=tuple(tuple(w) for w in data["windows"]),
+        solver=SolverInfo(**dict(info, times=tuple(tuple(t) for t in info["times"]))),
+    )
+
+
+def load(k: str) -> Plan | None:
+    try:
+        data = json.loads((directory() / f"{k}.json").read_text())
+        if data.get("key") != k:  # a file renamed or written for other inputs
+            return None
+        return _from_json(data["plan"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(k: str, plan: Plan) -> None:
+    d = directory()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=d, suffix=".tmp", delete=False) as f:
+            json.dump({"key": k, "plan": _to_json(plan)}, f)
+        os.replace(f.name, d / f"{k}.json")  # atomic: a reader sees the old file or the new one
+    except OSError:
+        pass
+
+
+def cached_solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, gap: float = GAP) -> Plan:
+    """`solve`, or the plan it returned before for the same inputs."""
+    if not enabled():
+        return solve(stages, hw, budget, time_limit, gap)
+    start = time.perf_counter()
+    k = key(stages, hw, budget, gap)
+    plan = load(k)
+    if plan is not None:
+        took = time.perf_counter() - start
+        return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, seconds=took, times=(("plan cache", took),)))
+    plan = solve(stages, hw, budget, time_limit, gap)
+    if plan.solver.status == "optimal":
+        store(k, plan)
+    return plan
