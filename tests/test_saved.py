@@ -54,3 +54,21 @@ def test_layer_saved_bytes_cover_autograd_and_stay_close(family, dtype):
         if s.name.startswith("model.layers."):
             truth = autograd_saved_bytes(real, batch, real.get_submodule(s.name))
             assert truth <= s.saved_bytes <= 1.1 * truth, (s.name, truth, s.saved_bytes)
+
+
+def test_attention_with_a_boolean_mask_counts_its_bias():
+    """A mask `causal` cannot prove (here it depends on the batch's padding) reaches attention as a
+    boolean tensor, which attention turns into a bias of the query's dtype in every call and keeps
+    for backward (NOTE: [Operator workspace] in passes/memory.py): each layer's saved bytes and its
+    workspace count it. At 65536 tokens that bias is 8 GiB a layer, and uncounted it ran the 7B
+    plans out of memory on the H200."""
+    meta, real, batch = hf_pair("qwen2", layers=2, batch=2, seq=16)
+    batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+    graph, stages = analyse(meta, batch, hardware.load("cpu"))
+    layers = [s for s in stages if s.name.startswith("model.layers.")]
+    sdpa = [graph[n] for s in layers for n in s.nodes if graph[n].target == "aten.scaled_dot_product_attention.default"]
+    assert sdpa and all(len(n.args) > 3 for n in sdpa)  # the mask stayed
+    bias = 2 * 1 * 16 * 16 * 4  # the mask's [B, 1, T, T] in fp32
+    _, plain = analyse(*hf_pair("qwen2", layers=2, batch=2, seq=16)[::2], hardware.load("cpu"))
+    for s, p in zip(layers, [s for s in plain if s.name.startswith("model.layers.")]):
+        assert s.internal_bytes >= bias and s.saved_bytes >= p.saved_bytes + bias

@@ -21,6 +21,7 @@ from typing import Callable
 
 from lazytrain.ir.graph import Graph, OpKind, Sym
 from lazytrain.passes.costs import NodeCost
+from lazytrain.passes.memory import mask_bias_bytes
 
 # target -> (positions of the tensor arguments saved, given which positions carry gradient;
 #            whether the result is saved)
@@ -65,22 +66,24 @@ SAVES: dict[str, Rule] = {
         "aten._log_softmax.default",
     )},
     "aten.embedding.default": (lambda rg: {1}, False),
-    "aten.scaled_dot_product_attention.default": (lambda rg: {0, 1, 2}, True),
+    "aten.scaled_dot_product_attention.default": (lambda rg: {0, 1, 2, 3}, True),  # a float mask too
     "aten.layer_norm.default": (_first, True),
     "aten.cross_entropy_loss.default": (lambda rg: {0, 1}, False),
 }
 
 
-def _logsumexp_bytes(node, graph: Graph) -> int:
+def _attention_bytes(node, graph: Graph) -> int:
     """Fused attention (flash, memory-efficient, the CPU's flash) keeps the fp32 log-sum-exp of each
-    query row, [B, H, T], for its backward: no graph value holds it."""
+    query row, [B, H, T], for its backward, and with a boolean mask the bias it made of it
+    (`memory.mask_bias_bytes`): no graph value holds either."""
     shape = getattr(node.value, "shape", None)
-    return 4 * shape[0] * shape[1] * shape[2] if shape is not None and len(shape) == 4 else 0
+    lse = 4 * shape[0] * shape[1] * shape[2] if shape is not None and len(shape) == 4 else 0
+    return lse + mask_bias_bytes(node, graph)
 
 
 # target -> bytes its backward keeps that are no value of the graph (an operator's own buffers)
 SAVED_INTERNAL: dict[str, Callable] = {
-    "aten.scaled_dot_product_attention.default": _logsumexp_bytes,
+    "aten.scaled_dot_product_attention.default": _attention_bytes,
 }
 
 
