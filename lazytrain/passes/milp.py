@@ -67,7 +67,13 @@ def optimize(m: mip.Model, time_limit: float, gap: float, start: dict[mip.Var, f
     """Minimise `m` until the relative gap is at most `gap` or `time_limit` seconds pass. `start`:
     values for some variables (a solution the search may begin from)."""
     if solver_name() == "highs":
-        return _highs(m, time_limit, gap, start)
+        r = _highs(m, time_limit, gap, start)
+        if r.found:
+            return r
+        # NOTE: [Second opinion] HiGHS has answered "no solution" for a plan CBC solves (a random
+        # tiny block model with fixed decisions, tests/test_forced_plans.py): a refusal must not
+        # rest on one solver's word, so CBC gets the rest of the time before a plan is refused.
+        return _cbc(m, max(1.0, time_limit - r.setup_s - r.search_s), gap, start)
     return _cbc(m, time_limit, gap, start)
 
 
