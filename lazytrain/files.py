@@ -72,10 +72,11 @@ def write_atomic(path: str | Path, data: str | bytes, fix: str = "") -> None:
         if isinstance(exc, Exception) and is_disk_full(exc):
             raise no_space(path, len(raw), fix) from None
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Persist a directory's entries (a rename is durable only once its directory is synced)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:  # platforms that cannot open directories (Windows) have no dir fsync

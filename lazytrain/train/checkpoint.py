@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lazytrain.errors import CheckpointError
-from lazytrain.files import free_bytes, is_disk_full, no_space
+from lazytrain.files import free_bytes, fsync_dir, is_disk_full, no_space
 from lazytrain.train.weights import converts_weights
 
 MODEL_FILE = "model.safetensors"
@@ -94,18 +94,6 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Persist a directory's entries (a rename is durable only once its directory is synced)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # platforms that cannot open directories (Windows) have no dir fsync
-        return
     try:
         os.fsync(fd)
     finally:
@@ -236,7 +224,7 @@ def _write_latest(root: Path, name: str) -> None:
     except BaseException:
         _remove(tmp)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _state_bytes(obj: Any) -> int:
@@ -325,14 +313,14 @@ def save_checkpoint(
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             # A complete checkpoint that LATEST does not name (a crash hit between its rename
             # and the LATEST update): LATEST's checkpoint stays valid while it is swapped out,
             # and _prune deletes the old copy.
             os.replace(final, root / f"{TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}")
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException as exc:
         _remove(tmp)
         left = free_bytes(root)  # torch.save reports a full disk as "unexpected pos", without errno
