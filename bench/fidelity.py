@@ -35,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench import _commit  # noqa: E402  (the GPU machine's copy has no .git: LAZYTRAIN_COMMIT)
+
 CASE_DIR = ROOT / ".bench" / "fidelity"
 RESULTS = HERE / "results" / "fidelity"
 GiB = 2**30
@@ -69,13 +71,6 @@ CASES = _cases()
 
 def _selected(only: str | None) -> list[Case]:
     return [c for c in CASES if only is None or any(fnmatch.fnmatch(c.name, g) for g in only.split(","))]
-
-
-def _commit() -> str:
-    if os.environ.get("LAZYTRAIN_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["LAZYTRAIN_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 # ---- compile (here) ---------------------------------------------------------------------------------
