@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
