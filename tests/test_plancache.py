@@ -122,3 +122,12 @@ def test_unfinished_plans_are_not_stored(stages, cache, monkeypatch):
         solve(*a, **k), solver=dataclasses.replace(solve(*a, **k).solver, status="feasible")))
     plancache.cached_solve(stages, HW, budget)
     assert not where.exists() or not list(where.glob("*.json"))
+
+
+def test_key_follows_the_step_models_code(stages, monkeypatch):
+    """Plans cached by other code may count memory another way: the step model's code is in the key."""
+    budget = smallest_budget(stages, HW) * 2
+    base = plancache.key(stages, HW, budget)
+    assert plancache.code_digest() == plancache.code_digest() and len(plancache.code_digest()) == 64
+    monkeypatch.setattr(plancache, "_DIGEST", ["0" * 64])
+    assert plancache.key(stages, HW, budget) != base

@@ -3,7 +3,7 @@
 The key is a SHA-256 of everything `solve` reads, written out canonically: every field of the
 `Stages` (sizes, times, consumers, names: the graph's fingerprint, which the batch and the
 optimizer options shape), every field of the `Hardware` profile (the states' GPU rate included),
-the budget, the gap and `FORMAT`. Only plans the solver finished (status "optimal": within the gap)
+the budget, the gap, `FORMAT` and a hash of the step model's code (`code_digest`). Only plans the solver finished (status "optimal": within the gap)
 are stored: a plan cut short by the time limit is solved again next time. The directory is
 `$XDG_CACHE_HOME/lazytrain/plans` (else `~/.cache/lazytrain/plans`); `LAZYTRAIN_NO_CACHE=1` turns
 the cache off. A file that cannot be read or written is ignored: the cache never fails a compile.
@@ -25,7 +25,25 @@ from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.solve import GAP, solve
 
-FORMAT = 1  # bump when the step model or the plan's fields change meaning
+FORMAT = 1  # bump when the plan's fields change meaning
+
+
+def code_digest() -> str:
+    """A hash of the step model's code: every pass and the hardware module (its reserves). A plan
+    cached by other code may count memory another way (the bf16 rounding noise, say, added after
+    plans were cached without it), so a change anywhere there is a new key: no hand bump to forget."""
+    if _DIGEST:
+        return _DIGEST[0]
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "passes").glob("*.py")) + [root / "hardware" / "__init__.py"]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    _DIGEST.append(h.hexdigest())
+    return _DIGEST[0]
+
+
+_DIGEST: list[str] = []
 
 
 def enabled() -> bool:
@@ -55,7 +73,8 @@ def _canon(x):
 
 
 def key(stages: Stages, hw: Hardware, budget: int, gap: float = GAP) -> str:
-    text = json.dumps([FORMAT, _canon(stages), _canon(hw), int(budget), float(gap).hex()], separators=(",", ":"))
+    text = json.dumps([FORMAT, code_digest(), _canon(stages), _canon(hw), int(budget), float(gap).hex()],
+                      separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
