@@ -239,10 +239,14 @@ def test_masked_first_step_loss_equals_eager_cross_entropy(tmp_path, chat_tok):
         logits = real(input_ids=batch["input_ids"]).logits
     reference = F.cross_entropy(logits[:, :-1].reshape(-1, 512), batch["labels"][:, 1:].reshape(-1),
                                 ignore_index=IGNORE)
-    trainer, _ = bind_source(compiled.source_text, real, lr=1e-3)
-    loss = trainer.step(batch)
+    trainer, ours = bind_source(compiled.source_text, real, lr=1e-3)
+    loss = trainer.forward_backward(batch)  # gradients too: every parameter's equals eager's
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(eager, reference, atol=1e-5, rtol=1e-5)
+    real.zero_grad()
+    real(**batch).loss.backward()
+    for (name, p), q in zip(ours.named_parameters(), real.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_resume_over_masked_examples(tmp_path, tok):
