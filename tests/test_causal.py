@@ -88,3 +88,33 @@ def test_is_causal_checks_every_slice():
     assert not _is_causal(bad, 4, 4)
     assert not _is_causal(causal_mask, 4, 5)  # queries != keys: is_causal aligns differently
     assert not _is_causal(causal_mask.to(torch.int64), 4, 4)
+
+
+def _proven_by_rows(monkeypatch, seq: int):
+    """Limits at which a mask of `seq` positions is too large to evaluate whole: proven by rows."""
+    import lazytrain.passes.causal as pass_causal
+
+    monkeypatch.setattr(pass_causal, "EVAL_LIMIT", 16 * seq * seq // 2)  # large: over half a [seq, seq] mask
+    monkeypatch.setattr(pass_causal, "BLOCK_BYTES", 3 * seq)  # a few rows a block
+    called = []
+    inner = pass_causal._causal_by_rows
+    monkeypatch.setattr(pass_causal, "_causal_by_rows", lambda *a: called.append(a[1]) or inner(*a))
+    return called
+
+
+def test_a_mask_too_large_to_evaluate_is_proven_by_rows(monkeypatch):
+    """Past EVAL_LIMIT (1 x 16384 tokens already is) a mask is proven a block of query rows at a
+    time, with every large value elementwise: the Hugging Face mask becomes is_causal=True, a
+    sliding window stays, and the rewritten model replays as eager."""
+    called = _proven_by_rows(monkeypatch, 32)
+    meta, real, batch = hf_pair("qwen2", layers=2, seq=32)
+    nodes = _sdpa_nodes(causal(capture(meta, batch)))
+    assert called and nodes and not any(_masked(n) for n in nodes)
+    replay_equals_eager(meta, real, batch, budget=1 << 30)
+    called.clear()
+    batch = token_batch(2, 32, 32)
+    for kind, rewritten in (("bool", True), ("window", False)):
+        meta, _ = model_pair(lambda: _Attn(kind))
+        nodes = _sdpa_nodes(causal(capture(meta, batch)))
+        assert [not _masked(n) for n in nodes] == [rewritten], kind
+    assert called

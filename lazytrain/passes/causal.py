@@ -17,7 +17,11 @@ Proof, not pattern matching: the mask's producers must read no batch input, para
 (then it is the same tensor every step); they are evaluated here on the CPU with the same ATen
 operators, and the result must equal the lower-triangular causal mask in every broadcast slice
 (bool: True on and below the diagonal; float: 0 there and -inf above), with as many queries as
-keys. A mask that depends on the batch (padding), or any other mask, is left alone.
+keys. A mask that depends on the batch (padding), or any other mask, is left alone. A mask too
+large to evaluate whole (past `EVAL_LIMIT`; 1 x 16384 tokens already is) is proven a block of query
+rows at a time, where every large value on its way is elementwise over [..., queries, keys]: at
+1 x 65536 a Qwen2.5 mask is 4 GiB of booleans, and unproven it reached attention as a tensor that
+made an 8 GiB bias in every layer and kept attention off the flash kernel.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ EVAL_LIMIT = 1 << 30  # bytes: larger constant masks are not evaluated (and not 
 
 def causal(graph: Graph) -> Graph:
     rewritten: dict[str, Node] = {}
-    cache: dict[str, torch.Tensor | None] = {}  # mask name -> its constant value
+    cache: dict[str, bool] = {}  # mask name -> proven causal
     masks: set[str] = set()  # the masks no longer read
     for node in graph.of(OpKind.CALL):
         if node.target != SDPA:
@@ -44,10 +48,12 @@ def causal(graph: Graph) -> Graph:
         mask = args.get("attn_mask")
         if not isinstance(mask, Sym) or args.get("is_causal", False):
             continue
-        if mask.value not in cache:
-            cache[mask.value] = _constant(graph, mask.value)
         q, k = graph[args["query"].value].spec, graph[args["key"].value].spec
-        if not _is_causal(cache[mask.value], q.shape[-2], k.shape[-2]):
+        if mask.value not in cache:
+            value = _constant(graph, mask.value)
+            cache[mask.value] = (_is_causal(value, q.shape[-2], k.shape[-2]) if value is not None
+                                 else _causal_by_rows(graph, mask.value, q.shape[-2], k.shape[-2]))
+        if not cache[mask.value]:
             continue
         masks.add(mask.value)
         kwargs = tuple((n, v) for n, v in node.kwargs if n not in ("attn_mask", "is_causal"))
@@ -81,17 +87,81 @@ def _constant(graph: Graph, name: str) -> torch.Tensor | None:
     env: dict[str, object] = {}
     try:
         for n in nodes:
-            if n.op is OpKind.GETITEM:
-                src, idx = n.args
-                env[n.name] = env[src.value][idx]
-                continue
-            ns, op, overload = n.target.split(".")
-            fn = getattr(getattr(getattr(torch.ops, ns), op), overload)
-            env[n.name] = fn(*_decode(n.args, env), **{k: _decode(v, env) for k, v in n.kwargs})
+            _evaluate(n, env)
     except Exception:  # an op that will not run on the CPU: no proof, no rewrite
         return None
     out = env[name]
     return out if isinstance(out, torch.Tensor) else None
+
+
+# Operators a large mask may be built with, evaluated a block of query rows at a time: each
+# output element depends on the same element of its (broadcast) inputs alone.
+_ELEMENTWISE = {f"aten.{op}.{kind}" for op in ("le", "lt", "ge", "gt", "eq", "ne") for kind in ("Tensor", "Scalar")} | {
+    "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+    "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default", "aten.bitwise_not.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.expand.default"}
+BLOCK_BYTES = 256 << 20  # a block of rows of each large value, during `_causal_by_rows`
+
+
+def _causal_by_rows(graph: Graph, name: str, n_queries: int, n_keys: int) -> bool:
+    """`_is_causal` for a constant mask too large to evaluate whole (NOTE in the module docstring:
+    a proof, not a pattern): its small ancestors are evaluated whole, and its large ones, which
+    must be elementwise over [..., queries, keys] (`_ELEMENTWISE`), a block of query rows at a time,
+    each block checked against the same rows of the causal mask. Anything else: no proof."""
+    nodes = _ancestors(graph, name)
+    if n_queries != n_keys or any(n.op not in (OpKind.CALL, OpKind.GETITEM) for n in nodes):
+        return False
+    large = {n.name for n in nodes if value_bytes(n.value) > EVAL_LIMIT // 16}
+    for n in nodes:
+        shape = getattr(n.value, "shape", None)
+        if n.name in large and (n.target not in _ELEMENTWISE or shape is None or len(shape) < 2
+                                or tuple(shape[-2:]) != (n_queries, n_keys)):
+            return False
+        if n.name not in large and any(i in large for i in n.inputs()):
+            return False  # a small value computed from a large one: not elementwise
+    small = [n for n in nodes if n.name not in large]
+    if sum(value_bytes(n.value) for n in small) > EVAL_LIMIT:
+        return False
+    env: dict[str, object] = {}
+    try:
+        for n in small:
+            _evaluate(n, env)
+        rows = max(1, BLOCK_BYTES // max(1, value_bytes(graph[name].value) // n_queries))
+        for r0 in range(0, n_queries, rows):
+            r1 = min(n_queries, r0 + rows)
+            block = dict(env)
+            for n in nodes:
+                if n.name in large:
+                    _evaluate(n, block, rows=(r0, r1, n_queries))
+            got = block[name]
+            below = torch.arange(r0, r1)[:, None] >= torch.arange(n_keys)[None, :]
+            if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or not bool((got == below).all()):
+                return False
+    except Exception:  # an op that will not run on the CPU: no proof, no rewrite
+        return False
+    return True
+
+
+def _evaluate(n: Node, env: dict, rows: tuple[int, int, int] | None = None) -> None:
+    """`n`'s value on the CPU into `env`. With `rows` (r0, r1, n): only query rows r0:r1 of a large
+    elementwise value: inputs whose second-to-last dimension is n are cut to those rows, and an
+    expand's target size says r1 - r0 there."""
+    if n.op is OpKind.GETITEM:
+        src, idx = n.args
+        env[n.name] = env[src.value][idx]
+        return
+    ns, op, overload = n.target.split(".")
+    fn = getattr(getattr(getattr(torch.ops, ns), op), overload)
+    args = _decode(n.args, env)
+    if rows is not None:
+        r0, r1, total = rows
+        args = [a[..., r0:r1, :] if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == total
+                and a.shape[-2] != 1 else a for a in args]
+        if n.target == "aten.expand.default":
+            size = list(args[1])
+            size[-2] = r1 - r0
+            args[1] = size
+    env[n.name] = fn(*args, **{k: _decode(v, env) for k, v in n.kwargs})
 
 
 def _decode(arg, env):
