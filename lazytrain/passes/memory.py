@@ -73,8 +73,11 @@ def mask_bias_bytes(node: Node, graph: Graph) -> int:
 
 @rule("aten.scaled_dot_product_attention.default")
 def _attention(node: Node, graph: Graph) -> int:
-    """A boolean mask's bias (`mask_bias_bytes`)."""
-    return mask_bias_bytes(node, graph)
+    """A boolean mask's bias (`mask_bias_bytes`), and the fp32 accumulator of the queries' gradient
+    that the fused kernels' backward keeps beside it (flash attention's `dq_accum`: 0.9 GiB for a
+    7B layer at 1 x 65536)."""
+    q = _spec(graph, node.args[0]) if node.args else None
+    return mask_bias_bytes(node, graph) + (4 * q.numel if q is not None else 0)
 
 
 def _none(node: Node, graph: Graph) -> int:
