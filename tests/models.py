@@ -153,6 +153,19 @@ def adamw_reference(real: nn.Module, batch: dict, steps: int, **hp) -> nn.Module
     return model
 
 
+def check_adamw_steps(source_text: str, real: nn.Module, batch: dict, steps: int, **hp) -> list[torch.Tensor]:
+    """`steps` of the schedule's `step` leave the weights `steps` eager torch.optim.AdamW steps
+    would (1e-6); returns the losses."""
+    trainer, model = bind_source(source_text, real, **hp)
+    losses = [trainer.step(batch) for _ in range(steps)]
+    trainer.synchronize()
+    ref = adamw_reference(real, batch, steps, **hp)
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), \
+            f"{name} differs from torch.optim.AdamW by {(got - want).abs().max().item():.3g}"
+    return losses
+
+
 def bind_source(source_text: str, real: nn.Module, **optimizer_args):
     """Load a schedule and bind it to a deepcopy of `real`: (trainer, bound model)."""
     module = load_source(source_text, unique_name())

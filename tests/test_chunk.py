@@ -22,7 +22,7 @@ from lazytrain import hardware
 from lazytrain.passes.chunk import choose_chunks, choose_tokens, decide, whole_nodes, working_bytes
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from models import (
-    adamw_reference, assert_grads_match, bind_source, eager_grads, hf_pair, model_pair, ragged, tiny_gpt_pair,
+    assert_grads_match, bind_source, check_adamw_steps, eager_grads, hf_pair, model_pair, ragged, tiny_gpt_pair,
     tiny_qwen_pair,
 )
 
@@ -238,14 +238,7 @@ def test_chunked_gradients_accumulate(case):
 @pytest.mark.parametrize("budget", ["resident", "minimum"])
 def test_chunked_steps_equal_torch_adamw(case, budget):
     _, real, batch, compiled = case
-    trainer, model = bind_source(compiled[budget].source_text, real, **HP)
-    for _ in range(3):
-        trainer.step(batch)
-    trainer.synchronize()
-    ref = adamw_reference(real, batch, 3, **HP)
-    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), \
-            f"{name} differs from torch.optim.AdamW by {(got - want).abs().max().item():.3g}"
+    check_adamw_steps(compiled[budget].source_text, real, batch, 3, **HP)
 
 
 def test_chunked_clipping_norm_equals_torch(case):

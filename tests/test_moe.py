@@ -16,7 +16,7 @@ import torch
 from lazytrain.errors import ScheduleMismatch, TraceError
 from lazytrain.ir.capture import capture
 from lazytrain.pipeline import compile_model, minimum_budget
-from models import adamw_reference, bind_source, check_replay, model_pair, token_batch
+from models import bind_source, check_adamw_steps, check_replay, model_pair, token_batch
 
 GiB = 1 << 30
 HP = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
@@ -67,14 +67,7 @@ def test_forward_backward_equals_eager(case, budget):
 def test_steps_equal_torch_adamw(case, budget):
     """Two `step`s == two steps of torch.optim.AdamW over model.parameters()."""
     _, real, batch, compiled = case
-    trainer, model = bind_source(compiled[budget].source_text, real, **HP)
-    for _ in range(2):
-        trainer.step(batch)
-    trainer.synchronize()
-    ref = adamw_reference(real, batch, 2, **HP)
-    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), \
-            f"{name} differs from torch.optim.AdamW by {(got - want).abs().max().item():.3g}"
+    check_adamw_steps(compiled[budget].source_text, real, batch, 2, **HP)
 
 
 def test_experts_are_one_block(case):
