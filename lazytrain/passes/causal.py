@@ -77,12 +77,17 @@ def _ancestors(graph: Graph, name: str) -> list[Node]:
     return [n for n in graph if n.name in seen]
 
 
+def _producers(graph: Graph, name: str) -> list[Node] | None:
+    """`name` and everything it reads, in graph order, when none is an input, parameter or buffer
+    (then its value is the same every step); else None."""
+    nodes = _ancestors(graph, name)
+    return None if any(n.op not in (OpKind.CALL, OpKind.GETITEM) for n in nodes) else nodes
+
+
 def _constant(graph: Graph, name: str) -> torch.Tensor | None:
     """The value of `name` when it reads no input, parameter or buffer (else None), on the CPU."""
-    nodes = _ancestors(graph, name)
-    if any(n.op not in (OpKind.CALL, OpKind.GETITEM) for n in nodes):
-        return None
-    if sum(value_bytes(n.value) for n in nodes) > EVAL_LIMIT:
+    nodes = _producers(graph, name)
+    if nodes is None or sum(value_bytes(n.value) for n in nodes) > EVAL_LIMIT:
         return None
     env: dict[str, object] = {}
     try:
@@ -108,8 +113,8 @@ def _causal_by_rows(graph: Graph, name: str, n_queries: int, n_keys: int) -> boo
     a proof, not a pattern): its small ancestors are evaluated whole, and its large ones, which
     must be elementwise over [..., queries, keys] (`_ELEMENTWISE`), a block of query rows at a time,
     each block checked against the same rows of the causal mask. Anything else: no proof."""
-    nodes = _ancestors(graph, name)
-    if n_queries != n_keys or any(n.op not in (OpKind.CALL, OpKind.GETITEM) for n in nodes):
+    nodes = _producers(graph, name)
+    if nodes is None or n_queries != n_keys:
         return False
     large = {n.name for n in nodes if value_bytes(n.value) > EVAL_LIMIT // 16}
     for n in nodes:
