@@ -216,6 +216,11 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     for w in windows:
         w["measured_bytes"] = seen.get(w["window"])
     host_peak = _status_kib("VmHWM") * 1024 if cleared else None
+    if args.trace:
+        from bench.trace import traced_step
+
+        trace = traced_step(trainer, data)
+        (Path(args.out or RESULTS) / f"{case.name}.trace.json").write_text(json.dumps(trace) + "\n")
     trainer.sync_model()
     step_s = statistics.median(times[args.warmup:])
     from lazytrain.hardware import HOST_RESERVE
@@ -315,7 +320,7 @@ def _table(rows: list[dict]) -> list[str]:
 
 
 def cmd_table(args) -> None:
-    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if not p.name.endswith(".trace.json")]
     rows += [json.loads(p.read_text()) for p in sorted(CASE_DIR.glob("*.refused.json"))
              if not (RESULTS / p.name.replace(".refused", "")).is_file()]
     order = {c.name: i for i, c in enumerate(CASES)}
@@ -346,6 +351,8 @@ def main(argv=None):
             s.add_argument("--steps", type=int, default=3)
             s.add_argument("--warmup", type=int, default=2)
             s.add_argument("--out", default=None)
+            s.add_argument("--trace", action="store_true", help="also write <case>.trace.json: per-event memory and "
+                           "times, and what is live at the peak (bench/trace.py)")
     args = p.parse_args(argv)
     args.fn(args)
 

@@ -1,0 +1,88 @@
+"""One traced step of a bound schedule on the GPU: what the memory model and the step model are checked
+against, event by event (`bench/fidelity.py run --trace`).
+
+  events      per event, in issue order: (id, bytes allocated before it was issued, the most while it
+              was issued, after); the caching allocator allocates as work is issued, so these are
+              the bytes the plan's per-event trace (pass `verify`) predicts
+  timeline    (event id, start s, end s) of every device event, on one clock with...
+  host        ...the host optimizer jobs, which may run on into the next step
+  peak        a second step under the allocator's memory history: the blocks live at its most
+              allocated moment, summed by the innermost lazytrain frame that allocated them (the
+              rest: by the innermost frame); `before` is what was allocated when recording began
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def traced_step(trainer, data) -> dict:
+    import torch
+
+    rows = []
+    inner = trainer.streams.run
+
+    def run(e, fn, on=None):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        inner(e, fn, on=on)
+        rows.append((e.id, before, torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
+    trainer.streams.run = run
+    trainer.record_timeline = True
+    try:
+        trainer.step(data)
+        trainer.synchronize()
+    finally:
+        trainer.streams.run = inner
+        trainer.record_timeline = False
+    out = {"events": rows, "timeline": list(trainer.timeline), "host": list(getattr(trainer.streams, "host_marks", []))}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, context="alloc", stacks="python")
+    try:
+        trainer.step(data)
+        trainer.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    out["peak"] = peak_groups(snap, before)
+    return out
+
+
+def _where(frames) -> str:
+    for f in frames:
+        if "/lazytrain/" in f["filename"] or "/bench/" in f["filename"]:
+            return f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+    f = frames[0] if frames else {"filename": "?", "line": 0, "name": "?"}
+    return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+
+
+def peak_groups(snapshot: dict, before: int, top: int = 40) -> dict:
+    """The blocks live at the trace's most allocated moment, summed by where they were allocated."""
+    trace = next((t for t in snapshot["device_traces"] if t), [])
+    live: dict[int, tuple[int, str]] = {}
+    base = before
+    total = best = before
+    best_at = -1
+    for i, a in enumerate(trace):
+        if a["action"] == "alloc":
+            live[a["addr"]] = (a["size"], "")
+            total += a["size"]
+        elif a["action"] == "free_requested":
+            size, _ = live.pop(a["addr"], (a["size"], None))
+            total -= size
+        if total > best:
+            best, best_at = total, i
+    live, total = {}, before
+    for a in trace[:best_at + 1]:
+        if a["action"] == "alloc":
+            live[a["addr"]] = (a["size"], _where(a.get("frames", [])))
+        elif a["action"] == "free_requested":
+            if live.pop(a["addr"], None) is None:
+                base -= a["size"]  # allocated before recording began
+    groups: dict[str, int] = defaultdict(int)
+    for size, where in live.values():
+        groups[where] += size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+    return {"peak_bytes": best, "before_recording": before, "still_live_from_before": base,
+            "groups": ranked[:top], "rest_bytes": sum(v for _, v in ranked[top:])}
