@@ -74,7 +74,7 @@ def main():
     for name, got, want in rows:
         print(f"{name:<34}{got:>12.3g}{want:>12.3g}")
     try:  # the model's prediction needs the solver's module (python-mip)
-        from lazytrain.passes.solve import cpu_step_s
+        from lazytrain.passes.footprint import cpu_step_s
     except ImportError:
         cpu_step_s = lambda *a: float("nan")  # noqa: E731
     print(f"{'host step, fp32 master (s)':<34}{t_fp32:>12.3f}{cpu_step_s(4 * numel, numel, hw, 4):>12.3f}")

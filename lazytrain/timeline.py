@@ -58,8 +58,8 @@ def memory_curve(module: ModuleType) -> list[tuple[float, int]]:
     samples, t = [], 0.0
     for e in module.EVENTS:
         live |= {n for n in e.allocs if n in sizes}
-        live -= set(e.frees)
         t, used = max(t, e.start_s), sum(sizes[n] for n in live) + e.workspace
+        live -= set(e.frees)
         if samples and samples[-1][0] == t:  # events starting together: keep the largest
             used = max(used, samples.pop()[1])
         samples.append((t, used))

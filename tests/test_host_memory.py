@@ -6,14 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from models import decisions, tiny_gpt_pair
 
 from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.passes import solve
-from lazytrain.passes.solve import HOST_STEP_BYTES, evaluate
+from lazytrain.passes.footprint import HOST_STEP_BYTES
+from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
-from models import decisions, tiny_gpt_pair
 
 CPU = hardware.load("cpu")
 

@@ -5,15 +5,15 @@ smaller masters."""
 import copy
 
 import torch
+from models import bind_source, decisions, tiny_gpt_pair, unique_name
 
+from lazytrain.codegen.render import render
 from lazytrain.ir.plan import OutMode, StageDecision
 from lazytrain.passes.lower import lower
 from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
-from lazytrain.codegen.render import render
 from lazytrain.runtime.optim import round_stochastic_
 from lazytrain.runtime.schedule import load_source
-from models import bind_source, decisions, tiny_gpt_pair, unique_name
 
 
 def test_stochastic_rounding_is_unbiased_between_neighbours():
@@ -143,27 +143,35 @@ def test_seeded_host_rounding_is_unbiased_and_reproducible():
     assert not torch.equal(a, c)
 
 
-def test_fp32_twin_workspace_follows_the_resident_stages():
-    """Resident bf16 masters step through fp32 twins of their largest tensor; streamed GPU-stepped
-    ones carry theirs in their opt slot, so streaming the stage with the largest tensor shrinks the
-    workspace the plan counts and the schedule holds."""
+def test_resident_steps_hold_their_twins_only_while_they_run():
+    """Resident bf16 masters step through fp32 twins of their largest tensor (NOTE: [Resident
+    steps]): the workspace sits on each resident stage's OPT_STEP event, and after backward, where
+    clipping defers every step, the largest of them beside every resident gradient; nothing of it
+    is held through the forward. Streaming the stage with the largest tensor shrinks the latter."""
     from lazytrain import hardware
-    from lazytrain.passes.solve import twin_bytes
+    from lazytrain.passes.footprint import TWIN_BYTES, deferred_step_bytes
 
     meta, _, batch = tiny_gpt_pair()
     hw = hardware.load("cpu")
     _, stages = analyse(meta, batch, hw, master_weights="bf16")
     biggest = max(g.largest_numel for g in stages)
-    everything = twin_bytes(stages, [True] * len(stages))
-    assert everything == 12 * max(biggest, stages.largest_shared_numel)  # fp32 twin, fp32 gradient, int32 noise
+    everything = deferred_step_bytes(stages, [True] * len(stages))
+    assert TWIN_BYTES == 16 and everything >= TWIN_BYTES * max(biggest, stages.largest_shared_numel)
     streamed = [g.largest_numel == biggest for g in stages]
-    assert twin_bytes(stages, [not x for x in streamed]) < everything
+    assert deferred_step_bytes(stages, [not x for x in streamed]) < everything
     last = len(stages) - 1
     resident = [StageDecision(False, False, OutMode.KEEP) for _ in stages]
     streaming = [StageDecision(x, x and s < last, OutMode.KEEP, x) for s, x in enumerate(streamed)]
-    plans = [evaluate(stages, hw, 1 << 30, d) for d in (resident, streaming)]
-    held = [next(b.bytes for b in lower(stages, p, hw).buffers if b.name == "twins") for p in plans]
-    assert held == [everything, twin_bytes(stages, [not x for x in streamed])]
+    for chosen, deferred in ((resident, everything), (streaming, deferred_step_bytes(stages, [not x for x in streamed]))):
+        schedule = lower(stages, evaluate(stages, hw, 1 << 30, chosen), hw)
+        assert not any(b.name == "twins" for b in schedule.buffers)
+        steps = {e.stage: e.workspace for e in schedule.events if e.kind.value == "opt_step" and e.device == "gpu"}
+        for s, d in enumerate(chosen):
+            if not d.stream:
+                assert steps[s] >= TWIN_BYTES * stages[s].largest_numel
+        assert schedule.events[-1].kind.value == "free" and schedule.events[-1].workspace == deferred
+        first_bwd = next(i for i, e in enumerate(schedule.events) if e.phase is not None and e.phase.value == "bwd")
+        assert all(e.workspace < TWIN_BYTES * biggest or e.phase is not None for e in schedule.events[:first_bwd])
 
 
 def test_bf16_rounding_noise_lives_in_the_opt_slot():

@@ -22,6 +22,7 @@ import networkx as nx
 
 from lazytrain.errors import TraceError
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
+from lazytrain.passes.backward import backward_peak
 from lazytrain.passes.costs import NodeCost
 from lazytrain.passes.memory import internal_bytes
 from lazytrain.passes.remat import skips
@@ -74,6 +75,8 @@ class Stage:
     internal_bytes: int = 0  # largest operator workspace beyond graph values (NOTE: [Operator workspace] in memory.py)
     largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
     skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
+    backward_bytes: int = 0  # most of its saved values and internal gradients live in its backward (NOTE: [Backward memory])
+    saving_peak_bytes: int = 0  # its forward's peak with autograd keeping what it saves (a saving forward)
 
     @property
     def chain(self) -> bool:
@@ -200,6 +203,8 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
         producers = tuple(sorted({stage_of[x] for x in inputs}))
         params = tuple(p for p in placeholders if graph[p].op is OpKind.PARAM and p not in shared)
         owned = [graph[n] for n in names if not costs[n].alias]
+        outputs_ = set(outputs)
+        saved_values = {n.name for n in owned if n.name in kept and (n.name not in outputs_ or not kept[n.name].isdisjoint(names))}
         key = _kind_key(graph, names)
         skipped = skips(graph, names, users, kept)
         kinds.setdefault(key, chr(ord("A") + len(kinds)) if len(kinds) < 26 else f"K{len(kinds)}")
@@ -211,8 +216,11 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             consumers=consumers, producers=producers,
             param_numel=sum(graph[p].spec.numel for p in params),
             param_bytes=sum(graph[p].spec.nbytes for p in params),
-            saved_bytes=sum(value_bytes(n.value) for n in owned
-                            if n.name in kept and (n.name not in outputs or not kept[n.name].isdisjoint(names)))
+            saved_bytes=sum(value_bytes(graph[n].value) for n in saved_values)
+            + sum(saved_internal(graph[n], graph) for n in names),
+            backward_bytes=backward_peak(graph, names, costs, rg, kept, saved_values, outputs,
+                                         accumulating={p for p in shared if p in placeholders and max(param_users[p]) > i}),
+            saving_peak_bytes=_peak(graph, names, costs, last_use, position, held=saved_values)
             + sum(saved_internal(graph[n], graph) for n in names),
             peak_bytes=_peak(graph, names, costs, last_use, position),
             internal_bytes=max((internal_bytes(graph[n], graph) for n in names), default=0),
@@ -231,14 +239,14 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
                   largest_shared_numel=max((graph[p].spec.numel for p in shared), default=0))
 
 
-def _peak(graph, names, costs, last_use, position) -> int:
+def _peak(graph, names, costs, last_use, position, held=frozenset()) -> int:
     """Largest sum of live non-view intermediates while the stage's forward runs, with the running
     operator's own workspace (NOTE: [Operator workspace] in memory.py); a tensor stays live until
-    its last reader (in this stage or a later one)."""
+    its last reader (in this stage or a later one), or to the end if `held` (what autograd saves)."""
     live, peak = {}, 0
     for n in names:
         if not costs[n].alias:
             live[n] = value_bytes(graph[n].value)
         peak = max(peak, sum(live.values()) + internal_bytes(graph[n], graph))
-        live = {k: v for k, v in live.items() if last_use[k] > position[n]}
+        live = {k: v for k, v in live.items() if last_use[k] > position[n] or k in held}
     return peak

@@ -17,9 +17,22 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
-from lazytrain.passes.solve import (
-    backward_workspace, cpu_step_s, fixed_bytes, gpu_step_bytes, gpu_step_out_bytes, gpu_step_state_bytes, resident_bytes,
-    twin_bytes,
+from lazytrain.passes.footprint import (
+    backward_workspace,
+    chunk_workspace,
+    cpu_step_s,
+    deferred_step_bytes,
+    fixed_bytes,
+    gpu_step_bytes,
+    gpu_step_out_bytes,
+    gpu_step_state_bytes,
+    recompute_workspace,
+    resident_bytes,
+    resident_grad_bytes,
+    saving_workspace,
+    shared_grad_bytes,
+    shared_step_bytes,
+    step_bytes,
 )
 
 
@@ -112,14 +125,18 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     M = stages.master_bytes
     shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
-    b.buffer("fixed", "gpu", fixed_bytes(stages) - shared, persistent=True)
-    twins = twin_bytes(stages, [not d.stream for d in dec])
-    if twins:
-        b.buffer("twins", "gpu", twins, persistent=True)
+    b.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
     b.buffer("shared", "gpu", shared, persistent=True)
+    # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
+    # [Resident steps] in footprint.py); the runtime's FREE of one is a no-op
+    rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.stream}
+    if stages.shared_params:
+        rgrads[-1] = "rgrad:shared"
+        b.buffer("rgrad:shared", "gpu", shared_grad_bytes(stages))
     for s, g in enumerate(stages):
         if not dec[s].stream:
             b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M), persistent=True)
+            b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
         else:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
@@ -135,6 +152,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.buffer(f"host:act:{s}", "host", g.out_bytes)
 
     producers = {s: g.producers for s, g in enumerate(stages)}
+
+    def held_to(p: int) -> int:
+        """The backward after which stage p's outputs go: its first reader's, or its own when its
+        autograd graph holds them (a saving stage)."""
+        saving = not dec[p].recompute and stages[p].chunks == 1
+        return p if saving else stages[p].consumers[0]
     weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",)  # noqa: E731
     acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
 
@@ -189,7 +212,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
         # a saving forward holds its operators' own workspace beside what it saves (NOTE: [Operator workspace])
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
-               allocs=allocs, workspace=g.internal_bytes if save else 0 if g.chunks > 1 else g.peak_bytes)
+               allocs=allocs, workspace=saving_workspace(g) if save else 0 if g.chunks > 1 else g.peak_bytes)
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late
@@ -221,15 +244,18 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         reads = ("fixed",) + weights(s) + acts_in(s) + ((f"saved:{s}",) if save else ()) + \
             ((f"grad:{s}",) if g.grad_outputs else ())
         allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].consumers[-1] == s) + \
-            ((f"g:{s}",) if dec[s].stream else ())
+            ((f"g:{s}",) if dec[s].stream else (rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in rgrads else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
-               workspace=g.peak_bytes if g.chunks > 1 else backward_workspace(g) + (0 if save else g.saved_bytes))
+               workspace=chunk_workspace(stages, s) + backward_workspace(g) if g.chunks > 1
+               else backward_workspace(g) + (0 if save else recompute_workspace(g)))
         if save:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"saved:{s}",))
         for p in producers[s]:
-            if stages[p].consumers[0] == s:
+            if stages[p].consumers[0] == s and held_to(p) == s:
                 b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
+        if g.consumers and held_to(s) == s:  # outputs its autograd graph held until now
+            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"act:{s}",))
         if g.grad_outputs:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
         if dec[s].stream:
@@ -239,7 +265,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             if not dec[s + 1].gpu_step:
                 b.emit(Stream.CPU, Kind.OPT_STEP, s + 1, reads=(f"host:grad:{s + 1}",), device="cpu")
         if not dec[s].stream:
-            b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}",), device="gpu")
+            b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
+                   workspace=step_bytes(stages, s))
     b.t = win_start["tail"]
     if dec[0].stream:
         b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
@@ -247,5 +274,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if not dec[0].gpu_step:
             b.emit(Stream.CPU, Kind.OPT_STEP, 0, reads=("host:grad:0",), device="cpu")
     if stages.shared_params:
-        b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared",), device="gpu")
+        b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared", "rgrad:shared"), device="gpu",
+               workspace=shared_step_bytes(stages))
+    if rgrads:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
+        b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=tuple(rgrads.values()),
+               workspace=deferred_step_bytes(stages, [not d.stream for d in dec]))
     return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget)

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import mip
 from mip import cbc as _cbc
@@ -76,134 +75,30 @@ from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
 from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
 from lazytrain.passes import milp
-from lazytrain.passes.blocks import STATE_BYTES, Stages
+from lazytrain.passes.blocks import Stages
+from lazytrain.passes.footprint import (
+    CPU_STATE_BYTES,
+    HOST_STEP_BYTES,
+    MASTER_BYTES,
+    Layout,
+    backward_workspace,
+    chunk_workspace,
+    cpu_step_s,
+    deferred_step_bytes,
+    fixed_bytes,
+    gpu_step_bytes,
+    gpu_step_out_bytes,
+    gpu_step_state_bytes,
+    host_bytes_streamed,
+    recompute_workspace,
+    resident_bytes,
+    resident_grad_bytes,
+    saving_workspace,
+    shared_grad_bytes,
+    step_bytes,
+)
 from lazytrain.passes.limits import limits
 from lazytrain.units import format_size
-
-LOSS_BYTES = 4
-
-
-CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage])
-# A host step of a bf16 master reuses an fp32 twin, an fp32 gradient and int32 rounding noise of
-# the largest tensor it meets (NOTE: [Host step buffers] in runtime/optim.py)
-HOST_STEP_BYTES = 12
-MASTER_BYTES = 4  # fp32 master weights, per parameter (`--master-weights bf16`: 2, NOTE: [Master weights])
-
-# NOTE: [Master weights]
-# `master` below is the bytes per parameter of the master weights the optimizer updates: 4 (fp32),
-# or 2 (bf16 with stochastic rounding). A bf16 master *is* the bf16 compute copy: no second copy on
-# the host, and nothing extra beside resident weights; its step runs through fp32 twins one tensor
-# at a time (the `twin_bytes` workspace).
-
-
-def resident_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
-    """A resident parameter set on the GPU: weights, gradients and AdamW states; in mixed precision
-    also the fp32 master copy and its fp32 gradient (NOTE: [Parameter homes] in runtime/store.py)."""
-    mixed = 2 * master * numel if param_bytes != master * numel else 0
-    return 2 * param_bytes + int(state_bytes * numel) + mixed
-
-
-def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_BYTES) -> float:
-    """A host optimizer step: AdamW itself, plus turning the compute-dtype gradient into the fp32
-    one it reads and the updated master into the compute-dtype copy the next prefetch sends
-    (measured on the H200 machine: these copies cost more than the fused step); a bf16 master
-    goes to fp32 and back instead, and is rounded stochastically."""
-    if param_bytes == MASTER_BYTES * numel:
-        casts = param_bytes
-    else:
-        casts = 2 * (param_bytes + MASTER_BYTES * numel) + (2 * (master + MASTER_BYTES) * numel if master != MASTER_BYTES else 0)
-    rounding = numel / hw.cpu_round_params_per_s if master != MASTER_BYTES else 0.0
-    return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth + rounding
-
-
-def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
-    """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
-    buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts
-    it), and in mixed precision the compute-dtype copy to prefetch."""
-    mixed = param_bytes if param_bytes != master * numel else 0
-    return int(state_bytes * numel) + param_bytes + master * numel + mixed
-
-
-def gpu_step_state_bytes(numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
-    """What a GPU-stepped streamed stage moves each way beyond its weights or gradient: the master
-    and the optimizer states."""
-    return master * numel + int(state_bytes * numel)
-
-
-def gpu_step_out_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
-    """What goes back to the host after a GPU step: new weights, master and states (a master in the
-    compute dtype goes back once, as the weights)."""
-    out = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
-    return out - param_bytes if param_bytes == master * numel else out
-
-
-# A bf16 master stepped on the GPU is rounded back with int32 noise of its size (NOTE: [bf16 master
-# weights] in runtime/optim.py): one tensor at a time, so the largest tensor's, beside its fp32 twin
-# and gradient. Uncounted, it was a fresh 2.9 GiB allocation (the 14B embedding) that ran a 40 GiB
-# plan out of memory on the H200.
-NOISE_BYTES = 4
-
-
-def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES,
-                   largest_numel: int = 0) -> int:
-    """The `opt:S` GPU buffer of a GPU-stepped streamed stage: master and states, the gradient as
-    it arrives, the fp32 gradient the optimizer reads, and for a bf16 master its fp32 twin and the
-    rounding noise of its largest tensor."""
-    twin = MASTER_BYTES * numel + NOISE_BYTES * largest_numel if master != MASTER_BYTES else 0
-    return gpu_step_state_bytes(numel, state_bytes, master) + param_bytes + MASTER_BYTES * numel + twin
-
-
-def backward_workspace(g) -> int:
-    """Gradients of a stage's internals live during its backward. Walking the stage backwards, the
-    gradients alive at any point are those of the tensors alive at that point of the forward, so
-    they never exceed the forward's live peak (`peak_bytes`), nor everything it saved; plus the
-    gradients of an operator's own intermediates (NOTE: [Operator workspace] in memory.py)."""
-    return min(g.saved_bytes, g.peak_bytes) + g.internal_bytes
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Window positions and the constant per-stage facts the model and `lower` share."""
-
-    S: int
-
-    def fw(self, s: int) -> int:
-        return s
-
-    def bw(self, s: int) -> int:
-        return 2 * self.S - 1 - s
-
-    def labels(self) -> list[str]:
-        return [f"F{s}" for s in range(self.S)] + [f"B{s}" for s in reversed(range(self.S))]
-
-    def weight_windows(self, s: int) -> set[int]:
-        """Windows a streamed stage's weight buffer is live in."""
-        w = {self.fw(s), self.bw(s)}
-        if s > 0:
-            w.add(self.fw(s - 1))
-        if s < self.S - 1:
-            w.add(self.bw(s + 1))
-        else:
-            w |= set(range(self.fw(s), self.bw(s) + 1))
-        return w
-
-
-def fixed_bytes(stages: Stages) -> int:
-    """Resident for the whole step: the batch, buffers, the loss, and shared (tied) parameters."""
-    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(
-        stages.shared_bytes, stages.shared_numel, stages.state_bytes, stages.master_bytes)
-
-
-TWIN_BYTES = 2 * MASTER_BYTES + NOISE_BYTES  # per parameter of the largest tensor: fp32 twin, fp32 gradient, noise
-
-
-def twin_bytes(stages: Stages, resident) -> int:
-    """The device workspace where bf16 masters stepped in place on the GPU (resident stages, shared
-    weights) get fp32 twins, one tensor at a time: the largest such tensor and its gradient (NOTE:
-    [Master weights]). GPU-stepped streamed stages have theirs in their `opt:S` buffer."""
-    if stages.master_bytes == MASTER_BYTES:
-        return 0
-    return TWIN_BYTES * max([stages.largest_shared_numel] + [g.largest_numel for g, r in zip(stages, resident) if r])
 
 
 class _Model:
@@ -225,8 +120,12 @@ class _Model:
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
         ahead = vars_["ahead"]
-        twins = self._twins(sig)
-        mem = [fixed_bytes(stages) + twins for _ in range(T)]
+        steps = self._deferred_steps(sig)
+        mem = [fixed_bytes(stages) + hw.runtime_bytes for _ in range(T)]
+        for t in range(S, T):  # shared (tied) weights' gradients, from the first backward on
+            mem[t] = mem[t] + shared_grad_bytes(stages)
+        # after backward: resident weights and their gradients, and the steps clipping defers (NOTE: [Resident steps])
+        tail = fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + steps
         h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
         lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
         d2h = [0.0] * (T + 2)
@@ -244,9 +143,16 @@ class _Model:
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
             # weights: resident (weights, grads, states) or a streamed buffer
             res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
+            rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
             self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
             for t in range(T):
                 mem[t] = mem[t] + res * (1 - sig[s])
+            for t in range(L.bw(s), T):
+                mem[t] = mem[t] + rgrad * (1 - sig[s])
+            tail = tail + (res + rgrad) * (1 - sig[s])
+            # its step follows its backward in B(s), once the backward's workspace is gone
+            bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
+            mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
             for t in L.weight_windows(s):
                 mem[t] = mem[t] + g.param_bytes * sig[s]
             for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
@@ -279,16 +185,20 @@ class _Model:
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
-            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + g.internal_bytes * (1 - rec[s])
-            mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + g.saved_bytes * rec[s]
+            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + saving_workspace(g) * (1 - rec[s])
+            mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + recompute_workspace(g) * rec[s]
             if chunked:  # one chunk's forward and backward
-                mem[L.bw(s)] = mem[L.bw(s)] + g.peak_bytes
+                mem[L.bw(s)] = mem[L.bw(s)] + chunk_workspace(stages, s)
             # output activations
             if g.consumers:
                 cmin, cmax = g.consumers[0], g.consumers[-1]
                 keep = 1 - off[s] - drop[s]
                 for t in range(L.fw(s), L.bw(cmin) + 1):
                     mem[t] = mem[t] + g.out_bytes * keep
+                # a saving stage's autograd graph holds its outputs until its own backward
+                # (it then keeps them: `_vars`), when its last reader came before
+                for t in range(L.bw(cmin) + 1, L.bw(s) + 1):
+                    mem[t] = mem[t] + g.out_bytes * (1 - rec[s])
                 for t in list(range(L.fw(s), L.fw(cmax) + 1)) + list(range(L.bw(cmax + 1), L.bw(cmin) + 1)) if cmax < S - 1 else []:
                     mem[t] = mem[t] + g.out_bytes * off[s]
                 for t in (L.fw(s), L.fw(s + 1)):
@@ -303,6 +213,7 @@ class _Model:
         for c in range(1, S):
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
         self.mem = mem
+        self.tail = tail
         self.host = sum(M * g.param_numel for g in stages) + sum(
             sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
             - gst[s] * M * g.param_numel + off[s] * g.out_bytes
@@ -315,15 +226,14 @@ class _Model:
             self.host = self.host + buffers * self.unit
         self.h2d, self.d2h, self.cpu, self.cap, self.lag = h2d, d2h, cpu, cap, lag
 
-    def _twins(self, sig):
-        """`twin_bytes` of the resident stages: the most of its candidates."""
+    def _deferred_steps(self, sig):
+        """`deferred_step_bytes` of the resident stages: the most of its candidates."""
         st = self.st
-        if st.master_bytes == MASTER_BYTES:
-            return 0
-        tw = self.m.add_var("twins", lb=0.0)  # in units of `unit` bytes
-        self.m += tw >= twin_bytes(st, [False] * len(st)) / self.unit
-        for s, g in enumerate(st):
-            self.m += tw >= (TWIN_BYTES * g.largest_numel / self.unit) * (1 - sig[s])
+        tw = self.m.add_var("deferred_steps", lb=0.0)  # in units of `unit` bytes
+        self.m += tw >= deferred_step_bytes(st, [False] * len(st)) / self.unit
+        for s in range(len(st)):
+            if step_bytes(st, s):
+                self.m += tw >= (step_bytes(st, s) / self.unit) * (1 - sig[s])
         return tw * self.unit
 
     def _spread(self, table, windows, volume, tag):
@@ -367,6 +277,11 @@ def _vars(m: mip.Model, stages: Stages):
             m += rec == 0
         if closed[s].offload:
             m += off == 0
+        # a saving stage's autograd graph holds its outputs on the GPU until its backward: moving
+        # or dropping them would free nothing
+        if g.chunks == 1 and g.consumers:
+            m += off <= rec
+            m += drop <= rec
         for c in g.consumers:
             m += off <= v["recompute"][c]
         if closed[s].drop:
@@ -420,12 +335,12 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     step = (model.compute + model.recompute + model.optimizer + mip.xsum(exposed)) * (1.0 / model.unit_s)
     if minimise_memory:
         peak = m.add_var("peak", lb=0.0)
-        for t in model.mem:
+        for t in model.mem + [model.tail]:
             m += t * u <= peak
         # Among the smallest plans, prefer the fastest.
         m.objective = mip.minimize(peak + 1e-6 * step)
     else:
-        for t in model.mem:
+        for t in model.mem + [model.tail]:
             m += t * u <= budget * u
         m.objective = mip.minimize(step)
     return m, v, model, exposed
@@ -480,13 +395,24 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
     dec = _decisions(v, len(stages), val)
     mem = [int(round(val(t))) for t in model.mem]
     secs = [val(model.cap[t]) + val(exposed[t]) for t in range(len(mem))]
-    edges = [("pre", 0, val(exposed[-2]))] + list(zip(model.L.labels(), mem, secs)) + [("tail", 0, val(exposed[-1]))]
+    tail = tail_bytes(stages, dec, hw)  # exact: the solver may leave its `deferred_steps` above their least
+    edges = [("pre", 0, val(exposed[-2]))] + list(zip(model.L.labels(), mem, secs)) + [("tail", tail, val(exposed[-1]))]
     return Plan(
-        decisions=tuple(dec), budget=budget, peak_bytes=max(mem), host_bytes=int(round(val(model.host))),
+        decisions=tuple(dec), budget=budget, peak_bytes=max(mem + [tail]), host_bytes=int(round(val(model.host))),
         step_s=val(model.compute + model.recompute + model.optimizer + mip.xsum(exposed)),
         compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=sum(val(e) for e in exposed),
         optimizer_s=val(model.optimizer), windows=tuple(edges), solver=info,
     )
+
+
+def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
+    """GPU bytes after backward: resident weights, their gradients, and the steps gradient clipping
+    defers until then (NOTE: [Resident steps])."""
+    M = stages.master_bytes
+    resident = [not d.stream for d in decisions]
+    return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + sum(
+        resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)
+        for g, r in zip(stages, resident) if r)
 
 
 def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:
@@ -504,7 +430,7 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
         raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {r.status}); the host memory plans "
                         f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "
                         "states and offloaded tensors this model needs")
-    return max(int(round(milp.value(t, r))) for t in model.mem)
+    return max(int(round(milp.value(t, r))) for t in model.mem + [model.tail])
 
 
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)

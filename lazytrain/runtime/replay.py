@@ -279,7 +279,7 @@ class Replay:
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
-        if kind == "host":  # host buffers are kept for the next step
+        if kind in ("host", "rgrad"):  # host buffers are kept for the next step; resident gradients until it starts
             return
         stage = self.stages[int(idx)]
         if kind == "w":

@@ -1,0 +1,199 @@
+"""Bytes and seconds per stage that the step model (pass `solve`) and pass `lower` share: what a
+stage holds on the GPU and the host, and what its optimizer step costs, for each decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazytrain.hardware import Hardware
+from lazytrain.passes.blocks import STATE_BYTES, Stages
+
+LOSS_BYTES = 4
+
+
+CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage])
+# A host step of a bf16 master reuses an fp32 twin, an fp32 gradient and int32 rounding noise of
+# the largest tensor it meets (NOTE: [Host step buffers] in runtime/optim.py)
+HOST_STEP_BYTES = 12
+MASTER_BYTES = 4  # fp32 master weights, per parameter (`--master-weights bf16`: 2, NOTE: [Master weights])
+
+# NOTE: [Master weights]
+# `master` below is the bytes per parameter of the master weights the optimizer updates: 4 (fp32),
+# or 2 (bf16 with stochastic rounding). A bf16 master *is* the bf16 compute copy: no second copy on
+# the host, and nothing extra beside resident weights; its step runs through fp32 twins one tensor
+# at a time (`resident_step_bytes`, NOTE: [Resident steps]).
+
+
+def resident_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """A resident parameter set on the GPU for the whole step: weights and AdamW states; in mixed
+    precision also the fp32 master copy (NOTE: [Parameter homes] in runtime/store.py). Its
+    gradients come at its backward (`resident_grad_bytes`)."""
+    mixed = master * numel if param_bytes != master * numel else 0
+    return param_bytes + int(state_bytes * numel) + mixed
+
+
+def resident_grad_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES) -> int:
+    """A resident parameter set's gradients, from its backward to the next step's start (NOTE:
+    [Resident steps]): in the compute dtype, or in mixed precision the fp32 ones its step makes of them."""
+    return master * numel if param_bytes != master * numel else param_bytes
+
+
+def resident_step_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES, largest_numel: int = 0) -> int:
+    """What a resident parameter set's GPU step holds beyond its gradients while it runs (NOTE:
+    [Resident steps]): in mixed precision the compute-dtype gradients beside the master-dtype ones
+    they become; for a bf16 master also the fp32 twin, fp32 gradient, rounding noise and the random
+    draw's own buffer of its largest tensor (`TWIN_BYTES`); for fp32 alone nothing (the fused step)."""
+    ws = param_bytes if param_bytes != master * numel else 0
+    return ws + (TWIN_BYTES * largest_numel if master != MASTER_BYTES else 0)
+
+
+def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_BYTES) -> float:
+    """A host optimizer step: AdamW itself, plus turning the compute-dtype gradient into the fp32
+    one it reads and the updated master into the compute-dtype copy the next prefetch sends
+    (measured on the H200 machine: these copies cost more than the fused step); a bf16 master
+    goes to fp32 and back instead, and is rounded stochastically."""
+    if param_bytes == MASTER_BYTES * numel:
+        casts = param_bytes
+    else:
+        casts = 2 * (param_bytes + MASTER_BYTES * numel) + (2 * (master + MASTER_BYTES) * numel if master != MASTER_BYTES else 0)
+    rounding = numel / hw.cpu_round_params_per_s if master != MASTER_BYTES else 0.0
+    return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth + rounding
+
+
+def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
+    buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts
+    it), and in mixed precision the compute-dtype copy to prefetch."""
+    mixed = param_bytes if param_bytes != master * numel else 0
+    return int(state_bytes * numel) + param_bytes + master * numel + mixed
+
+
+def gpu_step_state_bytes(numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """What a GPU-stepped streamed stage moves each way beyond its weights or gradient: the master
+    and the optimizer states."""
+    return master * numel + int(state_bytes * numel)
+
+
+def gpu_step_out_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
+    """What goes back to the host after a GPU step: new weights, master and states (a master in the
+    compute dtype goes back once, as the weights)."""
+    out = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
+    return out - param_bytes if param_bytes == master * numel else out
+
+
+# A bf16 master stepped on the GPU is rounded back with int32 noise of its size (NOTE: [bf16 master
+# weights] in runtime/optim.py): one tensor at a time, so the largest tensor's, beside its fp32 twin
+# and gradient. Uncounted, it was a fresh 2.9 GiB allocation (the 14B embedding) that ran a 40 GiB
+# plan out of memory on the H200.
+NOISE_BYTES = 4
+# NOTE: [Resident steps]
+# A resident stage's gradients appear at its backward and stay until the next step starts (its
+# step reads them there, or, with gradient clipping, after backward ends). Its step itself holds:
+#   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, and the
+#     random draw's own int64 buffer: 16 bytes per parameter of the largest tensor, measured on the
+#     H200 (1.01 GiB over the gradients for Qwen2.5-7B's 67.9 M-parameter MLP weight);
+#   - fp32 masters of bf16 weights: each fp32 gradient made beside the bf16 one it replaces.
+# Counting the twins and the gradients from the step's start put every window of a 7B plan at
+# 24 GiB 2.4 GiB over the measured one (the fidelity trace, 2026-11-30).
+TWIN_BYTES = 2 * MASTER_BYTES + NOISE_BYTES + 4
+
+
+def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES,
+                   largest_numel: int = 0) -> int:
+    """The `opt:S` GPU buffer of a GPU-stepped streamed stage: master and states, the gradient as
+    it arrives, the fp32 gradient the optimizer reads, and for a bf16 master its fp32 twin and the
+    rounding noise of its largest tensor."""
+    twin = MASTER_BYTES * numel + NOISE_BYTES * largest_numel if master != MASTER_BYTES else 0
+    return gpu_step_state_bytes(numel, state_bytes, master) + param_bytes + MASTER_BYTES * numel + twin
+
+
+def backward_workspace(g) -> int:
+    """What a stage's backward holds beyond what it saved (pass `backward`, NOTE: [Backward memory]):
+    the gradients of its intermediates and its operators' workspace. A chunked stage's working set
+    is one chunk's (its `peak_bytes`, counted apart), beside its operators' workspace."""
+    if g.chunks > 1:
+        return g.internal_bytes
+    return max(0, g.backward_bytes - g.saved_bytes)
+
+
+def chunk_workspace(stages: Stages, s: int) -> int:
+    """A chunked stage's working set at its backward: one chunk's forward peak (`peak_bytes`), or
+    the gradient of every weight it reads made anew by a later chunk and added into the first's,
+    beside that chunk's logits' gradient in the compute dtype (at most a quarter of the peak, which
+    holds the logits, their fp32 upcast and the log-probabilities). Measured on the H200: 1.17 GiB
+    for Qwen2.5-7B's lm_head (1.02 GiB of bf16 weight) at 32 x 1024 tokens, where the peak is 0.90."""
+    g = stages[s]
+    weights = g.param_bytes + (stages.shared_bytes if set(stages.shared_params) & set(g.placeholders) else 0)
+    return max(g.peak_bytes, weights + g.peak_bytes // 4)
+
+
+def saving_workspace(g) -> int:
+    """A saving forward's own working set beside what it saves and outputs: the values on their way
+    to what autograd keeps, and its operators' workspace (NOTE: [Operator workspace] in memory.py)."""
+    if g.chunks > 1:
+        return 0
+    return max(g.internal_bytes, g.saving_peak_bytes - g.saved_bytes - g.out_bytes)
+
+
+def recompute_workspace(g) -> int:
+    """A recomputing stage's backward: what it saves, made again, and its `backward_workspace`; or
+    the recompute's own forward peak, if larger."""
+    if g.chunks > 1:
+        return 0
+    return max(g.backward_bytes, g.saved_bytes, g.peak_bytes) - backward_workspace(g)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Window positions and the constant per-stage facts the model and `lower` share."""
+
+    S: int
+
+    def fw(self, s: int) -> int:
+        return s
+
+    def bw(self, s: int) -> int:
+        return 2 * self.S - 1 - s
+
+    def labels(self) -> list[str]:
+        return [f"F{s}" for s in range(self.S)] + [f"B{s}" for s in reversed(range(self.S))]
+
+    def weight_windows(self, s: int) -> set[int]:
+        """Windows a streamed stage's weight buffer is live in."""
+        w = {self.fw(s), self.bw(s)}
+        if s > 0:
+            w.add(self.fw(s - 1))
+        if s < self.S - 1:
+            w.add(self.bw(s + 1))
+        else:
+            w |= set(range(self.fw(s), self.bw(s) + 1))
+        return w
+
+
+def fixed_bytes(stages: Stages) -> int:
+    """Resident for the whole step: the batch, buffers, the loss, and shared (tied) parameters."""
+    return stages.fixed_bytes + LOSS_BYTES + resident_bytes(
+        stages.shared_bytes, stages.shared_numel, stages.state_bytes, stages.master_bytes)
+
+
+def shared_grad_bytes(stages: Stages) -> int:
+    return resident_grad_bytes(stages.shared_bytes, stages.shared_numel, stages.master_bytes) if stages.shared_numel else 0
+
+
+def shared_step_bytes(stages: Stages) -> int:
+    if not stages.shared_numel:
+        return 0
+    return resident_step_bytes(stages.shared_bytes, stages.shared_numel, stages.master_bytes, stages.largest_shared_numel)
+
+
+def step_bytes(stages: Stages, s: int) -> int:
+    """`resident_step_bytes` of stage `s`."""
+    g = stages[s]
+    return resident_step_bytes(g.param_bytes, g.param_numel, stages.master_bytes, g.largest_numel)
+
+
+def deferred_step_bytes(stages: Stages, resident) -> int:
+    """The most any resident step (or the shared weights' step) holds: with gradient clipping they
+    all run after backward, one after another (NOTE: [Resident steps])."""
+    return max([shared_step_bytes(stages)] + [step_bytes(stages, s) for s, r in enumerate(resident) if r])
