@@ -41,6 +41,7 @@ class Schedule:
     events: tuple[Event, ...]
     buffers: tuple[Buffer, ...]
     budget: int
+    reserve: int = 0  # left free inside the budget for the allocator (NOTE: [Allocator reserve] in hardware/__init__.py)
 
 
 class _Builder:
@@ -279,4 +280,4 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     if rgrads:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
         b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=tuple(rgrads.values()),
                workspace=deferred_step_bytes(stages, [not d.stream for d in dec]))
-    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget)
+    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)

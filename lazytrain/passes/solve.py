@@ -340,8 +340,8 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
         # Among the smallest plans, prefer the fastest.
         m.objective = mip.minimize(peak + 1e-6 * step)
     else:
-        for t in model.mem + [model.tail]:
-            m += t * u <= budget * u
+        for t in model.mem + [model.tail]:  # NOTE: [Allocator reserve] in hardware/__init__.py
+            m += t * u <= (budget - hw.allocator_reserve_bytes) * u
         m.objective = mip.minimize(step)
     return m, v, model, exposed
 
@@ -430,7 +430,7 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
         raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {r.status}); the host memory plans "
                         f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "
                         "states and offloaded tensors this model needs")
-    return max(int(round(milp.value(t, r))) for t in model.mem + [model.tail])
+    return max(int(round(milp.value(t, r))) for t in model.mem + [model.tail]) + hw.allocator_reserve_bytes
 
 
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)

@@ -4,7 +4,8 @@ Needs: a `Schedule`. Guarantees (or `VerifyError` naming the event and buffer):
   - every wait points to an earlier event, and every event reads only buffers that are live;
   - a buffer made on another stream is read only after an event that (transitively) waits for it;
   - nothing is freed twice or used after it is freed, and no temporary buffer outlives the step;
-  - GPU bytes live at every event (before its frees), plus its workspace, stay within the budget.
+  - GPU bytes live at every event (before its frees), plus its workspace, stay within the budget
+    less the allocator's reserve.
 Returns the memory trace: GPU bytes at each event, for the plan summary and `inspect`.
 
     PREFETCH w:1 ; COMPUTE 1 fwd (waits 0) ; FREE w:1 ; COMPUTE 1 bwd reads w:1  ->  VerifyError:
@@ -63,9 +64,10 @@ def verify(schedule: Schedule) -> tuple[int, ...]:
             freed_by.pop(name, None)
         # an event's frees take effect when it ends: its workspace sits beside them
         used = sum(sizes[n].bytes for n in live if sizes[n].pool == "gpu") + e.workspace
-        if used > schedule.budget:
-            raise VerifyError(
-                f"{_name(e)} needs {format_size(used)} of GPU memory, over the budget of {format_size(schedule.budget)}")
+        if used + schedule.reserve > schedule.budget:
+            reserve = f" and the allocator's reserve of {format_size(schedule.reserve)}" if schedule.reserve else ""
+            raise VerifyError(f"{_name(e)} needs {format_size(used)} of GPU memory{reserve}, over the budget of "
+                              f"{format_size(schedule.budget)}")
         for name in e.frees:
             if name not in live:
                 raise VerifyError(f"{_name(e)} frees {name}, which is not live")
