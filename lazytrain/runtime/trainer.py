@@ -14,7 +14,9 @@ reserve more: freed blocks stay cached per stream and in the sizes first asked f
 process's allocator at the budget (`torch.cuda.set_per_process_memory_fraction`): past the cap the
 allocator returns cached blocks to the device and retries before it fails. The cap is never below
 `CAP_FLOOR`: there the allocator's own rounding (2 MiB pages, 20 MiB segments, per stream) would
-dominate a tiny plan. `cap_memory=False` leaves the allocator alone (and any cap set before).
+dominate a tiny plan. The cap sits `CAP_MARGIN` below the budget: with expandable segments the
+allocator's reserved peak went 6-8 MiB past a cap at the budget on the H200 (2026-11-30).
+`cap_memory=False` leaves the allocator alone (and any cap set before).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
 
 CAP_FLOOR = 1 << 30  # NOTE: [Memory cap]
+CAP_MARGIN = 64 << 20
 
 
 def _fmt(shape, dtype) -> str:
@@ -70,7 +73,7 @@ class Trainer(Replay, Stepping):
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
             total = torch.cuda.get_device_properties(self.device).total_memory
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            torch.cuda.set_per_process_memory_fraction(min(1.0, max(module.BUDGET, CAP_FLOOR) / total), index)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, max(module.BUDGET - CAP_MARGIN, CAP_FLOOR) / total), index)
         self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena] in pinned.py
         if self.cuda:
             self._pin_streamed_masters(tensors)
