@@ -219,7 +219,8 @@ def producers(stages, s: int) -> set[int]:
 def repair(stages, raw) -> list[StageDecision]:
     """Turn any (stream, recompute, outputs[, gpu_step[, fetch ahead]]) per stage into decisions that keep solve's rules:
     stream only with weights, and (but for the last stage) only when recomputing; chunked stages do
-    not recompute; offload only when every
+    not recompute; offload or drop only when the stage recomputes (a saving stage's autograd graph
+    holds its outputs until its backward); offload only when every
     consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
     resident weights whose next stage recomputes and none of whose producers offload."""
     S = len(stages)
@@ -228,6 +229,8 @@ def repair(stages, raw) -> list[StageDecision]:
     stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]
     for s, g in enumerate(stages):
+        if outs[s] is not OutMode.KEEP and g.chunks == 1 and g.consumers and not rec[s]:
+            outs[s] = OutMode.KEEP
         if outs[s] is OutMode.OFFLOAD and (
                 not g.consumers or g.consumers[-1] == S - 1 or not all(rec[c] for c in g.consumers)):
             outs[s] = OutMode.KEEP

@@ -142,7 +142,7 @@ def test_real_dropout_stages_are_random_and_skip(random_model):
 @pytest.mark.parametrize("spec", [
     ["-Rk", "-Rk", "-Rk", "-Rk", "-rk"],  # every random stage recomputed before its backward (skipping fc2)
     ["-Rd", "-Rd", "-Rd", "-Rk", "-rk"],  # a dropped segment: recomputed twice (outputs, then internals)
-    ["-rd", "-Rd", "-Rk", "-Rk", "-rk"],  # dropped outputs of a stage that saves its internals
+    ["-Rd", "-Rk", "-Rd", "-Rk", "-rk"],  # two segments of one
     ["SRk", "SRo", "SRk", "SRk", "Srk"],  # streamed
 ])
 def test_recomputed_random_stages_equal_eager(random_model, spec):
