@@ -89,7 +89,7 @@ def test_schedule_for_the_gpu_refuses_the_cpu():
     on the CPU is refused with the fix, not a NotImplementedError from inside a stage."""
     meta, real = model_pair(qwen2_moe())
     batch = token_batch(2, 8, COMMON["vocab_size"])
-    c = compile_model(meta, batch, GiB, "h200", time_limit=20)
+    c = compile_model(meta, batch, 4 * GiB, "h200", time_limit=20)  # the H200 profile keeps 2.3 GiB for its libraries and allocator
     assert 'DEVICE = "cuda"' in c.source_text
     with pytest.raises(ScheduleMismatch, match=r"compiled for cuda .* bound on cpu.*--hardware cpu"):
         bind_source(c.source_text, real)
