@@ -86,6 +86,10 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
         src, dst = torch.randn(numel), torch.empty(numel, dtype=torch.bfloat16)
         return numel / _median_time(lambda: round_stochastic_(dst, src, seed=1))
 
+    runtime, reserve = 0, 0
+    if cuda:  # NOTE: [Allocator reserve] in hardware/__init__.py
+        runtime, reserve = max(_library_workspaces(), 256 << 20), 2 << 30
+
     cpu_adamw = adamw_rate(torch.device("cpu"))
     gpu_adamw = adamw_rate(dev)
     disk_w, disk_r = _disk(nbytes // 4)
@@ -101,10 +105,26 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
         cpu_round_params_per_s=round_rate(),
         disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
         estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s", "disk_read_bandwidth")
-        + (() if cuda else ("duplex_bandwidth",)),
+        + (("allocator_reserve_bytes",) if cuda else ("duplex_bandwidth",)),
+        runtime_bytes=runtime, allocator_reserve_bytes=reserve,
     )
     Path(output).write_text(json.dumps(asdict(hw), indent=1) + "\n")
     return hw
+
+
+def _library_workspaces() -> int:
+    """What the CUDA libraries keep from the caching allocator once matmuls ran on the streams a
+    schedule computes and steps on (cuBLAS: a workspace per stream and handle); at least the
+    H200's 256 MiB is planned (`profile` takes the larger)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    held = torch.cuda.memory_allocated() - before
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            (a @ a).float().sum().item()
+    torch.cuda.synchronize()
+    return max(0, torch.cuda.memory_allocated() - before - held)
 
 
 def _disk_free() -> int:
