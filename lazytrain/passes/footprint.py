@@ -12,7 +12,7 @@ from lazytrain.passes.blocks import STATE_BYTES, Stages
 LOSS_BYTES = 4
 
 
-CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage])
+CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage] in solve.py)
 # A host step of a bf16 master reuses an fp32 twin, an fp32 gradient and int32 rounding noise of
 # the largest tensor it meets (NOTE: [Host step buffers] in runtime/optim.py)
 HOST_STEP_BYTES = 12
@@ -90,9 +90,10 @@ NOISE_BYTES = 4
 # NOTE: [Resident steps]
 # A resident stage's gradients appear at its backward and stay until the next step starts (its
 # step reads them there, or, with gradient clipping, after backward ends). Its step itself holds:
-#   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, and the
-#     random draw's own int64 buffer: 16 bytes per parameter of the largest tensor, measured on the
-#     H200 (1.01 GiB over the gradients for Qwen2.5-7B's 67.9 M-parameter MLP weight);
+#   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, and more
+#     the allocator holds while the random draw runs: 16 bytes per parameter of the largest tensor
+#     measured on the H200 for Qwen2.5-7B's 67.9 M-parameter MLP weight (1.01 GiB over the
+#     gradients), 12 for Qwen2.5-14B's 778 M-parameter lm_head (8.7 GiB); 16 is counted;
 #   - fp32 masters of bf16 weights: each fp32 gradient made beside the bf16 one it replaces.
 # Counting the twins and the gradients from the step's start put every window of a 7B plan at
 # 24 GiB 2.4 GiB over the measured one (the fidelity trace, 2026-11-30).
