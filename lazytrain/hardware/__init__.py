@@ -55,7 +55,7 @@ class Hardware:
     estimated: tuple = ()
     # GPU memory the runtime's libraries hold from the caching allocator beside every plan's buffers:
     # cuBLAS keeps a workspace per stream and handle it runs on (0.13-0.19 GiB allocated before a
-    # step's first event on the H200, 2026-11-30; NOTE: [Resident steps] in passes/footprint.py)
+    # step's first event on the H200, 2026-11-30, `bench/fidelity.py run --trace`)
     runtime_bytes: int = 0
     # NOTE: [Allocator reserve] GPU memory a plan leaves free inside its budget: the caching
     # allocator's budget counts what it reserved, and at the cap it could not give back 0.35-0.47
