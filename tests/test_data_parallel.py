@@ -11,10 +11,13 @@ bind refuses a schedule compiled for another world size, ranks that bound differ
 weights, and a rank that exits or stalls makes the other raise `DistributedError` within the
 group's timeout instead of hanging.
 
-All cases share one spawn of the ranks (module fixture): starting processes is most of the cost.
+All cases but the lost ranks share one spawn of the ranks (module fixture): starting processes is
+most of the cost.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -72,10 +75,17 @@ def ranks(sources):
         cases += [((m, b, "fb"), "check_forward_backward", m, src),
                   ((m, b, "steps"), "check_steps", m, src, None),
                   ((m, b, "clip"), "check_steps", m, src, 0.5)]
+    cases += [("world1", "check_refused", "tiny_gpt", sources[("tiny_gpt", "world1")]),
+              ("other schedules", "check_refused", "tiny_gpt", None,
+               {0: sources[("tiny_gpt", "resident")], 1: sources[("tiny_gpt", "minimum")]}),
+              ("other weights", "check_other_weights", "tiny_gpt", sources[("tiny_gpt", "resident")])]
     results = dp_worker.launch(dp_worker.run_cases, cases, world=WORLD)
-    refusals = {
-        "world1": dp_worker.launch(dp_worker.check_refused, "tiny_gpt", sources[("tiny_gpt", "world1")], world=WORLD),
-    }
+    assert sorted(results) == [0, 1]
+    refusals = {}
+    for case in ("world1", "other schedules", "other weights"):
+        got = [r[case] for r in results.values()]
+        assert all(isinstance(g, tuple) for g in got), "\n".join(g for g in got if not isinstance(g, tuple))
+        refusals[case] = [g[1] for g in got]
     return results, refusals
 
 
@@ -95,7 +105,7 @@ def test_two_ranks_equal_global_batch(ranks, case, kind):
 
 def test_schedule_for_one_rank_refused_in_a_group_of_two(ranks):
     _, refusals = ranks
-    for rank, msg in refusals["world1"].items():
+    for msg in refusals["world1"]:
         assert msg.startswith("ScheduleMismatch"), msg
         assert "compiled for 1 data-parallel rank (--world-size 1)" in msg and "process group of 2 ranks" in msg, msg
         assert "--world-size 2" in msg, msg
@@ -110,14 +120,12 @@ def test_schedule_for_two_ranks_refused_in_one_process(sources):
         module.bind(real)
 
 
-def test_ranks_with_other_schedules_or_weights_refused(sources):
+def test_ranks_with_other_schedules_or_weights_refused(ranks):
     """Ranks that bound different schedules (both for 2 ranks), or the same one to different weights."""
-    other = {0: sources[("tiny_gpt", "resident")], 1: sources[("tiny_gpt", "minimum")]}
-    got = dp_worker.launch(dp_worker.check_refused, "tiny_gpt", None, other, world=WORLD)
-    for msg in got.values():
+    _, refusals = ranks
+    for msg in refusals["other schedules"]:
         assert msg.startswith("ScheduleMismatch: the ranks bound different schedules"), msg
-    got = dp_worker.launch(dp_worker.check_other_weights, "tiny_gpt", sources[("tiny_gpt", "resident")], world=WORLD)
-    for msg in got.values():
+    for msg in refusals["other weights"]:
         assert "start from different weights (" in msg and ("wte.weight differs" in msg or "head.weight differs" in msg), msg
 
 
@@ -140,3 +148,32 @@ def test_compile_records_world_size(sources):
     meta, _, batch = dp_worker.pair("tiny_gpt")
     with pytest.raises(PlanError, match="world_size 0 is not a number of ranks"):
         compile_model(meta, batch, GiB, "cpu", world_size=0)
+
+
+def test_cli_world_size(tmp_path, capsys):
+    """`lazytrain compile --world-size 2` writes WORLD_SIZE 2 and `inspect` says so; 0 is refused."""
+    from lazytrain.cli import main
+    from lazytrain.runtime.schedule import load_schedule
+
+    out = tmp_path / "s.py"
+    model = str(Path(__file__).parents[1] / "lazytrain" / "examples" / "tiny_gpt.py")
+    assert main(["compile", model, "-o", str(out), "--hardware", "cpu", "--budget", "1GiB",
+                 "--world-size", "2"]) == 0
+    assert "data parallel over 2 ranks: each runs this plan on its own batch" in capsys.readouterr().out
+    assert load_schedule(out).WORLD_SIZE == 2
+    with pytest.raises(SystemExit):
+        main(["compile", model, "-o", str(out), "--world-size", "0"])
+    assert "--world-size: 0 is below 1" in capsys.readouterr().err
+
+
+def test_schedule_of_format_4_refused(sources):
+    """A schedule from before WORLD_SIZE (format 4) is stale: refused with the format error."""
+    from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
+
+    text = sources[("tiny_gpt", "world1")].replace(f"FORMAT = {FORMAT_VERSION}\n", "FORMAT = 4\n")
+    text = "\n".join(line for line in text.split("\n") if not line.startswith("WORLD_SIZE = "))
+    text = text.replace(text[text.index('CHECKSUM = "'):text.index('"\n', text.index('CHECKSUM = "')) + 1],
+                        'CHECKSUM = ""')
+    text = text.replace('CHECKSUM = ""', f'CHECKSUM = "{checksum(text)}"')
+    with pytest.raises(ScheduleMismatch, match=f"has format 4, this lazytrain reads {FORMAT_VERSION}: it is stale; recompile it"):
+        load_source(text, unique_name())

@@ -18,8 +18,9 @@ same on every rank, so they pair up without extra synchronisation.
 The reduction is one method, `reduce_grads(stage, grads)`, and the optimizer side never sees the
 group: a ZeRO-2 variant replaces the all-reduce with a reduce-scatter into the rank's shard and
 steps only that shard (then all-gathers the weights), without touching the event handlers.
-All-reduces run in place, tensor by tensor, so the runtime allocates nothing the plan does not
-count (the backend's own buffers, NCCL's among them, are outside the plan).
+All-reduces run in place, tensor by tensor, in the compute dtype (bf16 compute: bf16 sums, as DDP
+over bf16 parameters), so the runtime allocates nothing the plan does not count (the backend's own
+buffers, NCCL's among them, are outside the plan).
 
 Failures: every collective runs under the process group's timeout, which the user sets with
 `torch.distributed.init_process_group(..., timeout=datetime.timedelta(...))` (or `new_group`'s
