@@ -15,8 +15,10 @@ mean. (With ignored targets spread unevenly over ranks, the mean of means is wha
 not the global token mean.) The collectives of a rank come in the schedule's event order, the
 same on every rank, so they pair up without extra synchronisation.
 
-The reduction is one method, `reduce_grads(stage, grads)`, and the optimizer side never sees the
-group: a ZeRO-2 variant replaces the all-reduce with a reduce-scatter into the rank's shard and
+The schedule has no REDUCE events yet: the reduction rides on each stage's BWD event, on the
+compute stream, so its time is exposed; once the plan models the link it becomes REDUCE events on
+a stream of their own, overlapping the next stage's backward. The reduction is one method,
+`reduce_grads(stage, grads)`, and the optimizer side never sees the group: a ZeRO-2 variant replaces the all-reduce with a reduce-scatter into the rank's shard and
 steps only that shard (then all-gathers the weights), without touching the event handlers.
 All-reduces run in place, tensor by tensor, in the compute dtype (bf16 compute: bf16 sums, as DDP
 over bf16 parameters), so the runtime allocates nothing the plan does not count (the backend's own
