@@ -91,7 +91,7 @@ def cmd_compile(args) -> int:
                             time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
                             dtype=getattr(torch, args.dtype) if args.dtype else None,
                             optimizer_states=args.optimizer_states, master_weights=args.master_weights,
-                            loss_chunk_bytes=chunk_bytes)
+                            loss_chunk_bytes=chunk_bytes, world_size=args.world_size)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -159,6 +159,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
                    help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of rows or tokens, each at most "
                         "this working set (default 1GiB); 0 or 'off' never chunks")
+    c.add_argument("--world-size", type=_at_least(1), default=1, metavar="N",
+                   help="data-parallel ranks the schedule runs on (default 1); example_batch() is one rank's batch, "
+                        "and every rank binds the same schedule (see README, Data parallel)")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")

@@ -41,3 +41,8 @@ class CheckpointError(LazytrainError):
 
 class ResourceError(LazytrainError):
     """The machine cannot provide what the plan needs (page-locked host memory, disk space)."""
+
+
+class DistributedError(LazytrainError):
+    """A collective across data-parallel ranks failed (a rank exited, failed, or stalled past the
+    process group's timeout), or the ranks disagree on what they train."""

@@ -116,12 +116,16 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
-                  loss_chunk_bytes: int = LOSS_CHUNK_BYTES) -> Compiled:
+                  loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1) -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
     `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
     `master_weights` "fp32" or "bf16" (updated with stochastic rounding).
-    `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk)."""
+    `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk).
+    `world_size` is the number of data-parallel ranks the schedule runs on; `batch` is one rank's
+    batch (NOTE: [Data parallel] in runtime/data_parallel.py)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size {world_size!r} is not a number of ranks; pass an integer >= 1 (1: one process)")
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
@@ -133,7 +137,8 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
     hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
-    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states, master_weights)
+    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states, master_weights,
+                    world_size)
     return Compiled(graph, stages, plan, schedule, trace, text, hw)
 
 

@@ -30,6 +30,7 @@ def summary(schedule: ModuleType) -> str:
         f" + exposed transfer {_ms(p['exposed_s'])} + optimizer {_ms(p['optimizer_s'])}",
         f"solver: {m.SOLVER['status']}, gap {m.SOLVER['gap']:.2%}" + (f" ({m.SOLVER['message']})" if m.SOLVER["message"] else ""),
         _states_line(m),
+        *_ranks_line(m),
         "",
         f"{'stage':<28}{'kind':<6}{'weights':>11}  {'placement':<10}{'internals':<12}{'outputs':<9}optimizer",
     ]
@@ -61,6 +62,15 @@ def summary(schedule: ModuleType) -> str:
         bar = "#" * round(_WIDTH * nbytes / top)
         lines.append(f"  {label:>5} {format_size(nbytes):>10} {_ms(secs):>12}  {bar}")
     return "\n".join(lines) + "\n"
+
+
+def _ranks_line(m: ModuleType) -> list[str]:
+    """With data parallel, one line: the plan above is each rank's (NOTE: [Data parallel] in runtime/data_parallel.py)."""
+    n = getattr(m, "WORLD_SIZE", 1)
+    if n == 1:
+        return []
+    return [f"data parallel over {n} ranks: each runs this plan on its own batch; gradients are averaged over the "
+            "ranks (not in the predicted step)"]
 
 
 def internals(chunks: int, recompute: bool) -> str:

@@ -265,12 +265,13 @@ class Forced:
     source_text: str
 
 
-def forced(graph, stages, batch, decs, hw, budget: int = 1 << 40) -> Forced:
-    """Evaluate fixed decisions, lower, verify at a budget of exactly the predicted peak, render."""
+def forced(graph, stages, batch, decs, hw, budget: int = 1 << 40, world_size: int = 1) -> Forced:
+    """Evaluate fixed decisions, lower, verify at a budget of exactly the predicted peak, render
+    (for `world_size` data-parallel ranks)."""
     plan = evaluate(stages, hw, budget, list(decs))
     schedule = lower(stages, plan, hw)
     trace = verify(dataclasses.replace(schedule, budget=plan.peak_bytes))
-    text = render(graph, stages, plan, schedule, batch, hw.name)
+    text = render(graph, stages, plan, schedule, batch, hw.name, world_size=world_size)
     return Forced(plan, schedule, trace, text)
 
 

@@ -129,12 +129,19 @@ def _chunk_fields(graph: Graph, stage) -> str:
     return text
 
 
+def _ranks_text(world_size: int) -> str:
+    if world_size == 1:
+        return "one process"
+    return (f"data parallel: each rank runs this plan on its own batch of the shape below; gradients are averaged "
+            f"over the {world_size} ranks, and the predictions leave that communication out")
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
 def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: dict, hardware: str,
-           optimizer_states: str = "32bit", master_weights: str = "fp32") -> str:
+           optimizer_states: str = "32bit", master_weights: str = "fp32", world_size: int = 1) -> str:
     buffers = {b.name: b for b in schedule.buffers}
     names = [s.name for s in stages]
     closed = limits(stages)
@@ -182,5 +189,6 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         solver=repr({"status": info.status, "gap": info.gap, "message": info.message}),
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
+        world_size=world_size, ranks_text=_ranks_text(world_size),
     )
     return text.replace('CHECKSUM = "@CHECKSUM@"', f'CHECKSUM = "{checksum(text)}"')

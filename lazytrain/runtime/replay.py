@@ -101,6 +101,8 @@ class Replay:
                 if self.serial_optimizer:
                     self.synchronize()
         timeline = self.streams.finish()
+        if self.dp is not None and self.loss is not None:  # the global batch's loss (NOTE: [Data parallel])
+            self.loss = self.dp.mean_loss(self.loss)
         if not optimize:
             self._absorb_grads(all_stages=True)
         self.timeline = timeline or []
@@ -214,8 +216,12 @@ class Replay:
         self._grads_done(stage)
 
     def _grads_done(self, stage):
-        """After a stage's backward: park streamed gradients for their offload; add to the norm."""
+        """After a stage's backward: average its gradients over data-parallel ranks; park streamed
+        gradients for their offload; add to the norm."""
         work = self.store.work
+        if self.dp is not None:  # before anything reads them (NOTE: [Data parallel] in data_parallel.py)
+            names = stage.params + (self.m.SHARED if stage.index == 0 else ())
+            self.dp.reduce_grads(stage.index, [work[p].grad for p in names if work[p].grad is not None])
         if stage.stream:  # gradients of streamed weights wait in g:S for their offload
             self.gbuf[stage.index] = {p: work[p].grad for p in stage.params}
             for p in stage.params:

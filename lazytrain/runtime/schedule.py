@@ -34,8 +34,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`; 4: `DEVICE`, the
 # device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py),
 # `Stage.random` (its recomputes replay its generator state), `Stage.limits`, and chunked loss
-# stages cut along tokens with their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`)
-FORMAT_VERSION = 4
+# stages cut along tokens with their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`); 5: `WORLD_SIZE`, the
+# data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py)
+FORMAT_VERSION = 5
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

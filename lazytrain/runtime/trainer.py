@@ -29,6 +29,7 @@ import torch
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event
 from lazytrain.runtime import model_sync
+from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
@@ -52,11 +53,14 @@ class Trainer(Replay, Stepping):
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
     `device` (default: where the model is) is where compute runs; the model's own parameters stay
     the masters (fp32; bf16 if compiled with `--master-weights bf16`). On a GPU the process's
-    allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap])."""
+    allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap]).
+    A schedule compiled with `--world-size N` trains data parallel over `process_group` (default:
+    torch.distributed's default group), which must have N ranks: gradients are averaged over them
+    and the loss returned is the ranks' mean (NOTE: [Data parallel] in data_parallel.py)."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
-                 serial_optimizer: bool = False, cap_memory: bool = True):
+                 serial_optimizer: bool = False, cap_memory: bool = True, process_group=None):
         self.m = module
         self.model = model
         self.stages = module.STAGES
@@ -70,6 +74,7 @@ class Trainer(Replay, Stepping):
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
         self._check_device()
         self.cuda = self.device.type == "cuda"
+        self.dp = DataParallel.for_schedule(module, process_group, self.device)  # NOTE: [Data parallel]
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
             total = torch.cuda.get_device_properties(self.device).total_memory
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -104,6 +109,8 @@ class Trainer(Replay, Stepping):
         if self.cuda:  # bind's copies ran on the default stream; compute has its own
             torch.cuda.synchronize(self.device)
         self._model_behind = False  # stepped since the last sync_model (NOTE: [Model sync hooks] in model_sync.py)
+        if self.dp is not None:  # every rank bound the same schedule and weights; none steps before all have bound
+            self.dp.check_agree(module.CHECKSUM, {module.PLACEHOLDERS[p][1]: t for p, t in self.store.master.items()})
         model_sync.attach(self, model)
 
     # ---- binding checks -----------------------------------------------------------------------

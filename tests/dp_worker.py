@@ -1,0 +1,230 @@
+"""Ranks for the data-parallel tests (test_data_parallel.py): a launcher that spawns N processes in a
+gloo group, and the per-rank checks it runs. A module of its own so spawned processes can import
+the functions by name.
+
+Every rank binds the schedule to its own copy of the same model and steps on its rows of a global
+batch; the reference is single-process eager PyTorch on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lazytrain.errors import DistributedError, ScheduleMismatch
+from lazytrain.runtime.schedule import load_source
+from models import assert_grads_match, eager_grads, hf_pair, tiny_gpt_pair, token_batch, unique_name
+
+# eps 1e-3, not torch's 1e-8: Adam divides by sqrt(v) + eps, so a small eps turns gradients that are
+# rounding noise (attention's key bias: softmax ignores a shift), which differ with the reduction's
+# order, into lr-sized updates; and a larger eps makes the update depend on the gradient's scale, so
+# ranks that summed instead of averaging would show in the weights, not only in the gradients.
+HP = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.05)
+STEPS = 3
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+
+def _entry(rank: int, world: int, store: str, fn, args, results, timeout_s: float):
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # no teardown of a group another rank may have left broken
+
+
+def launch(fn, *args, world: int = 2, timeout_s: float = 60.0, deadline_s: float = 240.0) -> dict[int, object]:
+    """Run `fn(rank, world, *args)` on `world` spawned ranks of a gloo group whose collectives time
+    out after `timeout_s`. Returns {rank: result} of the ranks that reported one (a rank may exit
+    early on purpose); a rank that raised fails the caller with its traceback. Never waits past
+    `deadline_s`: ranks still running then are killed and reported as hung."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(r, world, store, fn, args, results, timeout_s)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out, errors = {}, []
+        end = time.monotonic() + deadline_s
+        while len(out) + len(errors) < world and any(p.is_alive() for p in procs) or not results.empty():
+            try:
+                rank, status, value = results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
+            except queue_mod.Empty:
+                if time.monotonic() > end:
+                    break
+                continue
+            (out.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    if hung and time.monotonic() > end:
+        raise AssertionError(f"ranks {hung} still ran after {deadline_s:g} s: a collective hung")
+    return out
+
+
+# ---- models and batches --------------------------------------------------------------------------
+
+def pair(name: str):
+    """(meta, real, one rank's batch) of a test model."""
+    if name == "tiny_gpt":
+        return tiny_gpt_pair()
+    if name == "qwen2":
+        return hf_pair("qwen2", layers=2)
+    raise ValueError(name)
+
+
+def global_batch(name: str, world: int, seed: int) -> dict[str, torch.Tensor]:
+    """`world` ranks' batches, stacked along rows; every row has the same number of targets."""
+    _, _, batch = pair(name)
+    rows, seq = batch["input_ids"].shape
+    vocab = {"tiny_gpt": 96, "qwen2": 128}[name]
+    return token_batch(world * rows, seq, vocab, seed=seed)
+
+
+def rows_of(batch: dict, rank: int, world: int) -> dict:
+    n = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+
+
+def _loss(out):
+    return out.loss if hasattr(out, "loss") else out
+
+
+def bind(source: str, real, **kwargs):
+    module = load_source(source, unique_name("lt_dp_schedule"))
+    model = copy.deepcopy(real)
+    return module.bind(model, **kwargs), model
+
+
+# ---- checks each rank runs -----------------------------------------------------------------------
+
+def check_forward_backward(rank, world, name, source):
+    """One forward_backward on this rank's rows: eager's loss and every gradient on the global batch."""
+    _, real, _ = pair(name)
+    glob = global_batch(name, world, seed=11)
+    ref_loss, ref_grads = eager_grads(real, glob)
+    trainer, model = bind(source, real)
+    loss = trainer.forward_backward(rows_of(glob, rank, world))
+    assert_grads_match(model, loss, ref_loss, ref_grads)
+
+
+def check_steps(rank, world, name, source, max_grad_norm):
+    """STEPS `step`s on this rank's rows of a fresh global batch each: torch AdamW's weights on the
+    global batches (with clip_grad_norm_ first when clipping), and the same clipped norm."""
+    _, real, _ = pair(name)
+    trainer, model = bind(source, real, max_grad_norm=max_grad_norm, **HP)
+    ref = copy.deepcopy(real)
+    ref.train()
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    norms = []
+    for i in range(STEPS):
+        glob = global_batch(name, world, seed=20 + i)
+        loss = trainer.step(rows_of(glob, rank, world))
+        opt.zero_grad()
+        ref_loss = _loss(ref(**glob))
+        ref_loss.backward()
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm).item()
+            assert abs(trainer.last_grad_norm - norm) <= 1e-5 * norm, f"step {i}: norm {trainer.last_grad_norm} != eager {norm}"
+            norms.append(norm)
+        opt.step()
+        assert torch.allclose(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5), f"step {i}: loss {loss} != eager {ref_loss}"
+    trainer.synchronize()
+    for (pname, got), want in zip(model.named_parameters(), ref.parameters()):
+        err = (got - want).abs().max().item()
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), f"{pname} differs from torch AdamW by {err:.3g}"
+    if max_grad_norm is not None:
+        assert max(norms) > max_grad_norm, "the clipping threshold never clipped: the test checks nothing"
+    return weights_digest(model)
+
+
+def weights_digest(model) -> str:
+    """A hash of every parameter's bytes: equal on every rank when the ranks step the same gradients."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_cases(rank, world, cases):
+    """Every (check, name, source, *args) in turn; {case id: ("ok", its result) or the failure's text}. A failing
+    case does not stop the others (they pair their collectives in the same order on every rank)."""
+    out = {}
+    for case_id, check, *args in cases:
+        try:
+            out[case_id] = ("ok", globals()[check](rank, world, *args))
+        except AssertionError as exc:
+            out[case_id] = f"rank {rank}: {exc}"
+        except Exception:
+            out[case_id] = f"rank {rank}: {traceback.format_exc()}"
+    return out
+
+
+def check_refused(rank, world, name, source, per_rank_source=None):
+    """Binding raises ScheduleMismatch (or DistributedError) on this rank; returns its message."""
+    _, real, _ = pair(name)
+    if per_rank_source is not None:
+        source = per_rank_source[rank]
+    try:
+        bind(source, real)
+    except (ScheduleMismatch, DistributedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("bind accepted it")
+
+
+def check_other_weights(rank, world, name, source):
+    """Ranks whose models start from different weights are refused at bind."""
+    _, real, _ = pair(name)
+    if rank == 1:
+        with torch.no_grad():
+            next(real.parameters()).add_(1.0)
+    try:
+        bind(source, real)
+    except DistributedError as exc:
+        return str(exc)
+    raise AssertionError("bind accepted ranks with different weights")
+
+
+def lost_rank(rank, world, name, source, mode, timeout_s, release):
+    """Rank 1 steps once with rank 0, then exits (`mode` "exit") or stops taking part ("stall");
+    rank 0's next step must raise DistributedError, within the group's timeout. Returns rank 0's
+    (seconds the failing step took, message)."""
+    _, real, _ = pair(name)
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
+    trainer, _ = bind(source, real, process_group=group, **HP)
+    glob = global_batch(name, world, seed=5)
+    trainer.step(rows_of(glob, rank, world))
+    if rank == 1:
+        if mode == "exit":
+            os._exit(0)
+        release.wait(timeout=120)  # alive, but in no collective, until rank 0 is done
+        return None
+    start = time.monotonic()
+    try:
+        trainer.step(rows_of(glob, rank, world))
+    except DistributedError as exc:
+        return time.monotonic() - start, str(exc)
+    finally:
+        release.set()
+    raise AssertionError("the step went on without rank 1")
