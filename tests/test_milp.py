@@ -117,3 +117,77 @@ def test_exposure_cuts_tighten_a_link_bound_relaxation():
     lp = _optimum(stages, SLOW, budget, cuts=True, relax=True)[0]
     lp0 = _optimum(stages, SLOW, budget, cuts=False, relax=True)[0]
     assert lp > lp0 * (1 + 1e-4)
+
+
+def _optimum_cliques(stages, hw, budget, *, cliques, fixed=None, relax=False):
+    """`_optimum` with or without the rows of NOTE: [Memory cliques] (the exposure cuts kept)."""
+    import lazytrain.passes.solve as solve_mod
+    real = solve_mod._memory_clique
+    try:
+        if not cliques:
+            solve_mod._memory_clique = lambda *a: None
+        return _optimum(stages, hw, budget, cuts=True, fixed=fixed, relax=relax)
+    finally:
+        solve_mod._memory_clique = real
+
+
+@pytest.mark.parametrize("hw", [HW, SLOW], ids=["cpu", "slow-link"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("slack", [0.0, 0.1, 0.3, 4.0])
+def test_memory_cliques_keep_the_optimum(hw, case, slack):
+    """The rows of NOTE: [Memory cliques] cut off no plan that fits: solved to optimality, the step
+    time is the same with and without them, and their relaxation is at least as tight."""
+    stages = CASES[case]
+    budget = int(smallest_budget(stages, hw) * (1 + slack))
+    with_rows, rows, _ = _optimum_cliques(stages, hw, budget, cliques=True)
+    without, rows0, _ = _optimum_cliques(stages, hw, budget, cliques=False)
+    assert rows > rows0 or slack > 1  # near the smallest budget the case has clique rows to test
+    assert with_rows == pytest.approx(without, rel=1e-6)
+    lp = _optimum_cliques(stages, hw, budget, cliques=True, relax=True)[0]
+    lp0 = _optimum_cliques(stages, hw, budget, cliques=False, relax=True)[0]
+    assert lp >= lp0 * (1 - 1e-9)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data())
+def test_memory_cliques_keep_every_plans_value(data):
+    """For any decision vector, fixed, the model with the clique rows gives the value (or the
+    refusal) the model without them gives."""
+    stages = CASES[data.draw(st.integers(0, len(CASES) - 1))]
+    hw = data.draw(st.sampled_from([HW, SLOW]))
+    decs = [StageDecision(*data.draw(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)),
+                                                st.booleans(), st.sampled_from([1, 2]))))
+            for _ in stages]
+    budget = int(smallest_budget(stages, hw) * data.draw(st.sampled_from([1.0, 1.1, 1.5, 10.0])))
+    with_rows, _, _ = _optimum_cliques(stages, hw, budget, cliques=True, fixed=decs)
+    without, _, _ = _optimum_cliques(stages, hw, budget, cliques=False, fixed=decs)
+    assert (with_rows is None) == (without is None)
+    if without is not None:
+        assert with_rows == pytest.approx(without, rel=1e-7, abs=1e-12)
+
+
+@pytest.mark.parametrize("hw", [HW, SLOW], ids=["cpu", "slow-link"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_memory_clique_pairs_never_fit(hw, case, monkeypatch):
+    """Every two decisions a clique row of NOTE: [Memory cliques] forbids together really break the
+    budget: the model without the rows, with both pinned on, has no plan."""
+    import itertools
+
+    import lazytrain.passes.solve as solve_mod
+    stages = CASES[case]
+    budget = int(smallest_budget(stages, hw) * 1.1)
+    cliques, real = [], solve_mod._memory_clique
+
+    def spy(m, row, cap):
+        n = len(m.constrs)
+        real(m, row, cap)
+        cliques.extend([var.name for var in c.expr.expr] for c in m.constrs[n:])
+    monkeypatch.setattr(solve_mod, "_memory_clique", spy)
+    _build(stages, hw, budget, minimise_memory=False)
+    monkeypatch.setattr(solve_mod, "_memory_clique", lambda *a: None)
+    pairs = {tuple(sorted(p)) for c in cliques for p in itertools.combinations(c, 2)}
+    assert pairs
+    for a, b in sorted(pairs):
+        m, *_ = _build(stages, hw, budget, minimise_memory=False)
+        m += m.var_by_name(a) + m.var_by_name(b) == 2
+        assert not milp.optimize(m, 60.0, 0.0).found, (a, b)

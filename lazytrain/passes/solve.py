@@ -378,6 +378,39 @@ def _exposure_cut(m, v, e, load, cap, modes):
         m += e >= mip.xsum(terms) - mip.LinExpr(expr=dict(cap.expr))
 
 
+# NOTE: [Memory cliques]
+# A window's memory row is a knapsack: sum_k a_k x_k + const <= B. Where two decisions each need
+# more than half of what the window can spare (a GPU-stepped stage's `opt:S` buffer is 10.7 GiB
+# for a 72B block; at 24 GiB a window holds one), at most one of them can be on, but the LP
+# relaxation puts 0.7 of each in every window: at 72B and 24 GiB its bound was 33% below the plan.
+# Per window, let L be the least the row can be (each variable at whichever bound lowers it, links
+# between variables ignored, so L is a lower bound; binaries with a_k > 0 sit at 0 there) and K the
+# binaries with a_k > (B - L)/2. Then sum_{k in K} x_k <= 1.
+# Valid at every integer point: with two members i, j on, the row is at least L + a_i + a_j > B, so
+# the point breaks the budget anyway. A plan that fits satisfies the row, and the row names no
+# continuous variable, so no plan changes value.
+def _memory_clique(m, row, cap):
+    """Adds sum_{k in K} x_k <= 1 for the binaries K of `row` (bytes <= cap) no two of which fit
+    together (NOTE: [Memory cliques])."""
+    row = row if isinstance(row, mip.LinExpr) else mip.LinExpr(const=row)
+    low = row.const
+    for var, a in row.expr.items():
+        if a < 0:
+            if var.ub == mip.INF or var.ub > 1e20:
+                return
+            low += a * var.ub
+        elif var.lb > 0:
+            low += a * var.lb
+    spare = cap - low
+    if spare <= 0:
+        return
+    # variables with positive coefficients add nothing to `low` (they sit at 0), so two of them
+    # fit together only if a_i + a_j <= spare
+    clique = [var for var, a in row.expr.items() if a > spare / 2 and var.var_type == mip.BINARY and var.lb == 0]
+    if len(clique) > 1:
+        m += mip.xsum(clique) <= 1
+
+
 def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision] | None = None, cuts: bool = True):
     """The MIP; `cuts`: with the rows of NOTE: [Exposure cuts], which change no plan's value."""
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
@@ -406,6 +439,8 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     else:
         for t in model.mem + [model.tail]:  # NOTE: [Allocator reserve] in hardware/__init__.py
             m += t * u <= (budget - hw.allocator_reserve_bytes) * u
+            if cuts:  # NOTE: [Memory cliques]
+                _memory_clique(m, t * u, (budget - hw.allocator_reserve_bytes) * u)
         m.objective = mip.minimize(step)
     return m, v, model, exposed
 
