@@ -121,14 +121,14 @@ def test_exposure_cuts_tighten_a_link_bound_relaxation():
 
 def _optimum_cliques(stages, hw, budget, *, cliques, fixed=None, relax=False):
     """`_optimum` with or without the rows of NOTE: [Memory cliques] (the exposure cuts kept)."""
-    import lazytrain.passes.solve as solve_mod
-    real = solve_mod._memory_clique
+    import lazytrain.passes.cuts as cuts_mod
+    real = cuts_mod.memory_clique
     try:
         if not cliques:
-            solve_mod._memory_clique = lambda *a: None
+            cuts_mod.memory_clique = lambda *a: None
         return _optimum(stages, hw, budget, cuts=True, fixed=fixed, relax=relax)
     finally:
-        solve_mod._memory_clique = real
+        cuts_mod.memory_clique = real
 
 
 @pytest.mark.parametrize("hw", [HW, SLOW], ids=["cpu", "slow-link"])
@@ -173,18 +173,18 @@ def test_memory_clique_pairs_never_fit(hw, case, monkeypatch):
     budget: the model without the rows, with both pinned on, has no plan."""
     import itertools
 
-    import lazytrain.passes.solve as solve_mod
+    import lazytrain.passes.cuts as cuts_mod
     stages = CASES[case]
     budget = int(smallest_budget(stages, hw) * 1.1)
-    cliques, real = [], solve_mod._memory_clique
+    cliques, real = [], cuts_mod.memory_clique
 
     def spy(m, row, cap):
         n = len(m.constrs)
         real(m, row, cap)
         cliques.extend([var.name for var in c.expr.expr] for c in m.constrs[n:])
-    monkeypatch.setattr(solve_mod, "_memory_clique", spy)
+    monkeypatch.setattr(cuts_mod, "memory_clique", spy)
     _build(stages, hw, budget, minimise_memory=False)
-    monkeypatch.setattr(solve_mod, "_memory_clique", lambda *a: None)
+    monkeypatch.setattr(cuts_mod, "memory_clique", lambda *a: None)
     pairs = {tuple(sorted(p)) for c in cliques for p in itertools.combinations(c, 2)}
     assert pairs
     for a, b in sorted(pairs):

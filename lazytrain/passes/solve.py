@@ -74,6 +74,7 @@ if getattr(_cbc, "has_cbc", False):
 from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
 from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
+from lazytrain.passes import cuts as cuts_
 from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
@@ -301,24 +302,8 @@ def _vars(m: mip.Model, stages: Stages):
     return v
 
 
-# NOTE: [Exposure cuts]
-# A window's exposed time is e >= load - cap, load a sum of transfer volumes. In the LP relaxation a
-# stage streamed by half puts half its volume in its windows and has them hidden by the whole of
-# their compute: the bound of the 72B shape at the full device stayed 3-4% below the plan after 60 s.
-# Each stage's stream/gstep/ahead decisions pick one of four modes (resident; streamed and stepped
-# on the host; GPU-stepped, fetched one window ahead; two ahead), with 0/1 indicators
-# 1-stream, stream-gstep, gstep-ahead and ahead (`_vars` nests them: ahead <= gstep <= stream);
-# `off` is its own indicator. Per window and row (H2D, D2H, both), write the load as
-# sum_g f_g(mode_g) + q + l0 with q >= 0 (continuous parts) and the capacity as c0 + V (V >= 0:
-# recompute), c = c0 - l0 > 0, and add
-#     e >= sum over groups g and modes m with f_gm > c of (f_gm - c) * [g in mode m] - V.
-# Valid at every integer point, so no plan is cut off and none changes value: if no term is on, the
-# right side is -V <= 0 <= e; if k >= 1 are on, it is sum_on f_gm - k*c - V <= load - l0 - c - V
-# (every f_g >= 0 in every mode, checked) <= e. In the relaxation it charges a half-streamed stage
-# half its exposed time rather than none (root bound of the 72B shape: 10.53 s -> 10.90 s, plan
-# 11.18 s), and HiGHS proves 1% in about 25 s on this machine instead of not in 60 s.
 def _exposure(m: mip.Model, model: _Model, hw: Hardware, v, cuts: bool):
-    modes = _modes(v)
+    modes = cuts_.modes(v)
     exposed = []  # seconds; the variables hold them in units of `unit_s`
     k = 1.0 / model.unit_s
     for t in range(len(model.cap)):
@@ -328,91 +313,16 @@ def _exposure(m: mip.Model, model: _Model, hw: Hardware, v, cuts: bool):
         m += e >= d * (k / hw.d2h_bandwidth) - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
         m += e >= c * k - cap * k
-        if cuts:  # NOTE: [Exposure cuts]
+        if cuts:  # NOTE: [Exposure cuts] in cuts.py
             for load in (h * (k / hw.h2d_bandwidth) + lag * k, d * (k / hw.d2h_bandwidth),
                          (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k):
-                _exposure_cut(m, v, e, load, cap * k, modes)
+                cuts_.exposure_cut(m, v, e, load, cap * k, modes)
         exposed.append(e * model.unit_s)
     return exposed
 
 
-def _modes(v) -> dict:
-    """Each binary a window's transfers read, by index: (its group, its key). A stage's stream,
-    gstep and ahead form one group with four modes (NOTE: [Exposure cuts]); `off` is a group alone."""
-    out = {}
-    for s in range(len(v["stream"])):
-        for key in ("stream", "gstep", "ahead"):
-            out[v[key][s].idx] = (("stage", s), key)
-        out[v["off"][s].idx] = (("off", s), "off")
-    return out
-
-
-def _exposure_cut(m, v, e, load, cap, modes):
-    """Adds e >= sum over groups g and their modes m of (load_gm - c)+ * [g in m] - (cap - c), where
-    c is `cap`'s constant part; or nothing where the argument of NOTE: [Exposure cuts] fails."""
-    load = load if isinstance(load, mip.LinExpr) else mip.LinExpr(const=load)
-    cap = cap if isinstance(cap, mip.LinExpr) else mip.LinExpr(const=cap)
-    c = cap.const - load.const
-    if c <= 0 or any(a < 0 or var.lb < 0 for var, a in cap.expr.items()):
-        return
-    coef: dict = {}
-    for var, a in load.expr.items():
-        if var.idx not in modes:
-            if var.var_type != mip.CONTINUOUS or var.lb < 0 or a < 0:
-                return
-            continue  # a nonnegative part: leaving it out only weakens the row
-        group, key = modes[var.idx]
-        coef.setdefault(group, {})[key] = a
-    terms = []
-    for (kind, s), a in coef.items():
-        if kind == "off":
-            table = [(a["off"], v["off"][s])]
-        else:  # modes host-stepped, GPU-stepped one window ahead, two ahead; resident adds nothing
-            sig, gst, ahd = (a.get(k, 0.0) for k in ("stream", "gstep", "ahead"))
-            table = [(sig, v["stream"][s] - v["gstep"][s]), (sig + gst, v["gstep"][s] - v["ahead"][s]),
-                     (sig + gst + ahd, v["ahead"][s])]
-        if any(f < 0 for f, _ in table):
-            return
-        terms += [(f - c) * ind for f, ind in table if f > c]
-    if terms:
-        m += e >= mip.xsum(terms) - mip.LinExpr(expr=dict(cap.expr))
-
-
-# NOTE: [Memory cliques]
-# A window's memory row is a knapsack: sum_k a_k x_k + const <= B. Where two decisions each need
-# more than half of what the window can spare (a GPU-stepped stage's `opt:S` buffer is 10.7 GiB
-# for a 72B block; at 24 GiB a window holds one), at most one of them can be on, but the LP
-# relaxation puts 0.7 of each in every window: at 72B and 24 GiB its bound was 33% below the plan.
-# Per window, let L be the least the row can be (each variable at whichever bound lowers it, links
-# between variables ignored, so L is a lower bound; binaries with a_k > 0 sit at 0 there) and K the
-# binaries with a_k > (B - L)/2. Then sum_{k in K} x_k <= 1.
-# Valid at every integer point: with two members i, j on, the row is at least L + a_i + a_j > B, so
-# the point breaks the budget anyway. A plan that fits satisfies the row, and the row names no
-# continuous variable, so no plan changes value.
-def _memory_clique(m, row, cap):
-    """Adds sum_{k in K} x_k <= 1 for the binaries K of `row` (bytes <= cap) no two of which fit
-    together (NOTE: [Memory cliques])."""
-    row = row if isinstance(row, mip.LinExpr) else mip.LinExpr(const=row)
-    low = row.const
-    for var, a in row.expr.items():
-        if a < 0:
-            if var.ub == mip.INF or var.ub > 1e20:
-                return
-            low += a * var.ub
-        elif var.lb > 0:
-            low += a * var.lb
-    spare = cap - low
-    if spare <= 0:
-        return
-    # variables with positive coefficients add nothing to `low` (they sit at 0), so two of them
-    # fit together only if a_i + a_j <= spare
-    clique = [var for var, a in row.expr.items() if a > spare / 2 and var.var_type == mip.BINARY and var.lb == 0]
-    if len(clique) > 1:
-        m += mip.xsum(clique) <= 1
-
-
 def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision] | None = None, cuts: bool = True):
-    """The MIP; `cuts`: with the rows of NOTE: [Exposure cuts], which change no plan's value."""
+    """The MIP; `cuts`: with the valid rows of passes/cuts.py, which change no plan's value."""
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0
     m.threads = 1
@@ -439,8 +349,8 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     else:
         for t in model.mem + [model.tail]:  # NOTE: [Allocator reserve] in hardware/__init__.py
             m += t * u <= (budget - hw.allocator_reserve_bytes) * u
-            if cuts:  # NOTE: [Memory cliques]
-                _memory_clique(m, t * u, (budget - hw.allocator_reserve_bytes) * u)
+            if cuts:  # NOTE: [Memory cliques] in cuts.py
+                cuts_.memory_clique(m, t * u, (budget - hw.allocator_reserve_bytes) * u)
         m.objective = mip.minimize(step)
     return m, v, model, exposed
 
