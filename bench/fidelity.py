@@ -202,24 +202,22 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     windows = _windows(module, trainer.timeline)
     # one more step, untimed, with the allocator read as each event is issued
-    seen: dict[str, int] = {}
-    inner = trainer.streams.run
+    from bench.trace import event_memory
 
-    def run(e, fn, on=None):
-        torch.cuda.reset_peak_memory_stats()
-        inner(e, fn, on=on)
-        label = _window_of(module, e.start_s)
-        seen[label] = max(seen.get(label, 0), torch.cuda.max_memory_allocated())
-    trainer.streams.run = run
-    losses.append(trainer.step(data).item())
-    torch.cuda.synchronize()
+    loss, rows = event_memory(trainer, data)
+    losses.append(loss)
+    starts = {e.id: e.start_s for e in module.EVENTS}
+    seen: dict[str, int] = {}
+    for event_id, _, peak, _ in rows:
+        label = _window_of(module, starts[event_id])
+        seen[label] = max(seen.get(label, 0), peak)
     for w in windows:
         w["measured_bytes"] = seen.get(w["window"])
     host_peak = _status_kib("VmHWM") * 1024 if cleared else None
     if args.trace:
         from bench.trace import traced_step
 
-        trace = traced_step(trainer, data)
+        trace = traced_step(trainer, data, rows)
         (Path(args.out or RESULTS) / f"{case.name}.trace.json").write_text(json.dumps(trace) + "\n")
     trainer.sync_model()
     step_s = statistics.median(times[args.warmup:])

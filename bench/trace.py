@@ -1,9 +1,10 @@
-"""One traced step of a bound schedule on the GPU: what the memory model and the step model are checked
+"""A traced step of a bound schedule on the GPU: what the memory model and the step model are checked
 against, event by event (`bench/fidelity.py run --trace`).
 
-  events      per event, in issue order: (id, bytes allocated before it was issued, the most while it
-              was issued, after); the caching allocator allocates as work is issued, so these are
-              the bytes the plan's per-event trace (pass `verify`) predicts
+  events      per event, in issue order (`event_memory`, the step `fidelity.py` reads per window too):
+              (id, bytes allocated before it was issued, the most while it was issued, after); the
+              caching allocator allocates as work is issued, so these are the bytes the plan's
+              per-event trace (pass `verify`) predicts
   timeline    (event id, start s, end s) of every device event, on one clock with...
   host        ...the host optimizer jobs, which may run on into the next step
   peak        a second step under the allocator's memory history: the blocks live at its most
@@ -16,7 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 
-def traced_step(trainer, data) -> dict:
+def event_memory(trainer, data) -> tuple[float, list[tuple[int, int, int, int]]]:
+    """One step with the allocator read as each event is issued and the timeline recorded: its loss,
+    and per event (id, bytes allocated before it, the most while it was issued, after)."""
     import torch
 
     rows = []
@@ -30,11 +33,19 @@ def traced_step(trainer, data) -> dict:
     trainer.streams.run = run
     trainer.record_timeline = True
     try:
-        trainer.step(data)
+        loss = trainer.step(data).item()
         trainer.synchronize()
     finally:
         trainer.streams.run = inner
         trainer.record_timeline = False
+    return loss, rows
+
+
+def traced_step(trainer, data, rows) -> dict:
+    """`rows` from `event_memory` (the step just run, whose timeline the trainer still holds), and
+    a further step under the allocator's memory history."""
+    import torch
+
     out = {"events": rows, "timeline": list(trainer.timeline), "host": list(getattr(trainer.streams, "host_marks", []))}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
