@@ -91,6 +91,13 @@ def test_exposure_cuts_keep_the_optimum(hw, case, slack):
     assert lp >= lp0 * (1 - 1e-9)
 
 
+def _any_decisions(data, stages) -> list[StageDecision]:
+    """Any decision vector, valid or not: the models with and without extra rows must agree on it."""
+    return [StageDecision(*data.draw(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)),
+                                                st.booleans(), st.sampled_from([1, 2]))))
+            for _ in stages]
+
+
 @settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_exposure_cuts_keep_every_plans_value(data):
@@ -98,9 +105,7 @@ def test_exposure_cuts_keep_every_plans_value(data):
     model without them gives: a cut that removed a valid plan, or priced it higher, fails here."""
     stages = CASES[data.draw(st.integers(0, len(CASES) - 1))]
     hw = data.draw(st.sampled_from([HW, SLOW]))
-    decs = [StageDecision(*data.draw(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)),
-                                                st.booleans(), st.sampled_from([1, 2]))))
-            for _ in stages]
+    decs = _any_decisions(data, stages)
     budget = int(smallest_budget(stages, hw) * data.draw(st.sampled_from([1.0, 1.5, 10.0])))
     with_cuts, _, _ = _optimum(stages, hw, budget, cuts=True, fixed=decs)
     without, _, exposed = _optimum(stages, hw, budget, cuts=False, fixed=decs)
@@ -155,9 +160,7 @@ def test_memory_cliques_keep_every_plans_value(data):
     refusal) the model without them gives."""
     stages = CASES[data.draw(st.integers(0, len(CASES) - 1))]
     hw = data.draw(st.sampled_from([HW, SLOW]))
-    decs = [StageDecision(*data.draw(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)),
-                                                st.booleans(), st.sampled_from([1, 2]))))
-            for _ in stages]
+    decs = _any_decisions(data, stages)
     budget = int(smallest_budget(stages, hw) * data.draw(st.sampled_from([1.0, 1.1, 1.5, 10.0])))
     with_rows, _, _ = _optimum_cliques(stages, hw, budget, cliques=True, fixed=decs)
     without, _, _ = _optimum_cliques(stages, hw, budget, cliques=False, fixed=decs)

@@ -205,6 +205,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
         owned = [graph[n] for n in names if not costs[n].alias]
         outputs_ = set(outputs)
         saved_values = {n.name for n in owned if n.name in kept and (n.name not in outputs_ or not kept[n.name].isdisjoint(names))}
+        saved_inside = sum(saved_internal(graph[n], graph) for n in names)  # operators' own saved buffers
         key = _kind_key(graph, names)
         skipped = skips(graph, names, users, kept)
         kinds.setdefault(key, chr(ord("A") + len(kinds)) if len(kinds) < 26 else f"K{len(kinds)}")
@@ -216,12 +217,10 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             consumers=consumers, producers=producers,
             param_numel=sum(graph[p].spec.numel for p in params),
             param_bytes=sum(graph[p].spec.nbytes for p in params),
-            saved_bytes=sum(value_bytes(graph[n].value) for n in saved_values)
-            + sum(saved_internal(graph[n], graph) for n in names),
+            saved_bytes=sum(value_bytes(graph[n].value) for n in saved_values) + saved_inside,
             backward_bytes=backward_peak(graph, names, costs, rg, kept, saved_values, outputs,
                                          accumulating={p for p in shared if p in placeholders and max(param_users[p]) > i}),
-            saving_peak_bytes=_peak(graph, names, costs, last_use, position, held=saved_values)
-            + sum(saved_internal(graph[n], graph) for n in names),
+            saving_peak_bytes=_peak(graph, names, costs, last_use, position, held=saved_values) + saved_inside,
             peak_bytes=_peak(graph, names, costs, last_use, position),
             internal_bytes=max((internal_bytes(graph[n], graph) for n in names), default=0),
             out_bytes=sum(value_bytes(graph[o].value) for o in outputs),

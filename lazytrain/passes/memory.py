@@ -36,22 +36,23 @@ from lazytrain.ir.graph import Graph, Node, Sym, TensorSpec
 
 Rule = Callable[[Node, Graph], int]
 RULES: dict[str, Rule] = {}
+# target -> bytes its backward holds of its own beyond the gradients it makes (default: its forward's
+# `internal_bytes`, the gradients of those intermediates)
+BACKWARD_RULES: dict[str, Rule] = {}
 
 
-def rule(*targets: str):
-    def register(fn: Rule) -> Rule:
-        for t in targets:
-            RULES[t] = fn
-        return fn
-    return register
+def _registrar(table: dict[str, Rule]):
+    def rule(*targets: str):
+        def register(fn: Rule) -> Rule:
+            for t in targets:
+                table[t] = fn
+            return fn
+        return register
+    return rule
 
 
-def rule_backward(*targets: str):
-    def register(fn: Rule) -> Rule:
-        for t in targets:
-            BACKWARD_RULES[t] = fn
-        return fn
-    return register
+rule = _registrar(RULES)
+rule_backward = _registrar(BACKWARD_RULES)
 
 
 def _spec(graph: Graph, arg) -> TensorSpec | None:
@@ -95,10 +96,6 @@ def _none(node: Node, graph: Graph) -> int:
 def internal_bytes(node: Node, graph: Graph) -> int:
     return RULES.get(node.target, _none)(node, graph)
 
-
-# target -> bytes its backward holds of its own beyond the gradients it makes (default: its forward's
-# `internal_bytes`, the gradients of those intermediates)
-BACKWARD_RULES: dict[str, Rule] = {}
 
 
 @rule_backward("aten.embedding.default")
