@@ -42,8 +42,8 @@ def resident_grad_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES
 def resident_step_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES, largest_numel: int = 0) -> int:
     """What a resident parameter set's GPU step holds beyond its gradients while it runs (NOTE:
     [Resident steps]): in mixed precision the compute-dtype gradients beside the master-dtype ones
-    they become; for a bf16 master also the fp32 twin, fp32 gradient, rounding noise and the random
-    draw's own buffer of its largest tensor (`TWIN_BYTES`); for fp32 alone nothing (the fused step)."""
+    they become; for a bf16 master also the fp32 twin, fp32 gradient and rounding noise of its largest
+    tensor (`TWIN_BYTES`); for fp32 alone nothing (the fused step)."""
     ws = param_bytes if param_bytes != master * numel else 0
     return ws + (TWIN_BYTES * largest_numel if master != MASTER_BYTES else 0)
 
@@ -90,14 +90,14 @@ NOISE_BYTES = 4
 # NOTE: [Resident steps]
 # A resident stage's gradients appear at its backward and stay until the next step starts (its
 # step reads them there, or, with gradient clipping, after backward ends). Its step itself holds:
-#   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, and more
-#     the allocator holds while the random draw runs: 16 bytes per parameter of the largest tensor
-#     measured on the H200 for Qwen2.5-7B's 67.9 M-parameter MLP weight (1.01 GiB over the
-#     gradients), 12 for Qwen2.5-14B's 778 M-parameter lm_head (8.7 GiB); 16 is counted;
+#   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, 12 bytes
+#     per parameter of the largest tensor (measured on the H200: 12 for Qwen2.5-14B's 778 M-parameter
+#     lm_head). Each tensor's twin dies before the next one's is made: held one tensor longer, the
+#     7B's equal 67.9 M-parameter MLP weights stepped at 16 (1.01 GiB over the gradients);
 #   - fp32 masters of bf16 weights: each fp32 gradient made beside the bf16 one it replaces.
 # Counting the twins and the gradients from the step's start put every window of a 7B plan at
 # 24 GiB 2.4 GiB over the measured one (the fidelity trace, 2026-11-30).
-TWIN_BYTES = 2 * MASTER_BYTES + NOISE_BYTES + 4
+TWIN_BYTES = 2 * MASTER_BYTES + NOISE_BYTES
 
 
 def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES,

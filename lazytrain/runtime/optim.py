@@ -154,15 +154,20 @@ class _Staged:
             self._step(view)
             return
         for i, p in enumerate(params):  # NOTE: [bf16 master weights]
-            if p.grad is None:
-                continue
-            twin = _fp32(p.detach(), "master")
-            twin.grad = _fp32(p.grad, "grad")
-            state = defaultdict(dict, {twin: view.state[p]})
-            self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
-            view.state[p] = state[twin]
-            with torch.no_grad():
-                round_stochastic_(p.detach(), twin, self.sr_seed(index, i, view.state[p]))
+            if p.grad is not None:
+                self._step_twin(view, index, i, p)
+
+    def _step_twin(self, view, index: int, i: int, p: torch.Tensor) -> None:
+        """Parameter `p` (bf16) stepped through an fp32 twin, then rounded back. A function of its
+        own so the twin and its gradient die on return, before the next parameter's are made
+        (NOTE: [Resident steps] in passes/footprint.py)."""
+        twin = _fp32(p.detach(), "master")
+        twin.grad = _fp32(p.grad, "grad")
+        state = defaultdict(dict, {twin: view.state[p]})
+        self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
+        view.state[p] = state[twin]
+        with torch.no_grad():
+            round_stochastic_(p.detach(), twin, self.sr_seed(index, i, view.state[p]))
 
     def _step(self, view) -> None:
         view.step()
