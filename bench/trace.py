@@ -10,6 +10,8 @@ against, event by event (`bench/fidelity.py run --trace`).
   peak        a second step under the allocator's memory history: the blocks live at its most
               allocated moment, summed by the innermost lazytrain frame that allocated them (the
               rest: by the innermost frame); `before` is what was allocated when recording began
+  ops         a third step under the profiler: each aten operator's own device seconds, to set
+              beside `bench/opcost.py`'s isolated figures (what running inside a schedule costs)
 """
 
 from __future__ import annotations
@@ -57,7 +59,20 @@ def traced_step(trainer, data, rows) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     out["peak"] = peak_groups(snap, before)
+    out["ops"] = profiled_ops(lambda: (trainer.step(data), trainer.synchronize()))
     return out
+
+
+def profiled_ops(fn) -> dict[str, float]:
+    """Each aten operator's own device seconds over one call of `fn` (under the profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total * 1e-6 for e in prof.key_averages()
+            if e.self_device_time_total > 0 and e.key.startswith("aten::")}
 
 
 def _where(frames) -> str:

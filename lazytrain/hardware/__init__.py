@@ -63,6 +63,8 @@ class Hardware:
     # bf16-master plans allocated up to 1.2 GiB beyond its model there, not yet explained. Plans
     # whose buffers filled the budget ran out of memory with 0.4-1.2 GiB still unallocated.
     allocator_reserve_bytes: int = 0
+    # share of the matmul rate fused attention reaches (NOTE: [Measured operator rates] in passes/costs.py)
+    attention_fraction: float = 1.0
 
     @property
     def max_budget(self) -> int:
@@ -92,7 +94,7 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
         )
     data = json.loads(path.read_text())
     known = {f.name for f in fields(Hardware)}
-    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes"}
+    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "attention_fraction"}
     if missing:
         raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
     data["estimated"] = tuple(data.get("estimated", ()))

@@ -106,6 +106,11 @@ class Stages:
     def __getitem__(self, i: int) -> Stage:
         return self.stages[i]
 
+    def weight_bytes(self, s: int) -> int:
+        """Every weight stage `s` reads: its own and the shared ones it uses (a tied lm_head)."""
+        g = self.stages[s]
+        return g.param_bytes + (self.shared_bytes if set(self.shared_params) & set(g.placeholders) else 0)
+
 
 def _assign(graph: Graph) -> dict[str, str]:
     """Node -> stage name, by block and position."""

@@ -11,8 +11,8 @@ Backward is charged `bwd_factor` times the forward (2 for matmuls: grads of inpu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from lazytrain.hardware import Hardware
 from lazytrain.ir.graph import Graph, Node, OpKind, TensorSpec, value_bytes
@@ -32,17 +32,33 @@ class _Rule:
     flops: Callable[[Node, Graph], float]
     bwd_factor: float = 1.0
     alias: bool = False
+    passes: float = 1.0  # times the kernels read and write the inputs and output (NOTE: [Measured operator rates])
 
 
 RULES: dict[str, _Rule] = {}
 
 
-def rule(*targets: str, bwd_factor: float = 1.0, alias: bool = False):
+def rule(*targets: str, bwd_factor: float = 1.0, alias: bool = False, passes: float = 1.0):
     def register(fn):
         for t in targets:
-            RULES[t] = _Rule(fn, bwd_factor, alias)
+            RULES[t] = _Rule(fn, bwd_factor, alias, passes)
         return fn
     return register
+
+
+# NOTE: [Measured operator rates]
+# The rules' constants come from `bench/opcost.py`, which profiles one decoder layer and the chunked
+# loss stage of the 1.5B, 7B and 14B bench shapes on the H200 (bench/results/opcost, 2026-11-30):
+#   - matmuls of those layers and of lm_head ran at 770-810 TFLOP/s (bf16), the profile's `flops`
+#     with `achieved_fraction` 1.0; a fraction of 0.75 had hidden the elementwise time below;
+#   - elementwise kernels moved 2.8 TB/s (dtype conversions, the softmax kernels), the
+#     profile's `mem_bandwidth`; the backward of a product writes a gradient per operand
+#     (`bwd_factor` 2), which a factor of 1 halved: every layer's non-matmul time was 2.0-2.4x its
+#     prediction, the loss stage's 2.5-2.8x;
+#   - cross-entropy over V classes: its log_softmax reads the logits twice and writes them once
+#     (`passes` 3), and its backward fills a zero gradient and runs the softmax backward (read
+#     two, write one): 4 passes, measured 9.8 and 12.9 ms for the 1.5B's 2.49 G logits;
+#   - fused causal attention (cuDNN) reached `attention_fraction` of the matmul rate.
 
 
 def _in(node: Node, graph: Graph, i: int) -> TensorSpec:
@@ -80,8 +96,11 @@ def _grouped_mm(node, graph):
     return 2.0 * node.spec.numel * _in(node, graph, 0).shape[-1]
 
 
-@rule("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
-      "aten._scaled_dot_product_efficient_attention.default", bwd_factor=2.5)
+ATTENTION = ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
+             "aten._scaled_dot_product_efficient_attention.default")
+
+
+@rule(*ATTENTION, bwd_factor=2.5)
 def _sdpa(node, graph):
     q, k = _in(node, graph, 0), _in(node, graph, 1)
     *batch, lq, d = q.shape
@@ -109,6 +128,12 @@ def _elementwise(node, graph):
     return float(sum(v.numel for v in _specs(node)))
 
 
+# NOTE: [Measured operator rates]: a gradient per operand
+rule("aten.mul.Tensor", "aten.div.Tensor", bwd_factor=2.0)(_elementwise)
+# NOTE: [Measured operator rates]: log_softmax's passes over the logits, then the backward's
+rule("aten.cross_entropy_loss.default", bwd_factor=4 / 3, passes=3.0)(_elementwise)
+
+
 def _specs(node: Node):
     if isinstance(node.value, TensorSpec):
         return [node.value]
@@ -127,6 +152,7 @@ def costs(graph: Graph, hw: Hardware) -> dict[str, NodeCost]:
         flops = r.flops(node, graph)
         nbytes = 0.0 if r.alias else float(value_bytes(node.value) + sum(value_bytes(graph[i].value) for i in set(node.inputs())))
         dtype = next((s.dtype for s in _specs(node)), "float32")
-        t = 0.0 if r.alias else max(flops / hw.flops_for(dtype), nbytes / hw.mem_bandwidth) + hw.op_overhead_s
+        rate = hw.flops_for(dtype) * (hw.attention_fraction if node.target in ATTENTION else 1.0)
+        t = 0.0 if r.alias else max(flops / rate, r.passes * nbytes / hw.mem_bandwidth) + hw.op_overhead_s
         table[node.name] = NodeCost(flops, nbytes, t, t * r.bwd_factor, r.alias)
     return table

@@ -125,8 +125,7 @@ def chunk_workspace(stages: Stages, s: int) -> int:
     holds the logits, their fp32 upcast and the log-probabilities). Measured on the H200: 1.17 GiB
     for Qwen2.5-7B's lm_head (1.02 GiB of bf16 weight) at 32 x 1024 tokens, where the peak is 0.90."""
     g = stages[s]
-    weights = g.param_bytes + (stages.shared_bytes if set(stages.shared_params) & set(g.placeholders) else 0)
-    return max(g.peak_bytes, weights + g.peak_bytes // 4)
+    return max(g.peak_bytes, stages.weight_bytes(s) + g.peak_bytes // 4)
 
 
 def saving_workspace(g) -> int:
