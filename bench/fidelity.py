@@ -193,6 +193,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         trainer.record_timeline = i == args.warmup + args.steps - 1
@@ -200,6 +201,8 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    # the allocator freed its cache and retried (a device-wide sync): a plan at its cap stalls there
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     windows = _windows(module, trainer.timeline)
     # one more step, untimed, with the allocator read as each event is issued
     from bench.trace import event_memory
@@ -229,6 +232,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "host_reserve_bytes": HOST_RESERVE,
         "step_s": step_s, "step_times_s": times[args.warmup:], "losses": losses, "bind_s": bind_s,
         "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved, "host_peak_bytes": host_peak,
+        "alloc_retries": retries,
         "windows": windows, "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "commit": _commit(),
     }
@@ -280,7 +284,8 @@ def _line(r: dict) -> str:
         return f"{head}: refused at compile"
     return (f"{head}: step {r['step_s']:.3f} s (pred {r['predicted_step_s']:.3f}), allocated "
             f"{r['allocated_peak_bytes'] / GiB:.1f} GiB (pred {r['predicted_peak_bytes'] / GiB:.1f}), reserved "
-            f"{r['reserved_peak_bytes'] / GiB:.1f} of {r['budget_bytes'] / GiB:.1f} GiB")
+            f"{r['reserved_peak_bytes'] / GiB:.1f} of {r['budget_bytes'] / GiB:.1f} GiB, allocator retries "
+            f"{r.get('alloc_retries', '?')}")
 
 
 def _checks(r: dict) -> str:
