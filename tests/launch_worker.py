@@ -29,21 +29,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str, fault: tu
         f = os.open(os.path.join(out, f"{name}{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
     if fault is not None and rank == 1:
-        from lazytrain.train.data import PackedBatches
-
-        mode, at = fault
-        original = PackedBatches.__next__
-        count = [0]
-
-        def next_batch(self):
-            count[0] += 1
-            if count[0] == at:
-                if mode == "exit":
-                    os._exit(3)
-                time.sleep(600)
-            return original(self)
-
-        PackedBatches.__next__ = next_batch
+        die_at(fault[1], fault[0])
     from lazytrain.cli import main
 
     code = main(argv)
@@ -54,11 +40,29 @@ def _rank(rank: int, world: int, port: int, argv: list[str], out: str, fault: tu
     os._exit(code)
 
 
+def die_at(at: int, mode: str = "exit", code: int = 7) -> None:
+    """This process exits with `code` (mode "exit") or hangs ("stall") as it reads its `at`-th batch."""
+    from lazytrain.train.data import PackedBatches
+
+    original = PackedBatches.__next__
+    count = [0]
+
+    def next_batch(self):
+        count[0] += 1
+        if count[0] == at:
+            if mode == "exit":
+                os._exit(code)
+            time.sleep(600)
+        return original(self)
+
+    PackedBatches.__next__ = next_batch
+
+
 def run_ranks(argv: list[str], out: Path, world: int = 2, fault: tuple[str, int] | None = None,
               deadline_s: float = 300.0) -> dict[int, tuple[int | None, str, str]]:
     """`lazytrain <argv>` on `world` ranks: {rank: (exit code or None if it was still running when
     rank 0 ended and was killed, stdout, stderr)}. Waits for rank 0 (at most `deadline_s`), then
-    gives the others 10 s."""
+    gives the others 5 s."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -67,7 +71,7 @@ def run_ranks(argv: list[str], out: Path, world: int = 2, fault: tuple[str, int]
         p.start()
     procs[0].join(deadline_s)
     for p in procs[1:]:
-        p.join(10)
+        p.join(5)
     results = {}
     for r, p in enumerate(procs):
         code = p.exitcode

@@ -63,9 +63,9 @@ def train_argv(model, run_dir, *extra) -> list[str]:
                              "--print-every", 1, *extra)]
 
 
-def launch(argv: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(argv: list[str], nproc: int = 2, timeout: float = 300, path: tuple = ()) -> subprocess.CompletedProcess:
     """`python -m lazytrain <argv> --nproc-per-node N`: torch's launcher starts the ranks."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "lazytrain", *argv, "--nproc-per-node", str(nproc)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -243,7 +243,7 @@ def test_world_size_that_does_not_divide_the_global_batch_is_refused(model_file,
     assert errors[0] == ("lazytrain: error: the global batch of 4 rows cannot be split evenly over 3 ranks; run on a "
                          "number of ranks that divides 4 (1, 2, 4), or make the global batch a multiple of 3 rows "
                          f"(example_batch() in {model_file}, e.g. 6)"), done.stderr
-    assert len(errors) == 2 and "exited with code 2, and the launcher stopped the others" in errors[1], done.stderr
+    assert len(errors) == 2 and "exited with code 2, and the launcher stopped the others; its own output is above" in errors[1], done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
@@ -275,3 +275,33 @@ def test_a_lost_rank_stops_the_others_with_an_error(model_file, tmp_path, mode):
     lines = [line for line in err.splitlines() if line.startswith("lazytrain: error: ")]
     assert len(lines) == 1 and "failed on rank 0 of 2" in lines[0] and "timeout (3 s)" in lines[0], err
     assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text() == "step-00000002\n"
+
+
+def test_a_rank_that_dies_under_the_launcher_ends_the_run(model_file, tmp_path):
+    """Through `--nproc-per-node`: rank 1 dies (exit code 7) reading its batch for step 3 (made so by a
+    sitecustomize on its path); the launcher stops rank 0 and the command ends with one line naming
+    the rank, instead of hanging."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from launch_worker import die_at\n"
+        "    die_at(3)\n")
+    done = launch(train_argv(model_file, tmp_path / "run", "--steps", 6), path=(site, Path(__file__).parent),
+                  timeout=240)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == ("lazytrain: error: rank 1 of 2 exited with code 7, and the launcher "
+                                            "stopped the others; its own output is above"), done.stderr
+    assert "step     2  loss" in done.stdout and "step     3" not in done.stdout
+
+
+def test_nproc_per_node_that_disagrees_with_torchrun_is_refused(model_file, tmp_path, monkeypatch, capsys):
+    """Under torchrun (its environment: 2 ranks on this host), `--nproc-per-node 3` is refused before
+    any process group is joined."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    code = main(train_argv(model_file, tmp_path / "run", "--steps", 2, "--nproc-per-node", 3))
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("lazytrain: error: --nproc-per-node 3 was given, but the launcher started 2 ranks on "
+                                 "this host; drop --nproc-per-node under torchrun (its own flag sets the ranks)\n"), err

@@ -24,6 +24,7 @@ filesystem across hosts).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,9 @@ def read_state(path: Path, model_keys: list[str] | None = None, template: dict[s
                 template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
             else:
                 template[key] = None  # a plain value (a hyperparameter), read as saved
-    dcp.load(template, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # no_dist says it: DCP's notice that it loads in one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, storage_reader=reader, no_dist=True)
     return from_flat(template, model_keys)
 
 

@@ -106,7 +106,7 @@ def relaunch(nproc: int, argv: list[str]) -> None:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise DistributedError(f"rank {rank} of {nproc} exited with code {failure.exitcode}, and the launcher stopped "
-                               "the others; its error is printed above") from None
+                               "the others; its own output is above") from None
 
 
 def teardown(ranks: Ranks | None) -> None:

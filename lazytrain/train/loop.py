@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from lazytrain import hardware as hw_profiles
-from lazytrain.errors import DataError
+from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.summary import summary
@@ -78,8 +78,16 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
 
 def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
     """The fingerprint `found` must have: this schedule's, or, when the checkpoint's ranks ran
-    another batch shape (another world size), the model's at that shape (a capture, no solve)."""
+    another batch shape (another world size), the model's at that shape (a capture, no solve).
+    The global batch must be the run's own."""
     theirs = tuple(found.extra.get("rank_batch", prep.source.batch_shape))
+    world = found.extra.get("world_size", 1)
+    was = (theirs[0] * world, theirs[1])
+    if was != tuple(prep.source.batch_shape):
+        raise CheckpointError(f"{found.path} was trained on a global batch of {list(was)} ({world} rank"
+                              f"{'s' if world > 1 else ''} of {list(theirs)}), this run's is "
+                              f"{list(prep.source.batch_shape)}; resume with the run's batch (--batch-size, or "
+                              "example_batch()), on any number of ranks that divides it")
     if theirs == tuple(schedule.BATCH["input_ids"][0]):
         return schedule.FINGERPRINT
     from lazytrain.ir.capture import capture
