@@ -305,3 +305,27 @@ def test_nproc_per_node_that_disagrees_with_torchrun_is_refused(model_file, tmp_
     err = capsys.readouterr().err
     assert code == 2 and err == ("lazytrain: error: --nproc-per-node 3 was given, but the launcher started 2 ranks on "
                                  "this host; drop --nproc-per-node under torchrun (its own flag sets the ranks)\n"), err
+
+
+@pytest.mark.parametrize("change,message", [
+    ('attn_implementation="sdpa"', None),  # unchanged: the control
+    ('hidden_act="gelu", attn_implementation="sdpa"', "was written for model fingerprint"),
+    ("torch.zeros(4, 32", "was trained on a global batch of [4, 32] (2 ranks of [2, 32]), this run's is [8, 32]"),
+])
+def test_resume_at_another_world_size_checks_the_model(runs, tmp_path, capsys, change, message):
+    """A checkpoint of 2 ranks resumed by one process: its fingerprint is checked against the model
+    captured at the checkpoint's per-rank batch, so another activation (same weights' shapes) is
+    refused; so is another global batch. The unchanged model resumes (the control)."""
+    model = tmp_path / "model.py"
+    text = MODEL.replace('attn_implementation="sdpa"', change) if "zeros" not in change else \
+        MODEL.replace(change, "torch.zeros(8, 32")
+    model.write_text(text)
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["2"][0], run_dir)
+    back_to_step_2(run_dir)
+    code = main(train_argv(model, run_dir, "--resume"))
+    err = capsys.readouterr().err
+    if message is None:
+        assert code == 0, err
+        return
+    assert code == 2 and err.count("\n") == 1 and message in err, err

@@ -162,8 +162,8 @@ def _train(args, ranks: Ranks | None) -> dict:
     with together(ranks, "checking the schedule"):  # the same schedule on every rank; bind checks its checksum
         schedule = load_source(schedule_text, f"lazytrain_train_schedule_{id(prep)}", args.schedule or None)
         _check_schedule(args, schedule, prep)
-        if found is not None:  # the checkpoint fits this schedule and model before anything is written
-            ckpt.check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))
+        if found is not None and main:  # the checkpoint fits this schedule and model before anything is written
+            ckpt.check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))  # (every rank read it)
             check_structure(found, prep.meta_model, schedule)
         if run_dir is not None and main:
             run_dir.mkdir(parents=True, exist_ok=True)
