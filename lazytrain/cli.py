@@ -121,6 +121,11 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from lazytrain.train import distributed
+
+    if args.nproc_per_node is not None and args.nproc_per_node > 1 and not distributed.launched():
+        distributed.relaunch(args.nproc_per_node, args.argv)  # NOTE: [Launching]: each rank comes back here
+        return 0
     from lazytrain.train.loop import train
 
     train(args)
@@ -210,6 +215,13 @@ def parser() -> argparse.ArgumentParser:
                    help="after training, save a Hugging Face model directory (weights and the training tokenizer)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
     t.add_argument("--print-every", type=_at_least(1), default=10, help="print a loss line every N steps (default 10)")
+    t.add_argument("--nproc-per-node", type=_at_least(1), default=None, metavar="N",
+                   help="train data parallel on N ranks of this host (GPUs, or CPU processes), started through torch's "
+                        "launcher; the batch is the global batch, split over the ranks (or launch with `torchrun "
+                        "--nproc-per-node N -m lazytrain train ...`; see README, Training on several ranks)")
+    t.add_argument("--dist-timeout", type=_number(0), default=600.0, metavar="SECONDS",
+                   help="on several ranks: how long a rank waits for the others in any collective, rank 0's compile "
+                        "included, before it fails (default 600)")
     t.set_defaults(fn=cmd_train)
 
     pr = sub.add_parser("profile", help="measure this machine into a hardware profile")
@@ -224,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     # in runtime/store.py); growable segments keep its reserved memory near what is allocated.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     p = parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    args.argv = argv  # `train --nproc-per-node` starts each rank with the same arguments
     if args.command == "train":
         if args.resume and not args.checkpoint_dir:
             p.error("--resume continues the run in --checkpoint-dir; pass --checkpoint-dir DIR")
@@ -233,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except LazytrainError as exc:
-        print(f"lazytrain: error: {exc}", file=sys.stderr)
+        from lazytrain.train.distributed import PeerFailed
+
+        if not isinstance(exc, PeerFailed):  # rank 0 says what another rank's failure was
+            print(f"lazytrain: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # NOTE: [Full disk] in files.py: writes that know no size end here
         from lazytrain.files import is_disk_full

@@ -8,6 +8,9 @@ Layout under a checkpoint root::
         optimizer.pt             optimizer state (torch.save)
         rng.pt                   torch CPU, CUDA (if initialised) and python `random` states
         meta.json                step, fingerprint, `extra`, sha256 of every file, own digest
+    root/step-00000024/          a run on several ranks (format 2, NOTE: [Distributed checkpoints]
+        .metadata, __0_0.distcp, ...   in dist_checkpoint.py): weights and optimizer state through
+        rng.pt, meta.json              torch.distributed.checkpoint, RNG states of every rank
     root/.tmp-*                  leftovers of an interrupted save: ignored, removed by the next save
 
 Crash safety comes from ordering: a checkpoint is written and fsynced in a temp directory,
@@ -48,6 +51,8 @@ META_FILE = "meta.json"
 LATEST_FILE = "LATEST"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
+DCP_FORMAT = 2  # written by several ranks through torch.distributed.checkpoint (dist_checkpoint.py)
+DCP_METADATA = ".metadata"  # the file DCP's coordinator writes
 EXPORT_SHARD_SIZE = "5GB"  # the Hugging Face Hub's customary shard size
 
 _DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE)
@@ -70,14 +75,14 @@ class Checkpoint:
 # --------------------------------------------------------------------------- small helpers
 
 
-def _dir_name(step: int) -> str:
+def dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
 def _parse_step(name: str) -> int | None:
     """The step of a checkpoint directory name, or None if it is not one (exactly)."""
     match = _STEP_DIR.fullmatch(name)
-    if match is None or _dir_name(int(match.group(1))) != name:
+    if match is None or dir_name(int(match.group(1))) != name:
         return None
     return int(match.group(1))
 
@@ -180,12 +185,22 @@ def _capture_rng() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
 
 
-def restore_rng(checkpoint: Checkpoint) -> None:
+def capture_rng() -> dict[str, Any]:
+    """This process's torch CPU, CUDA (if initialised) and python ``random`` states."""
+    return _capture_rng()
+
+
+def restore_rng(checkpoint: Checkpoint, rank: int = 0) -> None:
     """Set the torch CPU, CUDA and python ``random`` generators back to the saved states.
 
-    CUDA states are restored for the devices both runs have.
+    CUDA states are restored for the devices both runs have. A checkpoint of several ranks holds
+    each rank's states (``ranks``); ``rank`` takes its own, or rank 0's where the run had fewer
+    ranks (every rank of a fresh run starts from the same seed too).
     """
     rng = checkpoint.rng
+    ranks = rng.get("ranks") or []
+    if rank < len(ranks):
+        rng = ranks[rank]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     cuda = rng.get("cuda")
@@ -227,14 +242,14 @@ def _write_latest(root: Path, name: str) -> None:
     fsync_dir(root)
 
 
-def _state_bytes(obj: Any) -> int:
+def state_bytes(obj: Any) -> int:
     """Bytes of the tensors in a (nested) state: a lower bound of what saving it writes."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
+        return sum(state_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
+        return sum(state_bytes(v) for v in obj)
     return 0
 
 
@@ -259,16 +274,41 @@ def save_checkpoint(
     Saving a step that ``LATEST`` already names is refused: replacing the latest checkpoint in
     place cannot be made atomic.
     """
+    _check_save(step, keep, extra)
+    tensors = _safetensors_ready(model_state)
+    # NOTE: [Full disk] in files.py. Refused before writing when the tensors alone do not fit.
+    needed = state_bytes(tensors) + state_bytes(optimizer_state) + (1 << 16)
+    root = Path(root)
+    tmp = begin_save(root, step, keep, extra, needed)
+    try:
+        save_file(tensors, str(tmp / MODEL_FILE))
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        torch.save(_capture_rng(), tmp / RNG_FILE)
+    except BaseException as exc:
+        raise save_failed(exc, root, step, needed, tmp)
+    return commit_save(root, tmp, step, keep, fingerprint=fingerprint, extra=extra, files=_DATA_FILES,
+                       model_keys=list(tensors), needed=needed)
+
+
+def _check_save(step: int, keep: int, extra: dict) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, got {keep}")
     _check_extra(extra)
-    tensors = _safetensors_ready(model_state)
 
-    root = Path(root)
+
+def _no_space_fix(root: Path) -> str:
+    return f"; the previous checkpoint ({root / LATEST_FILE}) is intact"
+
+
+def begin_save(root: Path, step: int, keep: int, extra: dict, needed: int) -> Path:
+    """The checks before a save of ``step`` (the arguments, the latest checkpoint not replaced in
+    place, ``needed`` bytes free) and the temp directory its files go into, which ``commit_save``
+    renames into place (or ``save_failed`` removes)."""
+    _check_save(step, keep, extra)
     root.mkdir(parents=True, exist_ok=True)
-    name = _dir_name(step)
+    name = dir_name(step)
     final = root / name
     if final.exists() and (root / LATEST_FILE).exists():
         try:
@@ -281,32 +321,51 @@ def save_checkpoint(
                 "replacing the latest checkpoint in place is not crash safe, so save each "
                 "step once"
             )
-
-    # NOTE: [Full disk] in files.py. Refused before writing when the tensors alone do not fit.
-    needed = _state_bytes(tensors) + _state_bytes(optimizer_state) + (1 << 16)
-    fix = f"; the previous checkpoint ({root / LATEST_FILE}) is intact"
     free = free_bytes(root)
     if free is not None and free < needed:
-        raise no_space(final, needed, fix)
+        raise no_space(final, needed, _no_space_fix(root))
     # Not mkdtemp: its 0700 mode would carry over to the finished checkpoint.
     tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex}"
     try:
         tmp.mkdir()
-        save_file(tensors, str(tmp / MODEL_FILE))
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        torch.save(_capture_rng(), tmp / RNG_FILE)
-        files = {}
-        for fname in _DATA_FILES:
+    except BaseException as exc:
+        raise save_failed(exc, root, step, needed, tmp)
+    return tmp
+
+
+def save_failed(exc: BaseException, root: Path, step: int, needed: int, tmp: Path) -> BaseException:
+    """What to raise for ``exc``, raised while writing ``tmp``, which is removed here: a full disk
+    as ``no_space``, anything else as it is."""
+    _remove(tmp)
+    left = free_bytes(root)  # torch.save reports a full disk as "unexpected pos", without errno
+    if isinstance(exc, Exception) and (is_disk_full(exc) or (left is not None and left < needed)):
+        err = no_space(root / dir_name(step), needed, _no_space_fix(root))
+        err.__suppress_context__ = True
+        return err
+    return exc
+
+
+def commit_save(root: Path, tmp: Path, step: int, keep: int, *, fingerprint: str, extra: dict, files: tuple[str, ...],
+                model_keys: list[str], needed: int, fields: dict | None = None) -> Path:
+    """Finish a save whose ``files`` are written in ``tmp``: fsync them and record their sha256 in
+    meta.json (with the step, fingerprint, ``extra``, ``model_keys``, ``fields`` and its own digest),
+    rename ``tmp`` into place, point ``LATEST`` at it and prune to ``keep``."""
+    name = dir_name(step)
+    final = root / name
+    try:
+        digests = {}
+        for fname in files:
             _fsync_file(tmp / fname)
-            files[fname] = _sha256_file(tmp / fname)
+            digests[fname] = _sha256_file(tmp / fname)
         body = {
             "format": FORMAT_VERSION,
             "step": step,
             "fingerprint": fingerprint,
             "extra": extra,
-            "files": files,
+            "files": digests,
             # safetensors sorts names; the caller's order (module order) is kept here.
-            "model_keys": list(tensors),
+            "model_keys": model_keys,
+            **(fields or {}),
         }
         meta = dict(body, digest=_meta_digest(body))  # guards meta.json itself
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
@@ -322,11 +381,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         fsync_dir(root)
     except BaseException as exc:
-        _remove(tmp)
-        left = free_bytes(root)  # torch.save reports a full disk as "unexpected pos", without errno
-        if isinstance(exc, Exception) and (is_disk_full(exc) or (left is not None and left < needed)):
-            raise no_space(final, needed, fix) from None
-        raise
+        raise save_failed(exc, root, step, needed, tmp)
     try:
         _write_latest(root, name)
     except Exception as exc:
@@ -425,10 +480,11 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
     body = {k: v for k, v in meta.items() if k != "digest"}
     if _meta_digest(body) != meta["digest"]:
         raise corrupt(f"{META_FILE} digest mismatch")
-    if body.get("format") != FORMAT_VERSION:
+    layout = body.get("format")
+    if layout not in (FORMAT_VERSION, DCP_FORMAT):
         raise CheckpointError(
-            f"checkpoint {path} has format {body.get('format')}, this lazytrain reads format "
-            f"{FORMAT_VERSION}; resume with the lazytrain that wrote it"
+            f"checkpoint {path} has format {layout}, this lazytrain reads formats "
+            f"{FORMAT_VERSION} and {DCP_FORMAT}; resume with the lazytrain that wrote it"
         )
     dir_step = _parse_step(path.name)
     if body["step"] != dir_step:
@@ -439,7 +495,9 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
         check_fingerprint(found, fingerprint)
 
     files = body["files"]
-    for fname in _DATA_FILES:
+    # A DCP checkpoint's shard files are whatever its ranks wrote; all are listed with their sha256.
+    needed = _DATA_FILES if layout == FORMAT_VERSION else (DCP_METADATA, RNG_FILE, *files)
+    for fname in needed:
         if fname not in files:
             raise corrupt(f"{META_FILE} lists no sha256 for {fname}")
         if not (path / fname).is_file():
@@ -447,9 +505,14 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
         if _sha256_file(path / fname) != files[fname]:
             raise corrupt(f"{fname} sha256 mismatch")
     try:
-        model_state = load_file(str(path / MODEL_FILE))
-        # weights_only: state dicts need nothing else, and it refuses arbitrary pickled code.
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        if layout == FORMAT_VERSION:
+            model_state = load_file(str(path / MODEL_FILE))
+            # weights_only: state dicts need nothing else, and it refuses arbitrary pickled code.
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        else:
+            from lazytrain.train.dist_checkpoint import read_state
+
+            model_state, optimizer_state = read_state(path, body.get("model_keys"))
         rng = torch.load(path / RNG_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # checksums matched, so the writer stored something unloadable
         raise CheckpointError(

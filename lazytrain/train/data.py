@@ -140,6 +140,9 @@ class PackedBatches:
     ``batch_size`` rows and continues into the next epoch when the current one runs out, so no
     row is skipped. Batches are fresh tensors; ``labels`` equals ``input_ids`` (the model shifts
     them) except for -100 where nothing is learnt.
+
+    ``rank`` of ``world``: each batch is this rank's share of the global one, ``batch_size / world``
+    rows (NOTE: [Data across ranks]); ``world`` must divide ``batch_size``.
     """
 
     def __init__(
@@ -152,12 +155,20 @@ class PackedBatches:
         seed: int = 0,
         vocab_size: int | None = None,
         workdir: str | Path | None = None,
+        rank: int = 0,
+        world: int = 1,
     ):
         if batch_size < 1 or seq_len < 1:
             raise DataError(
                 f"batch_size and seq_len must be positive, got batch_size={batch_size}, "
                 f"seq_len={seq_len}"
             )
+        if world < 1 or not 0 <= rank < world or batch_size % world:
+            raise DataError(
+                f"a global batch of {batch_size} rows cannot be split over {world} ranks (rank {rank}); "
+                f"pass a batch size that is a multiple of the number of ranks"
+            )
+        self.rank, self.world = int(rank), int(world)
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self.seed = int(seed)
@@ -246,16 +257,20 @@ class PackedBatches:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         picked: list[tuple[np.ndarray, np.ndarray]] = []
-        need = self.batch_size
-        while need:
-            take = min(need, self.rows_per_epoch - self._row)
-            order = self._epoch_order(self._epoch)
-            if order is None:
-                picked.append(self._read(self._row, take))
-            else:
-                picked.extend(self._read(int(r), 1) for r in order[self._row : self._row + take])
+        share = self.batch_size // self.world
+        first, last = self.rank * share, (self.rank + 1) * share  # this rank's rows of the global batch
+        done = 0
+        while done < self.batch_size:
+            take = min(self.batch_size - done, self.rows_per_epoch - self._row)
+            lo, hi = max(first, done) - done, min(last, done + take) - done  # its part of these rows
+            if lo < hi:
+                order = self._epoch_order(self._epoch)
+                if order is None:
+                    picked.append(self._read(self._row + lo, hi - lo))
+                else:
+                    picked.extend(self._read(int(r), 1) for r in order[self._row + lo : self._row + hi])
             self._row += take
-            need -= take
+            done += take
             if self._row == self.rows_per_epoch:
                 self._epoch += 1
                 self._row = 0

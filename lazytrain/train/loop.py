@@ -4,6 +4,11 @@ schedule, then train with progress, a JSONL log, atomic checkpoints and exact re
 Resume is exact on the CPU: a run killed at any moment and resumed from its last checkpoint
 reaches bit-identical weights, because everything that decides the next step is checkpointed:
 weights, optimizer state, LR schedule and its position, data position and RNG states.
+
+On several ranks (NOTE: [Launching] in distributed.py) the model's batch is the global batch: each
+rank trains on its share (NOTE: [Data across ranks] in data.py) with a schedule compiled once, on
+rank 0, for that share and the world size; checkpoints go through torch.distributed.checkpoint
+(NOTE: [Distributed checkpoints] in dist_checkpoint.py) and resume at any world size.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import torch
 from tqdm import tqdm
 
 from lazytrain import hardware as hw_profiles
-from lazytrain.errors import DataError
+from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.summary import summary
 from lazytrain.train import checkpoint as ckpt
-from lazytrain.train.preflight import prepare
+from lazytrain.train import distributed
+from lazytrain.train.distributed import PeerFailed, Ranks, from_rank0, together
+from lazytrain.train.preflight import Prepared, prepare
 from lazytrain.train.resume import LrSchedule, check_structure, trim_log
 from lazytrain.train.source import ModelSource
 from lazytrain.units import format_size
@@ -40,8 +47,9 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def _schedule(args, source: ModelSource, meta_model: torch.nn.Module):
-    """The schedule module, and its source text when compiled here (None for --schedule)."""
+def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
+    """On rank 0 only: the schedule's source text, and whether it was compiled here (False for
+    --schedule)."""
     if args.schedule:
         module = load_schedule(args.schedule)
         for flag, key, value in (("--optimizer-states", "OPTIMIZER_STATES", args.optimizer_states),
@@ -50,21 +58,65 @@ def _schedule(args, source: ModelSource, meta_model: torch.nn.Module):
             if value is not None and value != compiled:
                 raise DataError(f"{args.schedule} was compiled with {flag} {compiled}, not {value}; recompile it "
                                 f"with `lazytrain compile ... {flag} {value}`, or drop {flag}")
-        return module, None
+        return Path(args.schedule).read_text(), False
     from lazytrain.pipeline import compile_model, minimum_budget  # the solver: only to compile here
 
-    default_hw = "h200" if torch.cuda.is_available() else "cpu"
-    hw = hw_profiles.load(args.hardware or default_hw)
-    batch = source.example_batch()
+    hw = _hardware(args)
+    batch = _zeros(prep.rank_batch)
     opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32"}
     budget = args.budget if args.budget not in (None, "min", "max") else None
     if args.budget in (None, "min"):
-        budget = minimum_budget(meta_model, batch, hw, **opts)
+        budget = minimum_budget(prep.meta_model, batch, hw, **opts)
     elif args.budget == "max":
         budget = hw.max_budget
-    print(f"compiling {source.path} for batch {list(source.batch_shape)} ...", flush=True)
-    compiled = compile_model(meta_model, batch, budget, hw, source=str(source.path), time_limit=args.time_limit, **opts)
-    return load_source(compiled.source_text, f"lazytrain_train_schedule_{id(compiled)}"), compiled.source_text
+    each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
+    print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
+    compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
+                             world_size=prep.world, **opts)
+    return compiled.source_text, True
+
+
+def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
+    """The fingerprint `found` must have: this schedule's, or, when the checkpoint's ranks ran
+    another batch shape (another world size), the model's at that shape (a capture, no solve).
+    The global batch must be the run's own."""
+    theirs = tuple(found.extra.get("rank_batch", prep.source.batch_shape))
+    world = found.extra.get("world_size", 1)
+    was = (theirs[0] * world, theirs[1])
+    if was != tuple(prep.source.batch_shape):
+        raise CheckpointError(f"{found.path} was trained on a global batch of {list(was)} ({world} rank"
+                              f"{'s' if world > 1 else ''} of {list(theirs)}), this run's is "
+                              f"{list(prep.source.batch_shape)}; resume with the run's batch (--batch-size, or "
+                              "example_batch()), on any number of ranks that divides it")
+    if theirs == tuple(schedule.BATCH["input_ids"][0]):
+        return schedule.FINGERPRINT
+    from lazytrain.ir.capture import capture
+    from lazytrain.passes.causal import causal
+
+    return causal(capture(prep.meta_model, _zeros(theirs), str(prep.source.path), schedule.DEVICE)).fingerprint()
+
+
+def _hardware(args):
+    return hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
+
+
+def _zeros(shape) -> dict:
+    ids = torch.zeros(tuple(shape), dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _check_schedule(args, schedule, prep: Prepared) -> None:
+    """A --schedule fits the run: compiled for its world size and one rank's share of its batch."""
+    where = args.schedule or "the schedule"
+    compiled = getattr(schedule, "WORLD_SIZE", 1)
+    shape = tuple(schedule.BATCH["input_ids"][0]) if "input_ids" in schedule.BATCH else None
+    if compiled != prep.world or shape != prep.rank_batch:
+        raise DataError(
+            f"{where} was compiled for {compiled} rank{'s' if compiled > 1 else ''} and a batch of {list(shape or ())} "
+            f"per rank; this run has {prep.world} rank{'s' if prep.world > 1 else ''} sharing a global batch of "
+            f"{list(prep.source.batch_shape)}, {list(prep.rank_batch)} per rank. Drop --schedule to compile the right "
+            f"one (the run directory keeps it as schedule.py), or compile {list(prep.rank_batch)} with --world-size "
+            f"{prep.world}")
 
 
 def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
@@ -85,53 +137,78 @@ def _host_gib() -> float:
 
 
 def train(args) -> dict:
-    prep = prepare(args)  # every input checked before the compile; nothing written yet
+    ranks = distributed.from_env(args.nproc_per_node, _device(args), args.dist_timeout)  # NOTE: [Launching]
+    distributed.quiet_others(ranks)
+    try:
+        return _train(args, ranks)
+    finally:
+        distributed.teardown(ranks)
+
+
+def _device(args) -> str:
+    """Where the run's schedule runs, for the process group's backend; preflight reports bad input."""
+    try:
+        return load_schedule(args.schedule).DEVICE if args.schedule else _hardware(args).device
+    except Exception:  # noqa: BLE001 -- the same input fails again, inside preflight, with its own error
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _train(args, ranks: Ranks | None) -> dict:
+    main = ranks is None or ranks.main
+    with together(ranks, "checking the inputs"):  # every input checked before the compile; nothing written yet
+        prep = prepare(args, ranks.rank if ranks else 0, ranks.world if ranks else 1)
     source, run_dir, found, lr, data = prep.source, prep.run_dir, prep.found, prep.lr, prep.data
-    schedule, schedule_text = _schedule(args, source, prep.meta_model)
-    if found is not None:  # the checkpoint fits this schedule and model before anything is written
-        ckpt.check_fingerprint(found, schedule.FINGERPRINT)
-        check_structure(found, prep.meta_model, schedule)
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if schedule_text is not None:
-            write_atomic(run_dir / "schedule.py", schedule_text, ", or pass another --checkpoint-dir")
+    schedule_text, compiled_here = from_rank0(ranks, lambda: _schedule_text(args, prep), "the compile")
+    with together(ranks, "checking the schedule"):  # the same schedule on every rank; bind checks its checksum
+        schedule = load_source(schedule_text, f"lazytrain_train_schedule_{id(prep)}", args.schedule or None)
+        _check_schedule(args, schedule, prep)
+        if found is not None and main:  # the checkpoint fits this schedule and model before anything is written
+            ckpt.check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))  # (every rank read it)
+            check_structure(found, prep.meta_model, schedule)
+        if run_dir is not None and main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if compiled_here:
+                write_atomic(run_dir / "schedule.py", schedule_text, ", or pass another --checkpoint-dir")
     print(summary(schedule), end="", flush=True)
     if prep.lr_notice:
         print(prep.lr_notice, flush=True)
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # every rank: the same starting weights
     model = _materialize(source, schedule)
     if found is not None:  # weights first: binding copies them to the GPU
         _restore_weights(found, model)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                            device=schedule.DEVICE)  # where its stages were captured for
+                            device=schedule.DEVICE)  # where its stages were captured for; over the default group
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(lr.warmup_steps, lr.steps, lr.min_lr_ratio))
     start = 0
     if found is not None:
-        _restore_state(found, trainer, scheduler, data, lr if prep.lr_notice else None)
+        _restore_state(found, trainer, scheduler, data, lr if prep.lr_notice else None, ranks.rank if ranks else 0)
         start = found.step
-        print(f"resumed from {found.path} at step {start}" + (" (the run is complete)" if start >= lr.steps else ""),
-              flush=True)
+        was = found.extra.get("world_size", 1)
+        print(f"resumed from {found.path} at step {start}" + (f" (saved on {was} rank{'s' if was > 1 else ''})"
+              if was != prep.world else "") + (" (the run is complete)" if start >= lr.steps else ""), flush=True)
     report = trainer.memory_report()
-    print(f"runtime on {trainer.device}: weight and optimizer slots (at most) {format_size(report['slot_bytes'])}, "
+    on = f" (each of {prep.world} ranks)" if ranks else ""
+    print(f"runtime on {trainer.device}{on}: weight and optimizer slots (at most) {format_size(report['slot_bytes'])}, "
           f"page-locked host buffers {format_size(report['pinned_bytes'])}", flush=True)
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    tokens = source.batch_shape[0] * source.batch_shape[1]
+    tokens = source.batch_shape[0] * source.batch_shape[1]  # the global batch: every rank's tokens
     log_path = Path(args.log) if args.log else run_dir / "log.jsonl" if run_dir else None
-    if log_path is not None:
+    if log_path is not None and main:
         trim_log(log_path, start)  # one record per step across resumes
-    log = open(log_path, "a") if log_path is not None else None
+    log = open(log_path, "a") if log_path is not None and main else None
     bar = tqdm(range(start, lr.steps), initial=start, total=lr.steps, desc="train", unit="step",
-               disable=args.no_progress or not sys.stderr.isatty(), dynamic_ncols=True, mininterval=0.5)
+               disable=args.no_progress or not sys.stderr.isatty() or not main, dynamic_ncols=True, mininterval=0.5)
     record = {}
     for step in bar:
         batch = next(data)
         trainer.record_timeline = run_dir is not None and step + 1 == lr.steps  # time the last step's events
         t0 = time.perf_counter()
-        loss = trainer.step(batch).item()
+        loss = trainer.step(batch).item()  # on several ranks, the mean of their losses (the global batch's)
         if not math.isfinite(loss):
-            raise DataError(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
+            error = DataError if main else PeerFailed  # the same loss on every rank: rank 0 says it
+            raise error(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
         scheduler.step()
         seconds = time.perf_counter() - t0
         record = {
@@ -149,9 +226,9 @@ def train(args) -> dict:
             log.flush()
         done = step + 1
         if run_dir is not None and (done % args.checkpoint_every == 0 or done == lr.steps):
-            _save(run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT, lr)
+            _save(run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT, lr, prep, ranks)
     bar.close()
-    if run_dir is not None and trainer.timeline:
+    if run_dir is not None and trainer.timeline and main:
         from lazytrain.timeline import save_measured
 
         save_measured(run_dir / "measured.json", trainer.timeline, schedule)
@@ -161,17 +238,27 @@ def train(args) -> dict:
         log.close()
     if args.export_hf:
         trainer.sync_model()
-        ckpt.export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
+        with together(ranks, "the export"):
+            if main:
+                ckpt.export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
         print(f"exported to {args.export_hf}")
     return record
 
 
-def _save(run_dir, step, model, trainer, scheduler, data, fingerprint, lr: LrSchedule):
+def _save(run_dir, step, model, trainer, scheduler, data, fingerprint, lr: LrSchedule, prep: Prepared,
+          ranks: Ranks | None):
+    extra = {"data": data.state_dict(), "scheduler": scheduler.state_dict(), "lr_schedule": lr.record(),
+             "world_size": prep.world, "rank_batch": list(prep.rank_batch)}
+    if ranks is not None:  # NOTE: [Distributed checkpoints]
+        from lazytrain.train import dist_checkpoint
+
+        dist_checkpoint.save(run_dir / "checkpoints", step, ranks, trainer=trainer, model=model, extra=extra,
+                             fingerprint=fingerprint)
+        return
     trainer.sync_model()  # weights stepped on the GPU back into the model's masters
     ckpt.save_checkpoint(
         run_dir / "checkpoints", step, model_state={k: v.detach() for k, v in model.state_dict().items()},
-        optimizer_state=trainer.state_dict(), fingerprint=fingerprint,
-        extra={"data": data.state_dict(), "scheduler": scheduler.state_dict(), "lr_schedule": lr.record()},
+        optimizer_state=trainer.state_dict(), fingerprint=fingerprint, extra=extra,
     )
 
 
@@ -182,7 +269,7 @@ def _restore_weights(found, model):
             own[name].copy_(tensor)
 
 
-def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None):
+def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None, rank: int = 0):
     trainer.load_state_dict(found.optimizer_state)
     scheduler.load_state_dict(found.extra["scheduler"])
     if new_lr is not None:  # --new-lr-schedule: the new peak and curve from the checkpoint's step on
@@ -191,5 +278,5 @@ def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None):
         for group in trainer.optimizer.param_groups:
             group["initial_lr"], group["lr"] = new_lr.lr, new_lr.lr * factor
         scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
-    data.load_state_dict(found.extra["data"])
-    ckpt.restore_rng(found)
+    data.load_state_dict(found.extra["data"])  # global rows consumed: the same at any world size
+    ckpt.restore_rng(found, rank)

@@ -6,6 +6,9 @@ weights file, `--log` and `--export-hf`, the tokenizer and the data (tokenised a
 the model's vocabulary), and, when resuming, the checkpoint (read and its digests checked; its
 fingerprint and structure need the compiled schedule and are checked right after the compile,
 before anything is written). Nothing is written here.
+
+On several ranks every rank runs this (each reads its own slice of the data); the model's batch is
+the global batch, which the number of ranks must divide (NOTE: [Data across ranks] in data.py).
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ class Prepared:
     found: ckpt.Checkpoint | None  # the checkpoint to resume from (digests verified)
     lr: LrSchedule
     lr_notice: str | None  # set when --new-lr-schedule changed the recorded schedule
+    world: int  # data-parallel ranks
+
+    @property
+    def rank_batch(self) -> tuple[int, int]:
+        """One rank's share of the global batch: the shape its schedule is compiled for."""
+        rows, seq = self.source.batch_shape
+        return rows // self.world, seq
 
 
-def prepare(args) -> Prepared:
+def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
     run_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if run_dir is not None:
         _check_run_dir(run_dir, args.resume)
@@ -49,6 +59,7 @@ def prepare(args) -> Prepared:
     if args.weights and args.weights != RANDOM:
         _check_weights(Path(args.weights))
     source = resolve(args.model or examples.DEFAULT, args.batch_size, args.seq_len, args.weights)
+    _check_split(source, world)
     meta_model = build_on_meta(source.build_model)
     if args.export_hf:
         _check_export(meta_model, Path(args.export_hf))
@@ -58,10 +69,21 @@ def prepare(args) -> Prepared:
             raise DataError(f"--log {log}: {'is a directory' if log.is_dir() else f'{log.parent} does not exist'}; "
                             "pass a file path in an existing directory")
     tokenizer = _tokenizer(args, source)
-    data = _data(args, source, meta_model, tokenizer)
+    data = _data(args, source, meta_model, tokenizer, rank, world)
     found = ckpt.load_latest(run_dir / "checkpoints", None) if args.resume else None
     lr, notice = settle(args, found)
-    return Prepared(source, meta_model, tokenizer, data, run_dir, found, lr, notice)
+    return Prepared(source, meta_model, tokenizer, data, run_dir, found, lr, notice, world)
+
+
+def _check_split(source: ModelSource, world: int) -> None:
+    """The global batch splits evenly over the ranks."""
+    rows = source.batch_shape[0]
+    if rows % world:
+        fits = ", ".join(str(n) for n in range(1, rows + 1) if rows % n == 0)
+        how = "--batch-size" if source.path.is_dir() else f"example_batch() in {source.path}"
+        raise DataError(f"the global batch of {rows} rows cannot be split evenly over {world} ranks; run on a number "
+                        f"of ranks that divides {rows} ({fits}), or make the global batch a multiple of {world} rows "
+                        f"({how}, e.g. {rows + world - rows % world})")
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -125,9 +147,10 @@ def _tokenizer(args, source: ModelSource):
     return builtin_tokenizer()
 
 
-def _data(args, source: ModelSource, model: torch.nn.Module, tokenizer) -> PackedBatches:
+def _data(args, source: ModelSource, model: torch.nn.Module, tokenizer, rank: int, world: int) -> PackedBatches:
     paths = args.data or [CORPUS_PATH]
-    data = PackedBatches(paths, tokenizer, *source.batch_shape, seed=args.seed, vocab_size=vocab_size(model))
+    data = PackedBatches(paths, tokenizer, *source.batch_shape, seed=args.seed, vocab_size=vocab_size(model),
+                         rank=rank, world=world)
     stats = data.stats
     if stats.truncated or stats.skipped:
         print(f"data: {stats.truncated} of {stats.examples + stats.skipped} examples truncated to "

@@ -1,0 +1,8 @@
+"""`python -m lazytrain ...`, as the `lazytrain` command: what `torchrun -m lazytrain train ...` runs
+on each rank (NOTE: [Launching] in train/distributed.py)."""
+
+import sys
+
+from lazytrain.cli import main
+
+sys.exit(main())
