@@ -71,8 +71,12 @@ def profiled_ops(fn) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total * 1e-6 for e in prof.key_averages()
-            if e.self_device_time_total > 0 and e.key.startswith("aten::")}
+    rows = [(e.key, e.self_device_time_total * 1e-6) for e in prof.key_averages() if e.self_device_time_total > 0]
+    out = {k: t for k, t in rows if k.startswith("aten::")}
+    # kernels no aten operator launched (bitsandbytes', copies the runtime issues itself) by name
+    out.update({f"kernel::{k[:80]}": t for k, t in rows if not k.startswith("aten::") and "bitsandbytes" in k.lower()
+                or k.startswith(("kOptimizer", "kPercentile", "Memcpy", "Memset"))})
+    return out
 
 
 def _where(frames) -> str:

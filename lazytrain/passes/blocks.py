@@ -23,7 +23,7 @@ import networkx as nx
 from lazytrain.errors import TraceError
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
 from lazytrain.passes.backward import backward_peak
-from lazytrain.passes.costs import NodeCost
+from lazytrain.passes.costs import NodeCost, requires_grad
 from lazytrain.passes.memory import internal_bytes
 from lazytrain.passes.remat import skips
 from lazytrain.passes.saved import saved, saved_internal
@@ -126,19 +126,6 @@ def _assign(graph: Graph) -> dict[str, str]:
     return where
 
 
-def _requires_grad(graph: Graph) -> frozenset[str]:
-    rg = set()
-    for node in graph:
-        if node.op is OpKind.PARAM:
-            rg.add(node.name)
-        elif node.op in (OpKind.CALL, OpKind.GETITEM):
-            floats = isinstance(node.value, TensorSpec) and node.value.is_float or (
-                isinstance(node.value, tuple) and any(v is not None and v.is_float for v in node.value))
-            if floats and any(i in rg for i in node.inputs()) and node.target != "aten.detach.default":
-                rg.add(node.name)
-    return frozenset(rg)
-
-
 def _kind_key(graph: Graph, names: tuple[str, ...]) -> str:
     """Structure of a stage with names abstracted: equal keys mean identical blocks."""
     local = {n: i for i, n in enumerate(names)}
@@ -166,7 +153,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
     order = list(dict.fromkeys(where.values()))
     index = {name: i for i, name in enumerate(order)}
     stage_of = {n: index[s] for n, s in where.items()}
-    rg = _requires_grad(graph)
+    rg = requires_grad(graph)
     users = graph.users()
     position = {n.name: i for i, n in enumerate(graph)}
 
