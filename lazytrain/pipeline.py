@@ -108,7 +108,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     stages = dataclasses.replace(stages, master_bytes=MASTER_BYTES[master_weights])
     hook.dump(4, "blocks", stages_text(stages))
     decision = hook.run("chunk", decide, graph, stages, loss_chunk_bytes)
-    chunked = chunk(stages, decision, hw.mem_bandwidth)
+    chunked = chunk(stages, decision, hw.bytes_per_s)
     hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + limits_text(chunked, limits(chunked)) + stages_text(chunked))
     return graph, chunked
 

@@ -34,7 +34,7 @@ class Hardware:
     host_memory_bytes: int
     disk_bytes: int
     flops: dict  # dtype name -> peak FLOP/s
-    achieved_fraction: float  # share of peak a well-shaped layer reaches
+    achieved_fraction: float  # share of `flops` and `mem_bandwidth` a stage reaches in a running step (NOTE: [Measured operator rates])
     mem_bandwidth: float
     op_overhead_s: float
     h2d_bandwidth: float
@@ -79,6 +79,11 @@ class Hardware:
 
     def flops_for(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The device memory bandwidth an elementwise operator reaches in a running step."""
+        return self.mem_bandwidth * self.achieved_fraction
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=1, default=list)

@@ -193,14 +193,14 @@ def _along_rows(graph, last, rows, k, working, whole, batched) -> Decision:
 # reads anew and autograd adds it into the earlier chunks' sum: k - 1 additions that read two and
 # write one weight-sized tensor. Measured on the H200 (`bench/opcost.py`, 2026-11-30): 11.3 ms of the
 # 1.5B's 76 ms loss stage (32 chunks), 57.7 of the 7B's 276 (64 chunks), at 3.6-3.9 TB/s; counted at
-# the profile's `mem_bandwidth` (2.8 TB/s, the conversions' rate) they are 1.3x over.
-def chunk(stages: Stages, d: Decision, mem_bandwidth: float) -> Stages:
+# the profile's elementwise rate (`Hardware.bytes_per_s`, the conversions') they are 1.3-1.5x over.
+def chunk(stages: Stages, d: Decision, bytes_per_s: float) -> Stages:
     """The stages with `decide`'s decision applied to the last one, its backward charged the
     gradient sums over chunks (NOTE: [Chunk gradient sums])."""
     if d.chunks == 1:
         return stages
     g = stages[len(stages) - 1]
-    sums = (d.chunks - 1) * 3 * stages.weight_bytes(len(stages) - 1) / mem_bandwidth
+    sums = (d.chunks - 1) * 3 * stages.weight_bytes(len(stages) - 1) / bytes_per_s
     last = dataclasses.replace(g, chunks=d.chunks, chunk_len=d.chunk_len, whole=d.whole, bwd_s=g.bwd_s + sums,
                                peak_bytes=d.chunk_bytes, saved_bytes=0, internal_bytes=0)
     return dataclasses.replace(stages, stages=stages.stages[:-1] + (last,))

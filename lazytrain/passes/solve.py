@@ -107,6 +107,7 @@ class _Model:
 
     def __init__(self, stages: Stages, hw: Hardware, vars_: dict, m: mip.Model):
         self.st, self.hw, self.m = stages, hw, m
+        self.floors: list = []  # variables held at their least by the objective (NOTE: [Floor variables])
         S = len(stages)
         self.L = L = Layout(S)
         self.v = vars_
@@ -211,6 +212,7 @@ class _Model:
                     h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
         # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
         R = vars_["R"]
+        self.floors.extend(R)
         for c in range(1, S):
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
         self.mem = mem
@@ -222,6 +224,7 @@ class _Model:
             for s, g in enumerate(stages))
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
             buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
+            self.floors.append(buffers)
             for s, g in enumerate(stages):
                 m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s])
             self.host = self.host + buffers * self.unit
@@ -231,6 +234,7 @@ class _Model:
         """`deferred_step_bytes` of the resident stages: the most of its candidates."""
         st = self.st
         tw = self.m.add_var("deferred_steps", lb=0.0)  # in units of `unit` bytes
+        self.floors.append(tw)
         self.m += tw >= deferred_step_bytes(st, [False] * len(st)) / self.unit
         for s in range(len(st)):
             if step_bytes(st, s):
@@ -351,7 +355,11 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += t * u <= (budget - hw.allocator_reserve_bytes) * u
             if cuts:  # NOTE: [Memory cliques] in cuts.py
                 cuts_.memory_clique(m, t * u, (budget - hw.allocator_reserve_bytes) * u)
-        m.objective = mip.minimize(step)
+        # NOTE: [Floor variables] `R`, `deferred_steps` and `host_step_buffers` stand for byte
+        # counts that rows bound from below only, so at the optimum of `step` alone
+        # the solver may leave them anywhere up to the budget, and the plan read from them said so
+        # (a tiny model's window at 24 GiB - 512 B). A weight far below the gap pins them to their least.
+        m.objective = mip.minimize(step + FLOOR_WEIGHT * mip.xsum(model.floors))
     return m, v, model, exposed
 
 
@@ -442,6 +450,7 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     return max(int(round(milp.value(t, r))) for t in model.mem + [model.tail]) + hw.allocator_reserve_bytes
 
 
+FLOOR_WEIGHT = 1e-7  # per `unit` of bytes: under 1e-4 of a step for any plan (NOTE: [Floor variables])
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
 
 
