@@ -65,6 +65,13 @@ class Hardware:
     allocator_reserve_bytes: int = 0
     # share of the matmul rate fused attention reaches (NOTE: [Measured operator rates] in passes/costs.py)
     attention_fraction: float = 1.0
+    # NOTE: [Host steps in a running step] The share of the host optimizer's rates (`cpu_adamw`,
+    # `cpu_round`, `host_memcpy`, each measured alone) a host step reaches while the step runs:
+    # the copy engines read and write the same host memory, and the main thread issues work beside
+    # it. On the H200 machine (fidelity traces, 2026-11-30) a Qwen2.5-1.5B layer's host steps took
+    # 26-35 ms with fp32 masters (23.3 predicted from the alone rates) and 103-110 ms with bf16
+    # masters (78.7); fewer torch threads made them slower still (8 threads: a 1.5x longer step).
+    host_fraction: float = 1.0
 
     @property
     def max_budget(self) -> int:
@@ -99,7 +106,7 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
         )
     data = json.loads(path.read_text())
     known = {f.name for f in fields(Hardware)}
-    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "attention_fraction"}
+    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "attention_fraction", "host_fraction"}
     if missing:
         raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
     data["estimated"] = tuple(data.get("estimated", ()))

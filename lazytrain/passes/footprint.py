@@ -58,7 +58,8 @@ def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_
     else:
         casts = 2 * (param_bytes + MASTER_BYTES * numel) + (2 * (master + MASTER_BYTES) * numel if master != MASTER_BYTES else 0)
     rounding = numel / hw.cpu_round_params_per_s if master != MASTER_BYTES else 0.0
-    return numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth + rounding
+    alone = numel / hw.cpu_adamw_params_per_s + casts / hw.host_memcpy_bandwidth + rounding
+    return alone / hw.host_fraction  # NOTE: [Host steps in a running step] in hardware/__init__.py
 
 
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
