@@ -60,9 +60,10 @@ def cmd_worker(args) -> None:
     from lazytrain.runtime.schedule import load_schedule
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=torch.device("cuda"))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=device)
     torch.manual_seed(rank)  # each rank its own tokens
     data = batch(args.model, args.batch, args.seq, "cuda", seed=rank)
     model = build(args.model, args.seq, "cpu", torch.bfloat16 if args.master == "bf16" else torch.float32)
