@@ -17,6 +17,7 @@ most of the cost.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,19 +36,22 @@ MODELS = ("tiny_gpt", "qwen2")
 BUDGETS = ("resident", "minimum")
 
 
-def _compile(name: str, budget: str, world_size: int = WORLD) -> str:
+def _compile(name: str, budget: str, world_size: int = WORLD, shard_state: bool | None = None) -> str:
     meta, _, batch = dp_worker.pair(name)
-    size = GiB if budget == "resident" else minimum_budget(meta, batch, "cpu")
-    return compile_model(meta, batch, size, "cpu", source=name, time_limit=20, world_size=world_size).source_text
+    size = GiB if budget == "resident" else minimum_budget(meta, batch, "cpu", world_size=world_size,
+                                                           shard_state=shard_state)
+    return compile_model(meta, batch, size, "cpu", source=name, time_limit=20, world_size=world_size,
+                         shard_state=shard_state).source_text
 
 
-def _forced_homes() -> str:
+def _forced_homes(sharded: bool = False) -> str:
     """The tiny GPT with every parameter home the runtime has: a resident prologue holding the tied
     embedding (shared with the epilogue), GPU-stepped streamed blocks 0 and 2, a host-stepped
     streamed block 1, and a streamed epilogue whose loss runs in chunks."""
     meta, _, batch = dp_worker.pair("tiny_gpt")
     hw = hardware.load("cpu")
     graph, stages = analyse(meta, batch, hw, loss_chunk_bytes=1)
+    stages = dataclasses.replace(stages, world_size=WORLD, sharded=sharded)
     assert stages[-1].chunks > 1
     f = forced(graph, stages, batch, decisions(["-rk", "GRk", "SRk", "GRk", "Srk"]), hw, world_size=WORLD)
     homes = [(d.stream, d.gpu_step) for d in f.plan.decisions]
@@ -58,12 +62,16 @@ def _forced_homes() -> str:
 @pytest.fixture(scope="module")
 def sources():
     out = {(m, b): _compile(m, b) for m in MODELS for b in BUDGETS}
-    out[("tiny_gpt", "forced")] = _forced_homes()
+    out[("tiny_gpt", "forced")] = _forced_homes(sharded=True)
+    out[("tiny_gpt", "forced-replicated")] = _forced_homes(sharded=False)
+    out[("tiny_gpt", "minimum-replicated")] = _compile("tiny_gpt", "minimum", shard_state=False)
     out[("tiny_gpt", "world1")] = _compile("tiny_gpt", "resident", world_size=1)
     return out
 
 
-CASES = [(m, b) for m in MODELS for b in BUDGETS] + [("tiny_gpt", "forced")]
+# sharded state (the default) at every model and budget; replicated on the forced homes and the smallest budget
+CASES = [(m, b) for m in MODELS for b in BUDGETS] + [("tiny_gpt", "forced"), ("tiny_gpt", "forced-replicated"),
+                                                     ("tiny_gpt", "minimum-replicated")]
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,11 @@ class Hardware:
     # bf16-master plans allocated up to 1.2 GiB beyond its model there, not yet explained. Plans
     # whose buffers filled the budget ran out of memory with 0.4-1.2 GiB still unallocated.
     allocator_reserve_bytes: int = 0
+    # NOTE: [Link bandwidth] The data-parallel ranks' link, as NCCL's "algorithm bandwidth": a
+    # reduce-scatter or all-gather of a B-byte buffer (the whole stage's gradients or weights) takes
+    # B / link_bandwidth seconds. `lazytrain profile` measures it under torchrun on 2+ GPUs; 0: not
+    # known, and a plan for several ranks with sharded state is refused until it is.
+    link_bandwidth: float = 0.0
 
     @property
     def max_budget(self) -> int:
@@ -92,7 +97,7 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
         )
     data = json.loads(path.read_text())
     known = {f.name for f in fields(Hardware)}
-    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes"}
+    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "link_bandwidth"}
     if missing:
         raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
     data["estimated"] = tuple(data.get("estimated", ()))

@@ -99,6 +99,18 @@ from lazytrain.passes.footprint import (
     step_bytes,
 )
 from lazytrain.passes.limits import limits
+from lazytrain.passes.shards import (
+    comm_s,
+    comm_workspace,
+    host_shard_bytes,
+    piece,
+    resident_sharded_bytes,
+    shard_grad_bytes,
+    sharded_deferred_bytes,
+    sharded_step_bytes,
+    sharded_tail,
+    sharding,
+)
 from lazytrain.units import format_size
 
 
@@ -121,13 +133,21 @@ class _Model:
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
         ahead = vars_["ahead"]
+        n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
         steps = self._deferred_steps(sig)
-        mem = [fixed_bytes(stages) + hw.runtime_bytes for _ in range(T)]
+        fixed = fixed_bytes(stages) + hw.runtime_bytes
+        if n > 1:  # the shared weights' states and master are sharded too
+            fixed += resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, len(stages.shared_params),
+                                            stages.state_bytes, M, n) - resident_bytes(
+                stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
+        mem = [fixed for _ in range(T)]
         for t in range(S, T):  # shared (tied) weights' gradients, from the first backward on
-            mem[t] = mem[t] + shared_grad_bytes(stages)
+            mem[t] = mem[t] + (stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
         # after backward: resident weights and their gradients, and the steps clipping defers (NOTE: [Resident steps])
-        tail = fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + steps
+        tail = sharded_tail(stages, hw, [1 - x for x in sig], steps, n) if n > 1 else \
+            fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + steps
         h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
+        comm = [0.0] * (T + 2)  # seconds of collectives on the ranks' link (NOTE: [Link bandwidth])
         lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
         d2h = [0.0] * (T + 2)
         cpu = [0.0] * (T + 2)
@@ -135,49 +155,60 @@ class _Model:
         cap = [0.0] * (T + 2)
         self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
         self.recompute = 0.0
-        self.optimizer = stages.shared_numel / hw.gpu_adamw_params_per_s
+        self.optimizer = piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n) / hw.gpu_adamw_params_per_s
+        if stages.shared_numel:  # the shared weights' reduce-scatter and all-gather after backward
+            comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
+            self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
         PK = max((s.peak_bytes for s in stages), default=0)
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
+            P = len(g.params)
+            numel = piece(g.param_numel, g.param_numel, P, n)  # the parameters this rank steps
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
             # weights: resident (weights, grads, states) or a streamed buffer
             res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
-            self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
-            for t in range(T):
-                mem[t] = mem[t] + res * (1 - sig[s])
-            for t in range(L.bw(s), T):
-                mem[t] = mem[t] + rgrad * (1 - sig[s])
-            tail = tail + (res + rgrad) * (1 - sig[s])
-            # its step follows its backward in B(s), once the backward's workspace is gone
-            bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
-            mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
+            self.optimizer = self.optimizer + (1 - sig[s]) * (numel / hw.gpu_adamw_params_per_s)
+            if n > 1:
+                self._sharded(s, g, mem, comm, h2d, d2h, sig, gst)
+            else:
+                for t in range(T):
+                    mem[t] = mem[t] + res * (1 - sig[s])
+                for t in range(L.bw(s), T):
+                    mem[t] = mem[t] + rgrad * (1 - sig[s])
+                tail = tail + (res + rgrad) * (1 - sig[s])
+                # its step follows its backward in B(s), once the backward's workspace is gone
+                bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
+                mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
             for t in L.weight_windows(s):
                 mem[t] = mem[t] + g.param_bytes * sig[s]
             for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
                 if t is not None:
                     mem[t] = mem[t] + g.param_bytes * sig[s]
-            # weight prefetch and gradient offload traffic
-            h2d[L.fw(s - 1) if s > 0 else PRE] += g.param_bytes * sig[s]
+            # weight prefetch and gradient offload traffic (sharded: the forward prefetch brings this
+            # rank's shard, the gradient leaves as one)
+            h2d[L.fw(s - 1) if s > 0 else PRE] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
             if s < S - 1:
                 h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
-            d2h[L.bw(s - 1) if s > 0 else TAIL] += g.param_bytes * sig[s]
+            d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
             self._spread(cpu, [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL],
-                         (sig[s] - gst[s]) * cpu_step_s(g.param_bytes, g.param_numel, hw, M), f"cpu{s}")
+                         (sig[s] - gst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M), f"cpu{s}")
             # GPU-stepped streamed: state in at the prefetch, out one window later
-            fetch = gpu_step_state_bytes(g.param_numel, stages.state_bytes, M)
+            fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
             h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
-            d2h[L.fw(s)] += gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
-            opt_bytes = gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel)
+            out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
+            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * gst[s]
+            opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
+                              g.param_numel, P, n)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
                 mem[t] = mem[t] + opt_bytes * gst[s]
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
                 mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
-            step_s = g.param_numel / hw.gpu_adamw_params_per_s
+            step_s = numel / hw.gpu_adamw_params_per_s
             self.optimizer = self.optimizer + gst[s] * step_s
             # the step runs once its fetch has landed, and the forward waits for it: fetched one
             # window ahead, the step trails the fetch inside that window; two ahead, a window later
@@ -215,26 +246,67 @@ class _Model:
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
         self.mem = mem
         self.tail = tail
-        self.host = sum(M * g.param_numel for g in stages) + sum(
-            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            - gst[s] * M * g.param_numel + off[s] * g.out_bytes
-            + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
-            for s, g in enumerate(stages))
+        if n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
+            self.host = sum(g.param_bytes for g in stages) + stages.shared_bytes + sum(
+                sig[s] * host_shard_bytes(g.param_bytes, g.param_numel, len(g.params), stages.state_bytes, M, n)
+                - gst[s] * piece(M * g.param_numel, g.param_numel, len(g.params), n) + off[s] * g.out_bytes
+                + (sig[s] - gst[s]) * piece((CPU_STATE_BYTES - stages.state_bytes) * g.param_numel, g.param_numel,
+                                            len(g.params), n)
+                for s, g in enumerate(stages))
+        else:
+            self.host = sum(M * g.param_numel for g in stages) + sum(
+                sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
+                - gst[s] * M * g.param_numel + off[s] * g.out_bytes
+                + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
+                for s, g in enumerate(stages))
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
             buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
             for s, g in enumerate(stages):
                 m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s])
             self.host = self.host + buffers * self.unit
-        self.h2d, self.d2h, self.cpu, self.cap, self.lag = h2d, d2h, cpu, cap, lag
+        self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
+
+    def _sharded(self, s, g, mem, comm, h2d, d2h, sig, gst):
+        """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
+        reduce-scatter in B(s-1) beside that backward, its full gradients until then, its shards
+        after; resident: the step on the shard and the all-gather after it, before the next F(s);
+        streamed: the all-gather at the forward prefetch, the gathered weights back to the host in F(s)."""
+        st, L, hw, n, M = self.st, self.L, self.hw, self.n, self.st.master_bytes
+        T, PRE, TAIL = 2 * len(st), 2 * len(st), 2 * len(st) + 1
+        P = len(g.params)
+        after = L.bw(s) + 1 if s > 0 else TAIL  # B(s-1): the window after its backward
+        t_comm = comm_s(g.param_bytes, hw, n)
+        comm[after] += t_comm
+        ws = comm_workspace(g.param_bytes, g.param_numel, P, n)
+        res = resident_sharded_bytes(g.param_bytes, g.param_numel, P, st.state_bytes, M, n)
+        sg = shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n)
+        for t in range(T):
+            mem[t] = mem[t] + res * (1 - sig[s])
+        mem[L.bw(s)] = mem[L.bw(s)] + g.param_bytes * (1 - sig[s])  # full gradients, until reduced
+        if after < T:
+            mem[after] = mem[after] + g.param_bytes * (1 - sig[s]) + ws + sharded_step_bytes(st, s, n) * (1 - sig[s]) \
+                + piece(g.param_bytes, g.param_numel, P, n) * sig[s]
+            for t in range(after, T):
+                mem[t] = mem[t] + sg * (1 - sig[s])
+        # resident: gathered after its step, any time before the next F(s)
+        windows = [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL, PRE] + [L.fw(w) for w in range(s)]
+        self._spread(comm, windows, t_comm * (1 - sig[s]), f"gather{s}")
+        # streamed: gathered where its forward prefetch lands; the gathered weights go back to the host
+        comm[L.fw(s - 1) if s > 0 else PRE] += t_comm * sig[s]
+        for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
+            mem[t] = mem[t] + ws * sig[s]
+        d2h[L.fw(s)] += g.param_bytes * (sig[s] - gst[s])
 
     def _deferred_steps(self, sig):
         """`deferred_step_bytes` of the resident stages: the most of its candidates."""
-        st = self.st
+        st, n = self.st, sharding(self.st)
+        size = (lambda s: sharded_step_bytes(st, s, n)) if n > 1 else (lambda s: step_bytes(st, s))
+        least = sharded_deferred_bytes(st, [False] * len(st), n) if n > 1 else deferred_step_bytes(st, [False] * len(st))
         tw = self.m.add_var("deferred_steps", lb=0.0)  # in units of `unit` bytes
-        self.m += tw >= deferred_step_bytes(st, [False] * len(st)) / self.unit
+        self.m += tw >= least / self.unit
         for s in range(len(st)):
-            if step_bytes(st, s):
-                self.m += tw >= (step_bytes(st, s) / self.unit) * (1 - sig[s])
+            if size(s):
+                self.m += tw >= (size(s) / self.unit) * (1 - sig[s])
         return tw * self.unit
 
     def _spread(self, table, windows, volume, tag):
@@ -309,6 +381,7 @@ def _exposure(m: mip.Model, model: _Model, hw: Hardware, v, cuts: bool):
     for t in range(len(model.cap)):
         e = m.add_var(f"exposed{t}", lb=0.0)
         h, d, c, cap, lag = model.h2d[t], model.d2h[t], model.cpu[t], model.cap[t], model.lag[t]
+        m += e >= model.comm[t] * k - cap * k  # the ranks' collectives (NOTE: [Link bandwidth])
         m += e >= h * (k / hw.h2d_bandwidth) + lag * k - cap * k
         m += e >= d * (k / hw.d2h_bandwidth) - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
@@ -419,6 +492,9 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     defers until then (NOTE: [Resident steps])."""
     M = stages.master_bytes
     resident = [not d.stream for d in decisions]
+    n = sharding(stages)
+    if n > 1:
+        return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
     return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + sum(
         resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)
         for g, r in zip(stages, resident) if r)

@@ -43,6 +43,10 @@ import torch.distributed as dist
 from lazytrain.errors import DistributedError, ScheduleMismatch
 
 
+def _who(stage: int) -> str:
+    return "the shared parameters" if stage < 0 else f"stage {stage}"
+
+
 def _timeout(group) -> str:
     """The group's collective timeout, in words, where torch says it."""
     try:
@@ -118,6 +122,35 @@ class DataParallel:
             for w in works:
                 w.wait()
         torch._foreach_mul_(grads, 1.0 / self.world)
+
+    def reduce_scatter(self, stage: int, layout, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the ranks' average of the full `grads` (NOTE: [Sharded state] in
+        sharding.py), in their dtype, on their device."""
+        some = next(iter(grads.values()))
+        flat = layout.pack(grads, torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device))
+        mine = torch.empty(layout.region, dtype=some.dtype, device=some.device)
+        with self._collective(f"the gradient reduce-scatter of {_who(stage)}"):
+            dist.reduce_scatter_tensor(mine, flat, group=self.group)
+        mine.mul_(1.0 / self.world)
+        return {p: layout.region_of(mine, p) for p in grads}
+
+    def all_gather(self, stage: int, layout, pieces: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+        """Every rank's `pieces` (this rank's part of each parameter) into the full `targets`."""
+        some = next(iter(targets.values()))
+        mine = torch.zeros(layout.region, dtype=some.dtype, device=some.device)
+        for p, t in pieces.items():
+            layout.region_of(mine, p).copy_(t)
+        flat = torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device)
+        with self._collective(f"the weight all-gather of {_who(stage)}"):
+            dist.all_gather_into_tensor(flat, mine, group=self.group)
+        layout.unpack(flat, targets)
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of `value` over the ranks (the squared gradient norm of every rank's shards)."""
+        out = value.detach().to(self.device, torch.float32).clone()
+        with self._collective("the gradient norm all-reduce"):
+            dist.all_reduce(out, group=self.group)
+        return out
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of the ranks' losses: the global batch's loss (NOTE: [Data parallel])."""
