@@ -185,3 +185,25 @@ def test_schedule_of_format_4_refused(sources):
     text = text.replace('CHECKSUM = ""', f'CHECKSUM = "{checksum(text)}"')
     with pytest.raises(ScheduleMismatch, match=f"has format 4, this lazytrain reads {FORMAT_VERSION}: it is stale; recompile it"):
         load_source(text, unique_name())
+
+
+def test_sharded_checkpoint_reshards(sources, tmp_path):
+    """`sharded_state_dict()` through torch.distributed.checkpoint (NOTE: [Sharded checkpoints]): saved
+    by 2 ranks with sharded state (every parameter home: the forced plan), loaded by 2 ranks and by 1
+    (another plan, state not sharded): the same masters, moments, steps and weights; the 2-rank
+    load then steps to the saving run's next weights, bit for bit."""
+    import numpy as np
+
+    path = str(tmp_path / "ckpt")
+    saved = dp_worker.launch(dp_worker.check_dcp_save, "tiny_gpt", sources[("tiny_gpt", "forced")], path, world=WORLD)
+    for world, key in ((WORLD, ("tiny_gpt", "forced")), (1, ("tiny_gpt", "world1"))):
+        loaded = dp_worker.launch(dp_worker.check_dcp_load, "tiny_gpt", sources[key], path, WORLD, world=world)
+        want_state, want_next = saved[0]
+        for rank, (state, after) in loaded.items():
+            assert sorted(state) == sorted(want_state)
+            for k, v in want_state.items():
+                assert np.array_equal(state[k], v), f"{k} differs after loading at {world} rank(s) (rank {rank})"
+            assert any(k.endswith("exp_avg") and np.abs(v).sum() > 0 for k, v in state.items()), "no moments saved"
+            if after is not None:
+                for n, w in want_next.items():
+                    assert np.array_equal(after[n], w), f"{n} differs one step after loading (rank {rank})"

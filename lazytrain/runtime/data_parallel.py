@@ -43,6 +43,11 @@ import torch.distributed as dist
 from lazytrain.errors import DistributedError, ScheduleMismatch
 
 
+# torch 2.13 names the flat-buffer collectives `*_single` (the older names warn)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def _who(stage: int) -> str:
     return "the shared parameters" if stage < 0 else f"stage {stage}"
 
@@ -130,7 +135,7 @@ class DataParallel:
         flat = layout.pack(grads, torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device))
         mine = torch.empty(layout.region, dtype=some.dtype, device=some.device)
         with self._collective(f"the gradient reduce-scatter of {_who(stage)}"):
-            dist.reduce_scatter_tensor(mine, flat, group=self.group)
+            _reduce_scatter(mine, flat, group=self.group)
         mine.mul_(1.0 / self.world)
         return {p: layout.region_of(mine, p) for p in grads}
 
@@ -142,7 +147,7 @@ class DataParallel:
             layout.region_of(mine, p).copy_(t)
         flat = torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device)
         with self._collective(f"the weight all-gather of {_who(stage)}"):
-            dist.all_gather_into_tensor(flat, mine, group=self.group)
+            _all_gather(flat, mine, group=self.group)
         layout.unpack(flat, targets)
 
     def total(self, value: torch.Tensor) -> torch.Tensor:

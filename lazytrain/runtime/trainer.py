@@ -34,6 +34,7 @@ from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
+from lazytrain.runtime.sharded_state import ShardedState
 from lazytrain.runtime.sharding import ShardLayout
 from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.stepping import Stepping
@@ -48,7 +49,7 @@ def _fmt(shape, dtype) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
-class Trainer(Replay, Stepping):
+class Trainer(Replay, Stepping, ShardedState):
     """`schedule.bind(model, lr=...)` returns one. `forward_backward(batch)` leaves each parameter's
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
@@ -57,7 +58,9 @@ class Trainer(Replay, Stepping):
     allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap]).
     A schedule compiled with `--world-size N` trains data parallel over `process_group` (default:
     torch.distributed's default group), which must have N ranks: gradients are averaged over them
-    and the loss returned is the ranks' mean (NOTE: [Data parallel] in data_parallel.py)."""
+    and the loss returned is the ranks' mean (NOTE: [Data parallel] in data_parallel.py); with sharded
+    state each rank keeps 1/N of it (NOTE: [Sharded state] in sharding.py), and `sharded_state_dict()`
+    / `load_sharded_state_dict()` give it to torch.distributed.checkpoint (NOTE: [Sharded checkpoints])."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
