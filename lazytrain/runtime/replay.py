@@ -258,6 +258,10 @@ class Replay:
             work[p].grad = None
         if s >= 0 and self.stages[s].stream:  # the shard goes to the host (OFFLOAD sg:S)
             self.gbuf[s] = shards
+            if self.cuda:  # made on the comm stream's pool, read by the copy: not reused before it is done
+                for g in shards.values():
+                    if g is not None:
+                        g.record_stream(self.streams.stream(Stream.D2H))
         else:
             for p, g in shards.items():
                 home = self.store.home[p]
