@@ -167,7 +167,8 @@ def test_cli_world_size(tmp_path, capsys):
     model = str(Path(__file__).parents[1] / "lazytrain" / "examples" / "tiny_gpt.py")
     assert main(["compile", model, "-o", str(out), "--hardware", "cpu", "--budget", "1GiB",
                  "--world-size", "2"]) == 0
-    assert "data parallel over 2 ranks: each runs this plan on its own batch" in capsys.readouterr().out
+    assert "data parallel over 2 ranks, state sharded: each runs this plan on its own batch, keeps 1/2" in \
+        capsys.readouterr().out
     assert load_schedule(out).WORLD_SIZE == 2
     with pytest.raises(SystemExit):
         main(["compile", model, "-o", str(out), "--world-size", "0"])
