@@ -91,7 +91,8 @@ def cmd_compile(args) -> int:
                             time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
                             dtype=getattr(torch, args.dtype) if args.dtype else None,
                             optimizer_states=args.optimizer_states, master_weights=args.master_weights,
-                            loss_chunk_bytes=chunk_bytes, world_size=args.world_size)
+                            loss_chunk_bytes=chunk_bytes, world_size=args.world_size,
+                            shard_state=False if args.replicate_state else None)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -167,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=_at_least(1), default=1, metavar="N",
                    help="data-parallel ranks the schedule runs on (default 1); example_batch() is one rank's batch, "
                         "and every rank binds the same schedule (see README, Data parallel)")
+    c.add_argument("--replicate-state", action="store_true",
+                   help="with --world-size > 1: every rank keeps the whole optimizer state and master weights (default: "
+                        "each keeps 1/N of them, sharded; 8-bit optimizer states are always replicated)")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")

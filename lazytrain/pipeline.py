@@ -116,21 +116,23 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
-                  loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1) -> Compiled:
+                  loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1,
+                  shard_state: bool | None = None) -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
     `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
     `master_weights` "fp32" or "bf16" (updated with stochastic rounding).
     `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk).
     `world_size` is the number of data-parallel ranks the schedule runs on; `batch` is one rank's
-    batch (NOTE: [Data parallel] in runtime/data_parallel.py)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise PlanError(f"world_size {world_size!r} is not a number of ranks; pass an integer >= 1 (1: one process)")
+    batch (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
+    sharded for several ranks with 32-bit states) shards master weights and optimizer states over
+    the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank."""
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
+    stages = data_parallel(stages, hw, world_size, shard_state, optimizer_states)
     budget = hw.max_budget if budget is None else int(budget)
     plan = hook.run("solve", cached_solve, stages, hw, budget, time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))
@@ -144,13 +146,32 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
 
 def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None,
                    dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
-                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
+                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1, shard_state: bool | None = None) -> int:
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
     _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights,
                         loss_chunk_bytes=loss_chunk_bytes)
-    return smallest_budget(stages, hw)
+    return smallest_budget(data_parallel(stages, hw, world_size, shard_state, optimizer_states), hw)
+
+
+def data_parallel(stages: Stages, hw: Hardware, world_size: int, shard_state: bool | None, optimizer_states: str) -> Stages:
+    """The stages for `world_size` ranks, their state sharded or replicated (NOTE: [Sharded state] in
+    runtime/sharding.py)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size {world_size!r} is not a number of ranks; pass an integer >= 1 (1: one process)")
+    sharded = world_size > 1 and (shard_state if shard_state is not None else optimizer_states == "32bit")
+    if sharded and optimizer_states == "8bit":
+        raise PlanError(
+            "sharded optimizer state (the default with --world-size > 1) keeps 32-bit states only: bitsandbytes' 8-bit "
+            "states are quantised in blocks of whole tensors, which a shard would cut. Use --optimizer-states 32bit, "
+            "or replicate the state on every rank (--replicate-state; shard_state=False)")
+    if sharded and not hw.link_bandwidth > 0:
+        raise PlanError(
+            f"hardware profile '{hw.name}' has no link_bandwidth (the data-parallel ranks' all-gather bandwidth), which "
+            "a plan with sharded state needs: run `lazytrain profile` under `torchrun --nproc-per-node 2` on this "
+            "machine, or add \"link_bandwidth\" (bytes/s) to the profile, or replicate the state (--replicate-state)")
+    return dataclasses.replace(stages, world_size=world_size, sharded=sharded)
 
 
 def stages_text(stages: Stages) -> str:

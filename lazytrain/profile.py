@@ -1,7 +1,9 @@
 """`lazytrain profile`: measure this machine into a hardware profile for the cost model.
 
 Each rate is the median of several timed runs after a warm-up. Without a GPU, "device" transfers
-are host copies and the device is the CPU, which is what the CPU runtime does.
+are host copies and the device is the CPU, which is what the CPU runtime does. Under torchrun on 2 or
+more GPUs (`torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json`) it also measures the
+ranks' link (NOTE: [Link bandwidth] in hardware/__init__.py); rank 0 writes the profile.
 """
 
 from __future__ import annotations
@@ -106,10 +108,39 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
         disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
         estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s", "disk_read_bandwidth")
         + (("allocator_reserve_bytes",) if cuda else ("duplex_bandwidth",)),
-        runtime_bytes=runtime, allocator_reserve_bytes=reserve,
+        runtime_bytes=runtime, allocator_reserve_bytes=reserve, link_bandwidth=_link_bandwidth(quick) if cuda else 0.0,
     )
-    Path(output).write_text(json.dumps(asdict(hw), indent=1) + "\n")
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(output).write_text(json.dumps(asdict(hw), indent=1) + "\n")
     return hw
+
+
+def _link_bandwidth(quick: bool) -> float:
+    """The ranks' all-gather and reduce-scatter of a large bf16 buffer, as algorithm bandwidth (the
+    buffer's bytes over the slower one's time on the slowest rank), when this process is one of 2 or
+    more torchrun ranks, one GPU each; else 0 (not measured)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            return 0.0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    if world < 2:
+        return 0.0
+    numel = (128 if quick else 1024) * 2**20 // 2  # bf16 elements of the whole buffer
+    numel -= numel % world
+    full = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
+    mine = torch.zeros(numel // world, dtype=torch.bfloat16, device="cuda")
+    sync = torch.cuda.synchronize
+    seconds = max(_median_time(lambda: dist.all_gather_into_tensor(full, mine), sync=sync),
+                  _median_time(lambda: dist.reduce_scatter_tensor(mine, full), sync=sync))
+    slowest = torch.tensor([seconds], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return 2 * numel / slowest.item()
 
 
 def _library_workspaces() -> int:

@@ -69,6 +69,10 @@ def _ranks_line(m: ModuleType) -> list[str]:
     n = getattr(m, "WORLD_SIZE", 1)
     if n == 1:
         return []
+    if getattr(m, "SHARDED", False):  # NOTE: [Sharded state] in runtime/sharding.py
+        return [f"data parallel over {n} ranks, state sharded: each runs this plan on its own batch, keeps 1/{n} of the "
+                "master weights and optimizer states (the host and state figures above are one rank's), reduce-scatters "
+                "the gradients and all-gathers the weights (in the predicted step)"]
     return [f"data parallel over {n} ranks: each runs this plan on its own batch; gradients are averaged over the "
             "ranks (not in the predicted step)"]
 
@@ -86,6 +90,8 @@ def _states_line(m: ModuleType) -> str:
     gpu = sum(s.param_numel * per[s.states] for s in m.STAGES if not s.stream) + sum(
         math.prod(m.PLACEHOLDERS[p][2]) for p in m.SHARED) * per[getattr(m, "OPTIMIZER_STATES", "32bit")]
     host = sum(s.param_numel * per[s.states] for s in m.STAGES if s.stream)
+    if getattr(m, "SHARDED", False):  # a rank's 1/N (NOTE: [Sharded state] in runtime/sharding.py)
+        gpu, host = gpu / m.WORLD_SIZE, host / m.WORLD_SIZE
     fp32 = [s.index for s in m.STAGES if s.states == "32bit"]
     mixed = (f"; 32-bit on the host-stepped stages ({_ranges(fp32)})"
              if getattr(m, "OPTIMIZER_STATES", "32bit") != "32bit" and fp32 else "")

@@ -151,12 +151,29 @@ def check_steps(rank, world, name, source, max_grad_norm):
         opt.step()
         assert torch.allclose(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5), f"step {i}: loss {loss} != eager {ref_loss}"
     trainer.synchronize()
+    if trainer.sharded:
+        check_state_shards(trainer, rank, world)
     for (pname, got), want in zip(model.named_parameters(), ref.parameters()):
         err = (got - want).abs().max().item()
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), f"{pname} differs from torch AdamW by {err:.3g}"
     if max_grad_norm is not None:
         assert max(norms) > max_grad_norm, "the clipping threshold never clipped: the test checks nothing"
     return weights_digest(model)
+
+
+def check_state_shards(trainer, rank, world):
+    """With sharded state, each parameter's master and AdamW moments on this rank are its piece:
+    ceil(numel / world) elements from rank * that (torch.chunk's cut), so 1/world of the whole."""
+    mine = whole = 0
+    for p, home in trainer.store.home.items():
+        n = trainer.store.master[p].numel()
+        c = -(-n // world)
+        want = max(0, min(n, (rank + 1) * c) - min(n, rank * c))
+        state = trainer.optimizer.state[home]
+        assert home.numel() == want and state["exp_avg"].numel() == want and state["exp_avg_sq"].numel() == want, \
+            f"{p}: rank {rank} holds {state['exp_avg'].numel()} of its {n} elements' states, not {want}"
+        mine, whole = mine + want, whole + n
+    assert mine <= whole / world + len(trainer.store.home), f"rank {rank} steps {mine} of {whole} elements"
 
 
 def weights_digest(model) -> str:
@@ -228,3 +245,55 @@ def lost_rank(rank, world, name, source, mode, timeout_s, release):
     finally:
         release.set()
     raise AssertionError("the step went on without rank 1")
+
+
+def full_state(trainer, model) -> dict:
+    """Every parameter's whole master, moments and step from `sharded_state_dict()`, and the model's weights."""
+    sd = trainer.sharded_state_dict()
+    out = {}
+    for name, entry in sd["state"].items():
+        for k, v in entry.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[f"{name}.{k}"] = v.detach().reshape(-1).numpy().copy()  # numpy: no shared memory between processes
+    for name, p in model.named_parameters():
+        out[f"weight:{name}"] = p.detach().reshape(-1).numpy().copy()
+    return out
+
+
+def check_dcp_save(rank, world, name, source, path):
+    """STEPS steps on this rank's rows, then the sharded state saved through torch.distributed.checkpoint;
+    returns the whole state, and the weights after one more step (the resumed runs' reference)."""
+    import torch.distributed.checkpoint as dcp
+
+    _, real, _ = pair(name)
+    trainer, model = bind(source, real, max_grad_norm=0.5, **HP)
+    for i in range(STEPS):
+        trainer.step(rows_of(global_batch(name, world, seed=40 + i), rank, world))
+    sd = trainer.sharded_state_dict()
+    if trainer.sharded:  # each rank's optimizer state is its 1/N piece
+        for pname, entry in sd["state"].items():
+            local, whole = entry["exp_avg"].to_local().numel(), entry["exp_avg"].numel()
+            assert local == len(range(whole)[rank * -(-whole // world):(rank + 1) * -(-whole // world)]), pname
+    dcp.save(sd, checkpoint_id=path)
+    state = full_state(trainer, model)
+    trainer.step(rows_of(global_batch(name, world, seed=99), rank, world))
+    trainer.sync_model()
+    return state, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def check_dcp_load(rank, world, name, source, path, saved_world):
+    """A fresh trainer (on `world` ranks) loads the checkpoint; returns its whole state and its weights
+    after one more step on the same global batch as the saving run's."""
+    import torch.distributed.checkpoint as dcp
+
+    _, real, _ = pair(name)
+    trainer, model = bind(source, real, max_grad_norm=0.5, **HP)
+    sd = trainer.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    trainer.load_sharded_state_dict(sd)
+    state = full_state(trainer, model)
+    if world != saved_world:  # the schedule is for one rank's rows of another global batch
+        return state, None
+    trainer.step(rows_of(global_batch(name, saved_world, seed=99), rank, world))
+    trainer.sync_model()
+    return state, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}

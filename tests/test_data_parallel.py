@@ -17,6 +17,7 @@ most of the cost.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,19 +36,22 @@ MODELS = ("tiny_gpt", "qwen2")
 BUDGETS = ("resident", "minimum")
 
 
-def _compile(name: str, budget: str, world_size: int = WORLD) -> str:
+def _compile(name: str, budget: str, world_size: int = WORLD, shard_state: bool | None = None) -> str:
     meta, _, batch = dp_worker.pair(name)
-    size = GiB if budget == "resident" else minimum_budget(meta, batch, "cpu")
-    return compile_model(meta, batch, size, "cpu", source=name, time_limit=20, world_size=world_size).source_text
+    size = GiB if budget == "resident" else minimum_budget(meta, batch, "cpu", world_size=world_size,
+                                                           shard_state=shard_state)
+    return compile_model(meta, batch, size, "cpu", source=name, time_limit=20, world_size=world_size,
+                         shard_state=shard_state).source_text
 
 
-def _forced_homes() -> str:
+def _forced_homes(sharded: bool = False) -> str:
     """The tiny GPT with every parameter home the runtime has: a resident prologue holding the tied
     embedding (shared with the epilogue), GPU-stepped streamed blocks 0 and 2, a host-stepped
     streamed block 1, and a streamed epilogue whose loss runs in chunks."""
     meta, _, batch = dp_worker.pair("tiny_gpt")
     hw = hardware.load("cpu")
     graph, stages = analyse(meta, batch, hw, loss_chunk_bytes=1)
+    stages = dataclasses.replace(stages, world_size=WORLD, sharded=sharded)
     assert stages[-1].chunks > 1
     f = forced(graph, stages, batch, decisions(["-rk", "GRk", "SRk", "GRk", "Srk"]), hw, world_size=WORLD)
     homes = [(d.stream, d.gpu_step) for d in f.plan.decisions]
@@ -58,12 +62,16 @@ def _forced_homes() -> str:
 @pytest.fixture(scope="module")
 def sources():
     out = {(m, b): _compile(m, b) for m in MODELS for b in BUDGETS}
-    out[("tiny_gpt", "forced")] = _forced_homes()
+    out[("tiny_gpt", "forced")] = _forced_homes(sharded=True)
+    out[("tiny_gpt", "forced-replicated")] = _forced_homes(sharded=False)
+    out[("tiny_gpt", "minimum-replicated")] = _compile("tiny_gpt", "minimum", shard_state=False)
     out[("tiny_gpt", "world1")] = _compile("tiny_gpt", "resident", world_size=1)
     return out
 
 
-CASES = [(m, b) for m in MODELS for b in BUDGETS] + [("tiny_gpt", "forced")]
+# sharded state (the default) at every model and budget; replicated on the forced homes and the smallest budget
+CASES = [(m, b) for m in MODELS for b in BUDGETS] + [("tiny_gpt", "forced"), ("tiny_gpt", "forced-replicated"),
+                                                     ("tiny_gpt", "minimum-replicated")]
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +167,8 @@ def test_cli_world_size(tmp_path, capsys):
     model = str(Path(__file__).parents[1] / "lazytrain" / "examples" / "tiny_gpt.py")
     assert main(["compile", model, "-o", str(out), "--hardware", "cpu", "--budget", "1GiB",
                  "--world-size", "2"]) == 0
-    assert "data parallel over 2 ranks: each runs this plan on its own batch" in capsys.readouterr().out
+    assert "data parallel over 2 ranks, state sharded: each runs this plan on its own batch, keeps 1/2" in \
+        capsys.readouterr().out
     assert load_schedule(out).WORLD_SIZE == 2
     with pytest.raises(SystemExit):
         main(["compile", model, "-o", str(out), "--world-size", "0"])
@@ -177,3 +186,25 @@ def test_schedule_of_format_4_refused(sources):
     text = text.replace('CHECKSUM = ""', f'CHECKSUM = "{checksum(text)}"')
     with pytest.raises(ScheduleMismatch, match=f"has format 4, this lazytrain reads {FORMAT_VERSION}: it is stale; recompile it"):
         load_source(text, unique_name())
+
+
+def test_sharded_checkpoint_reshards(sources, tmp_path):
+    """`sharded_state_dict()` through torch.distributed.checkpoint (NOTE: [Sharded checkpoints]): saved
+    by 2 ranks with sharded state (every parameter home: the forced plan), loaded by 2 ranks and by 1
+    (another plan, state not sharded): the same masters, moments, steps and weights; the 2-rank
+    load then steps to the saving run's next weights, bit for bit."""
+    import numpy as np
+
+    path = str(tmp_path / "ckpt")
+    saved = dp_worker.launch(dp_worker.check_dcp_save, "tiny_gpt", sources[("tiny_gpt", "forced")], path, world=WORLD)
+    for world, key in ((WORLD, ("tiny_gpt", "forced")), (1, ("tiny_gpt", "world1"))):
+        loaded = dp_worker.launch(dp_worker.check_dcp_load, "tiny_gpt", sources[key], path, WORLD, world=world)
+        want_state, want_next = saved[0]
+        for rank, (state, after) in loaded.items():
+            assert sorted(state) == sorted(want_state)
+            for k, v in want_state.items():
+                assert np.array_equal(state[k], v), f"{k} differs after loading at {world} rank(s) (rank {rank})"
+            assert any(k.endswith("exp_avg") and np.abs(v).sum() > 0 for k, v in state.items()), "no moments saved"
+            if after is not None:
+                for n, w in want_next.items():
+                    assert np.array_equal(after[n], w), f"{n} differs one step after loading (rank {rank})"

@@ -219,7 +219,7 @@ def _host_work(released, windows, caps, costs, *, split: bool) -> float:
     """The least sum over `windows` of costs[w] * done[w] + max(0, done[w] - caps[w]), where
     `released[w]` seconds may run in window `w` or any later one: through `solve.backlog`, or
     (`split`) one part per (release, window) as each stage's own split would place it."""
-    from lazytrain.passes.solve import backlog
+    from lazytrain.passes.step_model import backlog
 
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0

@@ -10,7 +10,8 @@ from typing import Callable
 from lazytrain.ir.events import Buffer, Event, Kind, Stream
 from lazytrain.units import format_size
 
-_STREAM = {Stream.COMPUTE: "C", Stream.H2D: "H2D", Stream.D2H: "D2H", Stream.CPU: "CPU", Stream.DISK: "Stream.DISK"}
+_STREAM = {Stream.COMPUTE: "C", Stream.H2D: "H2D", Stream.D2H: "D2H", Stream.CPU: "CPU", Stream.COMM: "COMM",
+           Stream.DISK: "Stream.DISK"}
 PRINTERS: dict[Kind, Callable[[Event, dict, list[str]], str]] = {}
 
 
@@ -30,7 +31,7 @@ def _fields(e: Event) -> str:
     parts = [str(e.id), _STREAM[e.stream], f"Kind.{e.kind.name}", str(e.stage)]
     if e.phase is not None:
         parts.append({"fwd": "FWD", "bwd": "BWD", "recompute": "RECOMPUTE"}[e.phase.value])
-    for key in ("reads", "allocs", "frees", "waits"):
+    for key in ("reads", "allocs", "frees", "waits", "writes"):
         val = getattr(e, key)
         if val:
             parts.append(f"{key}={_tuple(val)}")
@@ -67,6 +68,14 @@ def _free(e: Event, buffers, names) -> str:
 def _opt(e: Event, buffers, names) -> str:
     who = "shared parameters" if e.stage < 0 else names[e.stage]
     return f"{_fields(e)}  # AdamW on the {e.device} for {who} {_when(e)}"
+
+
+@printer(Kind.REDUCE, Kind.GATHER)
+def _collective(e: Event, buffers, names) -> str:
+    who = "shared parameters" if e.stage < 0 else names[e.stage]
+    what = (f"reduce-scatter of {e.reads[0]} into this rank's shard {e.allocs[0]}" if e.kind is Kind.REDUCE
+            else f"all-gather of the updated {who} weights into {e.writes[0]}")
+    return f"{_fields(e)}  # {what} ({who}); workspace {format_size(e.workspace)} {_when(e)}"
 
 
 def print_event(e: Event, buffers: dict[str, Buffer], names: list[str]) -> str:

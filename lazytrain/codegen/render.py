@@ -129,9 +129,13 @@ def _chunk_fields(graph: Graph, stage) -> str:
     return text
 
 
-def _ranks_text(world_size: int) -> str:
+def _ranks_text(world_size: int, sharded: bool) -> str:
     if world_size == 1:
         return "one process"
+    if sharded:
+        return (f"data parallel: each rank runs this plan on its own batch of the shape below; gradients are "
+                f"reduce-scattered over the {world_size} ranks, each steps its 1/{world_size} of the optimizer state and "
+                "the updated weights are all-gathered (REDUCE and GATHER events, in the predictions)")
     return (f"data parallel: each rank runs this plan on its own batch of the shape below; gradients are averaged "
             f"over the {world_size} ranks, and the predictions leave that communication out")
 
@@ -189,6 +193,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         solver=repr({"status": info.status, "gap": info.gap, "message": info.message}),
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
-        world_size=world_size, ranks_text=_ranks_text(world_size),
+        world_size=world_size, ranks_text=_ranks_text(world_size, stages.sharded and world_size > 1),
+        sharded=stages.sharded and world_size > 1,
     )
     return text.replace('CHECKSUM = "@CHECKSUM@"', f'CHECKSUM = "{checksum(text)}"')

@@ -72,6 +72,11 @@ class Hardware:
     # 26-35 ms with fp32 masters (23.3 predicted from the alone rates) and 103-110 ms with bf16
     # masters (78.7); fewer torch threads made them slower still (8 threads: a 1.5x longer step).
     host_fraction: float = 1.0
+    # NOTE: [Link bandwidth] The data-parallel ranks' link, as NCCL's "algorithm bandwidth": a
+    # reduce-scatter or all-gather of a B-byte buffer (the whole stage's gradients or weights) takes
+    # B / link_bandwidth seconds. `lazytrain profile` measures it under torchrun on 2+ GPUs; 0: not
+    # known, and a plan for several ranks with sharded state is refused until it is.
+    link_bandwidth: float = 0.0
 
     @property
     def max_budget(self) -> int:
@@ -106,7 +111,8 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
         )
     data = json.loads(path.read_text())
     known = {f.name for f in fields(Hardware)}
-    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "attention_fraction", "host_fraction"}
+    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "attention_fraction", "host_fraction",
+                                   "link_bandwidth"}
     if missing:
         raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
     data["estimated"] = tuple(data.get("estimated", ()))

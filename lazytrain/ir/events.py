@@ -16,6 +16,8 @@ class Stream(enum.Enum):
     H2D = "h2d"
     D2H = "d2h"
     DISK = "disk"
+    # collectives between data-parallel ranks (reduce-scatter, all-gather), in order on their own stream
+    COMM = "comm"
     # host-side work (the CPU optimizer step)
     CPU = "cpu"
 
@@ -29,7 +31,8 @@ class Kind(enum.Enum):
     # work
     COMPUTE = "compute"
     OPT_STEP = "opt_step"
-    REDUCE = "reduce"  # multi-GPU gradient reduction
+    REDUCE = "reduce"  # reduce-scatter of a stage's gradients over the data-parallel ranks (each keeps its shard)
+    GATHER = "gather"  # all-gather of a stage's updated weights from every rank's shard
 
 
 class Phase(enum.Enum):
@@ -61,6 +64,7 @@ class Event:
     allocs: tuple[str, ...] = ()
     frees: tuple[str, ...] = ()
     waits: tuple[int, ...] = ()
+    writes: tuple[str, ...] = ()  # live buffers it overwrites in place (a GATHER fills the weights)
     workspace: int = 0  # transient bytes while the event runs
     device: str = ""  # OPT_STEP: "gpu" or "cpu"
     start_s: float = 0.0  # predicted start within the step

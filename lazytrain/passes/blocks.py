@@ -96,6 +96,8 @@ class Stages:
     requires_grad: frozenset[str]
     master_bytes: int = 4  # master weights per parameter: 4 (fp32) or 2 (bf16, stochastic rounding)
     largest_shared_numel: int = 0  # the biggest shared parameter tensor (a bf16 master's fp32 twin)
+    world_size: int = 1  # data-parallel ranks, each running the plan on its own batch
+    sharded: bool = False  # with world_size > 1: each rank keeps 1/N of the optimizer state (passes/shards.py)
 
     def __iter__(self):
         return iter(self.stages)

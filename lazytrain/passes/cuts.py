@@ -1,7 +1,7 @@
 """Valid inequalities for the step MIP of pass `solve`: rows that tighten its LP relaxation and cut
 off no plan, so the search proves its gap sooner while every plan keeps its value.
 
-Needs: the MIP's decision variables (`solve._vars`) and the linear rows `solve._Model` builds.
+Needs: the MIP's decision variables (`solve._vars`) and the linear rows `step_model.StepModel` builds.
 Guarantees: each row holds at every integer point that satisfies the model (the arguments are in
 the NOTEs); where a precondition of an argument fails, no row is added.
 """

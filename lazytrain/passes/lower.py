@@ -17,6 +17,16 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
+from lazytrain.passes.shards import (
+    comm_s,
+    comm_workspace,
+    piece,
+    resident_sharded_bytes,
+    shard_grad_bytes,
+    sharded_deferred_bytes,
+    sharded_step_bytes,
+    sharding,
+)
 from lazytrain.passes.footprint import (
     backward_workspace,
     chunk_workspace,
@@ -60,10 +70,14 @@ class _Builder:
         return name
 
     def emit(self, stream, kind, stage, phase=None, reads=(), allocs=(), frees=(), workspace=0, device="", moved=None,
-             after=()):
+             after=(), writes=()):
         eid = len(self.events)
         waits = set(after)
         for b in reads:
+            if b in self.last_writer:
+                waits.add(self.last_writer[b])
+        for b in writes:  # overwriting in place: after what made it and everything that read it
+            waits.update(self.readers.get(b, ()))
             if b in self.last_writer:
                 waits.add(self.last_writer[b])
         for b in frees:
@@ -82,10 +96,10 @@ class _Builder:
         self.stream_free[stream] = start + duration
         self.end.append(start + duration)
         self.events.append(Event(eid, stream, kind, stage, phase, tuple(reads), tuple(allocs), tuple(frees),
-                                 waits, int(workspace), device, round(start, 9), round(duration, 9)))
+                                 waits, tuple(writes), int(workspace), device, round(start, 9), round(duration, 9)))
         for b in reads:
             self.readers.setdefault(b, []).append(eid)
-        for b in allocs:
+        for b in tuple(allocs) + tuple(writes):
             self.last_writer[b] = eid
             self.readers[b] = []
         return eid
@@ -106,6 +120,8 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return moved / hw.h2d_bandwidth
         if kind is Kind.OFFLOAD:
             return moved / hw.d2h_bandwidth
+        if kind in (Kind.REDUCE, Kind.GATHER):
+            return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
             if g is not None and plan.decisions[stage].stream and not plan.decisions[stage].gpu_step:
                 return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes)
@@ -125,27 +141,43 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         acc += secs
 
     M = stages.master_bytes
+    n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
     shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
     b.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
+    nshared = len(stages.shared_params)
+    if n > 1:
+        shared = resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, nshared, stages.state_bytes, M, n)
     b.buffer("shared", "gpu", shared, persistent=True)
     # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
     # [Resident steps] in footprint.py); the runtime's FREE of one is a no-op
     rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.stream}
     if stages.shared_params:
         rgrads[-1] = "rgrad:shared"
-        b.buffer("rgrad:shared", "gpu", shared_grad_bytes(stages))
+        # sharded: the full gradients go at their reduce-scatter, the shard stays
+        b.buffer("rgrad:shared", "gpu", stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
+        if n > 1:
+            b.buffer("sg:shared", "gpu", shard_grad_bytes(stages.shared_bytes, stages.shared_numel, nshared, M, n))
     for s, g in enumerate(stages):
+        P = len(g.params)
         if not dec[s].stream:
-            b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M), persistent=True)
-            b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
+            if n > 1:
+                b.buffer(f"res:{s}", "gpu", resident_sharded_bytes(g.param_bytes, g.param_numel, P, stages.state_bytes, M, n),
+                         persistent=True)
+                b.buffer(rgrads[s], "gpu", g.param_bytes)
+                b.buffer(f"sg:{s}", "gpu", shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n))
+            else:
+                b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M), persistent=True)
+                b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
         else:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
-            b.buffer(f"host:grad:{s}", "host", g.param_bytes, persistent=dec[s].gpu_step)
+            b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].gpu_step)
+            if n > 1:
+                b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
             if dec[s].gpu_step:
-                b.buffer(f"opt:{s}", "gpu", gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
-                                                          g.largest_numel))
+                b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
+                                                                 g.largest_numel), g.param_numel, P, n))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
@@ -166,27 +198,67 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     # (NOTE: [GPU-stepped streamed stages] in solve.py).
     stepped: dict[int, int] = {}  # stage -> its OPT_STEP event
 
+    def share(nbytes: int, s: int) -> int:
+        """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
+        return piece(nbytes, stages[s].param_numel, len(stages[s].params), n)
+
+    def gather(s: int, buf: str, after=()):
+        """All-gather of stage `s`'s (or the shared, -1) updated weights from every rank's shard into `buf`."""
+        nbytes, numel, P = (stages.shared_bytes, stages.shared_numel, nshared) if s < 0 else (
+            stages[s].param_bytes, stages[s].param_numel, len(stages[s].params))
+        b.emit(Stream.COMM, Kind.GATHER, s, writes=(buf,), after=after, moved=nbytes,
+               workspace=comm_workspace(nbytes, numel, P, n))
+
     def prefetch(s: int):
-        if not dec[s].gpu_step:
-            b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",))
-            return
         g = stages[s]
+        if not dec[s].gpu_step:
+            # sharded: only this rank's shard of the new weights comes over; the rest from the other ranks
+            b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(g.param_bytes, s))
+            if n > 1:
+                gather(s, f"w:{s}")
+            return
         b.emit(Stream.H2D, Kind.PREFETCH, s, reads=(f"host:grad:{s}",), allocs=(f"opt:{s}", f"w:{s}"),
-               moved=gpu_step_state_bytes(g.param_numel, stages.state_bytes, stages.master_bytes) + g.param_bytes)
+               moved=share(gpu_step_state_bytes(g.param_numel, stages.state_bytes, stages.master_bytes) + g.param_bytes, s))
         b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
 
     def gpu_step(s: int):
         if dec[s].gpu_step:
             stepped[s] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"opt:{s}", f"w:{s}"), device="gpu")
+            if n > 1:
+                gather(s, f"w:{s}", after=(stepped[s],))
 
     def step_out(s: int):
+        g = stages[s]
         if dec[s].gpu_step:
-            g = stages[s]
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],))
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
-                   moved=gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes)
-                   - g.param_bytes)
+                   moved=share(gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes)
+                               - g.param_bytes, s))
+        elif dec[s].stream and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
+            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
+
+    def reduce(k: int):
+        """Reduce-scatter of stage `k`'s gradients; a streamed stage's shard goes to the host."""
+        g = stages[k]
+        b.emit(Stream.COMM, Kind.REDUCE, k, reads=(f"g:{k}" if dec[k].stream else rgrads[k],), allocs=(f"sg:{k}",),
+               moved=g.param_bytes, workspace=comm_workspace(g.param_bytes, g.param_numel, len(g.params), n))
+        if dec[k].stream:
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"sg:{k}",), allocs=(f"host:grad:{k}",))
+
+    def reduced(k: int):
+        """After the backward that overlapped stage `k`'s reduce-scatter: its full gradients go, and
+        its shard is stepped (a resident stage's new weights then gathered)."""
+        if dec[k].stream:
+            b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"g:{k}",))
+            b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"sg:{k}",))
+            if not dec[k].gpu_step:
+                b.emit(Stream.CPU, Kind.OPT_STEP, k, reads=(f"host:grad:{k}",), device="cpu")
+            return
+        b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(rgrads[k],))
+        step = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"res:{k}", f"sg:{k}"), device="gpu",
+                      workspace=sharded_step_bytes(stages, k, n))
+        gather(k, f"res:{k}", after=(step,))
 
     # ---- forward ----------------------------------------------------------------------------
     b.t = win_start["pre"]
@@ -232,7 +304,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         for p in range(S):
             if dec[p].outputs is OutMode.OFFLOAD and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
-        if s + 1 < S and dec[s + 1].stream:
+        if s + 1 < S and n > 1:  # NOTE: [Sharded state] in runtime/sharding.py
+            reduce(s + 1)
+        elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
         if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:
             j = s - 1
@@ -261,14 +335,18 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
         if dec[s].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
-        if s + 1 < S and dec[s + 1].stream:
+        if s + 1 < S and n > 1:
+            reduced(s + 1)
+        elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
             if not dec[s + 1].gpu_step:
                 b.emit(Stream.CPU, Kind.OPT_STEP, s + 1, reads=(f"host:grad:{s + 1}",), device="cpu")
-        if not dec[s].stream:
+        if not dec[s].stream and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
     b.t = win_start["tail"]
+    if n > 1:
+        return _sharded_tail(b, stages, plan, hw, reduce, reduced, gather, rgrads, n)
     if dec[0].stream:
         b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
         b.emit(Stream.COMPUTE, Kind.FREE, 0, frees=("g:0",))
@@ -281,3 +359,23 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=tuple(rgrads.values()),
                workspace=deferred_step_bytes(stages, [not d.stream for d in dec]))
     return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
+
+
+def _sharded_tail(b: _Builder, stages: Stages, plan: Plan, hw: Hardware, reduce, reduced, gather, rgrads, n: int) -> Schedule:
+    """After backward with sharded state: stage 0's reduce-scatter and step, then the shared
+    weights' (whose gradients every stage that reads them added to), each gathered once stepped."""
+    reduce(0)
+    reduced(0)
+    if stages.shared_params:
+        b.emit(Stream.COMM, Kind.REDUCE, -1, reads=("rgrad:shared",), allocs=("sg:shared",), moved=stages.shared_bytes,
+               workspace=comm_workspace(stages.shared_bytes, stages.shared_numel, len(stages.shared_params), n))
+        b.emit(Stream.COMPUTE, Kind.FREE, -1, frees=("rgrad:shared",))
+        step = b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared", "sg:shared"), device="gpu",
+                      workspace=piece(shared_step_bytes(stages), stages.shared_numel, len(stages.shared_params), n))
+        gather(-1, "shared", after=(step,))
+    kept = tuple(f"sg:{s}" for s in sorted(rgrads) if s >= 0) + (("sg:shared",) if stages.shared_params else ())
+    if kept:  # the shards of resident gradients stay until the next step starts (NOTE: [Resident steps])
+        b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=kept,
+               workspace=sharded_deferred_bytes(stages, [not d.stream for d in plan.decisions], n))
+    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
+

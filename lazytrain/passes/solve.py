@@ -78,212 +78,16 @@ from lazytrain.passes import cuts as cuts_
 from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
-    CPU_STATE_BYTES,
-    HOST_STEP_BYTES,
-    MASTER_BYTES,
-    Layout,
-    backward_workspace,
-    chunk_workspace,
-    cpu_step_s,
     deferred_step_bytes,
     fixed_bytes,
-    gpu_step_bytes,
-    gpu_step_out_bytes,
-    gpu_step_state_bytes,
-    host_bytes_streamed,
-    recompute_workspace,
     resident_bytes,
     resident_grad_bytes,
-    saving_workspace,
     shared_grad_bytes,
-    step_bytes,
 )
 from lazytrain.passes.limits import limits
+from lazytrain.passes.shards import sharded_deferred_bytes, sharded_tail, sharding
+from lazytrain.passes.step_model import StepModel, byte_unit
 from lazytrain.units import format_size
-
-
-class _Model:
-    """The step model: per-window memory, compute capacity and transfer volumes as linear expressions."""
-
-    def __init__(self, stages: Stages, hw: Hardware, vars_: dict, m: mip.Model):
-        self.st, self.hw, self.m = stages, hw, m
-        self.floors: list = []  # variables held at their least by the objective (NOTE: [Floor variables])
-        S = len(stages)
-        self.L = L = Layout(S)
-        self.v = vars_
-        # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
-        # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
-        # and time in `unit_s` (the step's compute), so coefficients stay near 1. Variables that
-        # hold bytes (R, the offload parts, twins) hold them in `unit`s too: HiGHS warns of, and
-        # slows on, rows whose coefficients span more than about 1e9.
-        M = stages.master_bytes
-        self.unit = _byte_unit(stages)
-        self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
-        T = 2 * S
-        sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
-        ahead = vars_["ahead"]
-        steps = self._deferred_steps(sig)
-        mem = [fixed_bytes(stages) + hw.runtime_bytes for _ in range(T)]
-        for t in range(S, T):  # shared (tied) weights' gradients, from the first backward on
-            mem[t] = mem[t] + shared_grad_bytes(stages)
-        # after backward: resident weights and their gradients, and the steps clipping defers (NOTE: [Resident steps])
-        tail = fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + steps
-        h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
-        lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
-        d2h = [0.0] * (T + 2)
-        cpu = [0.0] * (T + 2)
-        released = [0.0] * (T + 2)  # host step seconds that may start in a window (NOTE: [Host step backlog])
-        PRE, TAIL = T, T + 1
-        cap = [0.0] * (T + 2)
-        self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
-        self.recompute = 0.0
-        self.optimizer = stages.shared_numel / hw.gpu_adamw_params_per_s
-        PK = max((s.peak_bytes for s in stages), default=0)
-        for s, g in enumerate(stages):
-            chunked = g.chunks > 1
-            cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
-            cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
-            self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
-            # weights: resident (weights, grads, states) or a streamed buffer
-            res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
-            self.optimizer = self.optimizer + (1 - sig[s]) * (g.param_numel / hw.gpu_adamw_params_per_s)
-            for t in range(T):
-                mem[t] = mem[t] + res * (1 - sig[s])
-            for t in range(L.bw(s), T):
-                mem[t] = mem[t] + rgrad * (1 - sig[s])
-            tail = tail + (res + rgrad) * (1 - sig[s])
-            # its step follows its backward in B(s), once the backward's workspace is gone
-            bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
-            mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
-            for t in L.weight_windows(s):
-                mem[t] = mem[t] + g.param_bytes * sig[s]
-            for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
-                if t is not None:
-                    mem[t] = mem[t] + g.param_bytes * sig[s]
-            # weight prefetch and gradient offload traffic
-            h2d[L.fw(s - 1) if s > 0 else PRE] += g.param_bytes * sig[s]
-            if s < S - 1:
-                h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
-            d2h[L.bw(s - 1) if s > 0 else TAIL] += g.param_bytes * sig[s]
-            # a host step can start once its gradient has landed (B(s-2)) and run in any later window
-            released[L.bw(s - 2) if s >= 2 else TAIL] += (sig[s] - gst[s]) * cpu_step_s(g.param_bytes, g.param_numel, hw, M)
-            # GPU-stepped streamed: state in at the prefetch, out one window later
-            fetch = gpu_step_state_bytes(g.param_numel, stages.state_bytes, M)
-            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
-            d2h[L.fw(s)] += gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) * gst[s]
-            opt_bytes = gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel)
-            for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
-                mem[t] = mem[t] + opt_bytes * gst[s]
-            if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
-                h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
-                h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
-                mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
-            step_s = g.param_numel / hw.gpu_adamw_params_per_s
-            self.optimizer = self.optimizer + gst[s] * step_s
-            # the step runs once its fetch has landed, and the forward waits for it: fetched one
-            # window ahead, the step trails the fetch inside that window; two ahead, a window later
-            # (NOTE: [GPU-step lag])
-            lag[L.fw(s - 1) if s > 0 else PRE] += (gst[s] - ahead[s]) * step_s
-            # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
-            for t in range(L.fw(s), L.bw(s) + 1):
-                mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
-            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + saving_workspace(g) * (1 - rec[s])
-            mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + recompute_workspace(g) * rec[s]
-            if chunked:  # one chunk's forward and backward
-                mem[L.bw(s)] = mem[L.bw(s)] + chunk_workspace(stages, s)
-            # output activations
-            if g.consumers:
-                cmin, cmax = g.consumers[0], g.consumers[-1]
-                keep = 1 - off[s] - drop[s]
-                for t in range(L.fw(s), L.bw(cmin) + 1):
-                    mem[t] = mem[t] + g.out_bytes * keep
-                # a saving stage's autograd graph holds its outputs until its own backward
-                # (it then keeps them: `_vars`), when its last reader came before
-                for t in range(L.bw(cmin) + 1, L.bw(s) + 1):
-                    mem[t] = mem[t] + g.out_bytes * (1 - rec[s])
-                for t in list(range(L.fw(s), L.fw(cmax) + 1)) + list(range(L.bw(cmax + 1), L.bw(cmin) + 1)) if cmax < S - 1 else []:
-                    mem[t] = mem[t] + g.out_bytes * off[s]
-                for t in (L.fw(s), L.fw(s + 1)):
-                    mem[t] = mem[t] + g.out_bytes * drop[s]
-                for t in range(L.bw(cmax), L.bw(s) + 1):
-                    mem[t] = mem[t] + g.grad_out_bytes
-                if cmax < S - 1:
-                    self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
-                    h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
-        for w, done in backlog(m, released, list(range(S, T)) + [TAIL], self.unit_s).items():
-            cpu[w] = cpu[w] + done
-        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
-        R = vars_["R"]
-        self.floors.extend(R)
-        for c in range(1, S):
-            mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
-        self.mem = mem
-        self.tail = tail
-        self.host = sum(M * g.param_numel for g in stages) + sum(
-            sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            - gst[s] * M * g.param_numel + off[s] * g.out_bytes
-            + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
-            for s, g in enumerate(stages))
-        if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
-            buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
-            self.floors.append(buffers)
-            for s, g in enumerate(stages):
-                m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s])
-            self.host = self.host + buffers * self.unit
-        self.h2d, self.d2h, self.cpu, self.cap, self.lag = h2d, d2h, cpu, cap, lag
-
-    def _deferred_steps(self, sig):
-        """`deferred_step_bytes` of the resident stages: the most of its candidates."""
-        st = self.st
-        tw = self.m.add_var("deferred_steps", lb=0.0)  # in units of `unit` bytes
-        self.floors.append(tw)
-        self.m += tw >= deferred_step_bytes(st, [False] * len(st)) / self.unit
-        for s in range(len(st)):
-            if step_bytes(st, s):
-                self.m += tw >= (step_bytes(st, s) / self.unit) * (1 - sig[s])
-        return tw * self.unit
-
-    def _spread(self, table, windows, volume, tag):
-        """Split `volume` bytes over `windows` with continuous variables: transfers need not fit one window."""
-        parts = [self.m.add_var(name=f"{tag}_{w}", lb=0.0) for w in windows]  # in units of `unit` bytes
-        self.m += mip.xsum(parts) == volume * (1.0 / self.unit)
-        for w, p in zip(windows, parts):
-            table[w] = table[w] + p * self.unit
-
-
-# NOTE: [Host step backlog]
-# A host-stepped stage's AdamW may run in any window from B(s-2) (its gradient has landed) to the
-# tail. Splitting each stage's seconds over its own windows took one variable per (stage, window):
-# 3,322 of the 4,223 columns of the 72B shape's MIP. Every stage may run until the same last window,
-# so a split exists exactly when no prefix of the windows runs more than was released by its end
-# (the earliest-release-first order shows it), and a backlog carried from window to window says that
-# with two variables per window: done[w] = backlog[w-1] + released[w] - backlog[w], all >= 0, nothing
-# left after the tail. The same per-window loads are reachable, so no plan changes value; HiGHS
-# searches the smaller model faster (72B at max: 1,062 columns).
-def backlog(m: mip.Model, released: list, windows: list[int], scale: float) -> dict:
-    """The host work done in each of `windows` (in time order), in seconds, where `released[w]` (seconds,
-    a linear expression) may run in `w` or any later window (NOTE: [Host step backlog])."""
-    done, carried = {}, None
-    for i, w in enumerate(windows):
-        if carried is None and not isinstance(released[w], mip.LinExpr):
-            continue  # nothing released yet
-        x = m.add_var(name=f"cpu_{w}", lb=0.0)  # in units of `scale` seconds
-        done[w] = x * scale
-        inflow = released[w] * (1.0 / scale) + (carried if carried is not None else 0.0)
-        if i == len(windows) - 1:
-            m += x == inflow
-        else:
-            carried = m.add_var(name=f"backlog_{w}", lb=0.0)
-            m += carried == inflow - x
-    return done
-
-
-def _byte_unit(stages: Stages) -> float:
-    """Bytes per unit in the model's memory rows: about a thousandth of the model (NOTE: [MIP scaling])."""
-    M = stages.master_bytes
-    return max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + g.saved_bytes
-                                               for g in stages)) / 1000.0)
 
 
 def _vars(m: mip.Model, stages: Stages):
@@ -291,8 +95,8 @@ def _vars(m: mip.Model, stages: Stages):
     v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)]
          for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
     closed = limits(stages)  # the decisions a stage can never take (pass `limits`)
-    v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]  # in `_byte_unit` bytes (NOTE: [MIP scaling])
-    unit = _byte_unit(stages)
+    v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]  # in `byte_unit` bytes (NOTE: [MIP scaling])
+    unit = byte_unit(stages)
     for s, g in enumerate(stages):
         sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
         m += off + drop <= 1
@@ -335,13 +139,14 @@ def _vars(m: mip.Model, stages: Stages):
     return v
 
 
-def _exposure(m: mip.Model, model: _Model, hw: Hardware, v, cuts: bool):
+def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
     modes = cuts_.modes(v)
     exposed = []  # seconds; the variables hold them in units of `unit_s`
     k = 1.0 / model.unit_s
     for t in range(len(model.cap)):
         e = m.add_var(f"exposed{t}", lb=0.0)
         h, d, c, cap, lag = model.h2d[t], model.d2h[t], model.cpu[t], model.cap[t], model.lag[t]
+        m += e >= model.comm[t] * k - cap * k  # the ranks' collectives (NOTE: [Link bandwidth])
         m += e >= h * (k / hw.h2d_bandwidth) + lag * k - cap * k
         m += e >= d * (k / hw.d2h_bandwidth) - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
@@ -368,7 +173,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["drop"][s] == int(d.outputs is OutMode.DROP)
             m += v["gstep"][s] == int(d.gpu_step)
             m += v["ahead"][s] == int(d.lookahead == 2)
-    model = _Model(stages, hw, v, m)
+    model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
     u = 1.0 / model.unit
     m += model.host * u <= hw.host_capacity * u
@@ -456,6 +261,9 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     defers until then (NOTE: [Resident steps])."""
     M = stages.master_bytes
     resident = [not d.stream for d in decisions]
+    n = sharding(stages)
+    if n > 1:
+        return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
     return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + sum(
         resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)
         for g, r in zip(stages, resident) if r)

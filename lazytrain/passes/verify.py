@@ -2,7 +2,9 @@
 
 Needs: a `Schedule`. Guarantees (or `VerifyError` naming the event and buffer):
   - every wait points to an earlier event, and every event reads only buffers that are live;
-  - a buffer made on another stream is read only after an event that (transitively) waits for it;
+  - a buffer made (or overwritten: a GATHER's `writes`) on another stream is read only after an
+    event that (transitively) waits for it, and overwritten only after every read of the value it
+    held (a collective lands the new weights after the reads of the old ones);
   - nothing is freed twice or used after it is freed, and no temporary buffer outlives the step;
   - GPU bytes live at every event (before its frees), plus its workspace, stay within the budget
     less the allocator's reserve.
@@ -32,6 +34,8 @@ def verify(schedule: Schedule) -> tuple[int, ...]:
     for b in schedule.buffers:
         if b.persistent:
             live[b.name] = -1
+    writer: dict[str, int] = {}  # buffer -> the event that last wrote its value (its alloc, or a `writes`)
+    readers: dict[str, list[int]] = {}  # buffer -> events that read its current value
     before: list[set[int]] = []  # events known to have finished before each event starts
     last_on_stream: dict = {}
     trace = []
@@ -54,13 +58,27 @@ def verify(schedule: Schedule) -> tuple[int, ...]:
             if name not in live:
                 why = f"freed by event {freed_by[name]}" if name in freed_by else "never produced"
                 raise VerifyError(f"{_name(e)} reads {name}, {why}")
-            src = live[name]
+            src = writer.get(name, live[name])
             if src >= 0 and src not in known:
                 raise VerifyError(f"{_name(e)} reads {name} made by event {src} on another stream without waiting for it")
+            readers.setdefault(name, []).append(i)
+        for name in e.writes:
+            if name not in live:
+                raise VerifyError(f"{_name(e)} writes {name}, which is not live")
+            src = writer.get(name, live[name])
+            if src >= 0 and src not in known:
+                raise VerifyError(f"{_name(e)} writes {name} made by event {src} on another stream without waiting for it")
+            early = [r for r in readers.get(name, ()) if r != i and r not in known]
+            if early:
+                raise VerifyError(f"{_name(e)} overwrites {name} without waiting for event {early[0]}, which reads it")
+            writer[name] = i
+            readers[name] = []
         for name in e.allocs:
             if name in live:
                 raise VerifyError(f"{_name(e)} makes {name}, which is already live (from event {live[name]})")
             live[name] = i
+            writer[name] = i
+            readers[name] = []
             freed_by.pop(name, None)
         # an event's frees take effect when it ends: its workspace sits beside them
         used = sum(sizes[n].bytes for n in live if sizes[n].pool == "gpu") + e.workspace
@@ -72,6 +90,8 @@ def verify(schedule: Schedule) -> tuple[int, ...]:
             if name not in live:
                 raise VerifyError(f"{_name(e)} frees {name}, which is not live")
             del live[name]
+            writer.pop(name, None)
+            readers.pop(name, None)
             freed_by[name] = i
         trace.append(used)
     leaked = [n for n, src in live.items() if src >= 0 and sizes[n].pool == "gpu"]

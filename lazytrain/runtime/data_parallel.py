@@ -3,26 +3,27 @@
 NOTE: [Data parallel]
 A schedule compiled with `--world-size N` runs on N ranks, each replaying the same plan on its own
 batch (`example_batch()` is one rank's batch; the plan, its memory and its predicted step are a
-rank's, and the communication is not in the solver's model yet). The semantics are DDP's: each
-stage's gradients are averaged over the ranks (summed, then divided by N) as soon as its backward
-is done, in `_grads_done` (replay.py), before anything reads them: the gradient norm, the offload
-of a streamed stage's gradients to the host, a resident stage's optimizer step. Shared (tied)
-parameters collect gradients from several stages, so they are reduced with stage 0's, whose
-backward is the last. Every rank then steps the whole state (replicated), so the weights stay
-equal on every rank. With equal-sized batches, the mean of the ranks' mean losses is the loss of
-the concatenated global batch, and so are its gradients; `step` and `forward_backward` return that
-mean. (With ignored targets spread unevenly over ranks, the mean of means is what DDP computes,
-not the global token mean.) The collectives of a rank come in the schedule's event order, the
-same on every rank, so they pair up without extra synchronisation.
+rank's). The semantics are DDP's: each stage's gradients are averaged over the ranks (summed, then
+divided by N) before anything reads them, and every rank ends each step with the same weights.
+With equal-sized batches, the mean of the ranks' mean losses is the loss of the concatenated global
+batch, and so are its gradients; `step` and `forward_backward` return that mean. (With ignored
+targets spread unevenly over ranks, the mean of means is what DDP computes, not the global token
+mean.) The collectives of a rank come in the schedule's event order, the same on every rank, so
+they pair up without extra synchronisation; none is issued from the host optimizer's thread.
 
-The schedule has no REDUCE events yet: the reduction rides on each stage's BWD event, on the
-compute stream, so its time is exposed; once the plan models the link it becomes REDUCE events on
-a stream of their own, overlapping the next stage's backward. The reduction is one method,
-`reduce_grads(stage, grads)`, and the optimizer side never sees the group: a ZeRO-2 variant replaces the all-reduce with a reduce-scatter into the rank's shard and
-steps only that shard (then all-gathers the weights), without touching the event handlers.
-All-reduces run in place, tensor by tensor, in the compute dtype (bf16 compute: bf16 sums, as DDP
-over bf16 parameters), so the runtime allocates nothing the plan does not count (the backend's own
-buffers, NCCL's among them, are outside the plan).
+Two modes, fixed at compile time (`SHARDED`):
+  - sharded (the default for N > 1 with 32-bit states): ZeRO-2, NOTE: [Sharded state] in
+    sharding.py. The schedule's REDUCE events reduce-scatter each stage's gradients on a COMM
+    stream while the next stage's backward runs, each rank steps its 1/N of the state, and GATHER
+    events all-gather the new weights; the plan counts their memory and their time on the link.
+  - replicated (`--replicate-state`, and 8-bit states): the schedule has no REDUCE events; each
+    stage's gradients are all-reduced in place in `_grads_done` (replay.py) as its backward ends, on
+    the compute stream (their time is exposed and not in the plan), tensor by tensor in the compute
+    dtype (bf16 compute: bf16 sums, as DDP over bf16 parameters), so the runtime allocates nothing
+    the plan does not count. Shared (tied) parameters collect gradients from several stages, so
+    they are reduced with stage 0's, whose backward is the last. Every rank steps the whole state.
+`forward_backward` (no step) all-reduces in both modes, leaving the full averaged gradients in `.grad`.
+The backend's own buffers (NCCL's among them) are outside the plan.
 
 Failures: every collective runs under the process group's timeout, which the user sets with
 `torch.distributed.init_process_group(..., timeout=datetime.timedelta(...))` (or `new_group`'s
@@ -41,6 +42,15 @@ import torch
 import torch.distributed as dist
 
 from lazytrain.errors import DistributedError, ScheduleMismatch
+
+
+# torch 2.13 names the flat-buffer collectives `*_single` (the older names warn)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _who(stage: int) -> str:
+    return "the shared parameters" if stage < 0 else f"stage {stage}"
 
 
 def _timeout(group) -> str:
@@ -118,6 +128,35 @@ class DataParallel:
             for w in works:
                 w.wait()
         torch._foreach_mul_(grads, 1.0 / self.world)
+
+    def reduce_scatter(self, stage: int, layout, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the ranks' average of the full `grads` (NOTE: [Sharded state] in
+        sharding.py), in their dtype, on their device."""
+        some = next(iter(grads.values()))
+        flat = layout.pack(grads, torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device))
+        mine = torch.empty(layout.region, dtype=some.dtype, device=some.device)
+        with self._collective(f"the gradient reduce-scatter of {_who(stage)}"):
+            _reduce_scatter(mine, flat, group=self.group)
+        mine.mul_(1.0 / self.world)
+        return {p: layout.region_of(mine, p) for p in grads}
+
+    def all_gather(self, stage: int, layout, pieces: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+        """Every rank's `pieces` (this rank's part of each parameter) into the full `targets`."""
+        some = next(iter(targets.values()))
+        mine = torch.zeros(layout.region, dtype=some.dtype, device=some.device)
+        for p, t in pieces.items():
+            layout.region_of(mine, p).copy_(t)
+        flat = torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device)
+        with self._collective(f"the weight all-gather of {_who(stage)}"):
+            _all_gather(flat, mine, group=self.group)
+        layout.unpack(flat, targets)
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of `value` over the ranks (the squared gradient norm of every rank's shards)."""
+        out = value.detach().to(self.device, torch.float32).clone()
+        with self._collective("the gradient norm all-reduce"):
+            dist.all_reduce(out, group=self.group)
+        return out
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of the ranks' losses: the global batch's loss (NOTE: [Data parallel])."""

@@ -60,10 +60,10 @@ class GpuStepper:
         """Copy master, gradient and states of `stage` into `slot` (on the current stream)."""
         u = self.pending.pop(stage)
         carve = Carver(slot)
-        if any(self.store.master[p].dtype != torch.float32 for p in self.params[stage]):  # planned: NOISE_BYTES in solve.py
-            u.noise = carve.take((max(self.store.master[p].numel() for p in self.params[stage]),), torch.int32)
+        if any(self.store.home[p].dtype != torch.float32 for p in self.params[stage]):  # planned: NOISE_BYTES in solve.py
+            u.noise = carve.take((max(self.store.home[p].numel() for p in self.params[stage]),), torch.int32)
         for p in self.params[stage]:
-            master = self.store.master[p].detach()
+            master = self.store.home[p].detach()  # the master, or this rank's piece (NOTE: [Sharded state])
             if master.dtype == torch.float32:
                 u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
             else:  # a bf16 master comes in as it is; step() widens it into an fp32 twin (the copy
@@ -81,11 +81,12 @@ class GpuStepper:
                 u.state[p] = self.optimizer.fresh_state(stage, u.master[p], carve.take)
         self.live[stage] = u
 
-    def step(self, stage: int, group: int) -> None:
-        """AdamW on the twins, then the compute-dtype weights into the stage's weight slot."""
+    def step(self, stage: int, group: int) -> bool:
+        """AdamW on the twins, then the compute-dtype weights into the stage's weight slot (sharded:
+        into this rank's piece of it, which a GATHER completes). False: no update was fetched."""
         u = self.live.get(stage)
         if u is None:
-            return
+            return False
         names = self.params[stage]
         with torch.no_grad():
             for p in names:
@@ -101,11 +102,14 @@ class GpuStepper:
             for i, p in enumerate(names):
                 u.state[p] = state[u.master[p]]  # the first step creates the state
                 u.master[p].grad = None
-                if self.store.master[p].dtype == torch.float32:
-                    self.store.work[p].data.copy_(u.master[p])
+                weights = self.store.mine(p, self.store.work[p].data)
+                if self.store.home[p].dtype == torch.float32:
+                    weights.copy_(u.master[p].view(weights.shape))
                 else:  # NOTE: [bf16 master weights] in optim.py: the rounded master, then its compute copy
                     seed = self.optimizer.sr_seed(group, i, u.state[p])
-                    self.store.work[p].data.copy_(round_stochastic_(u.arrived[p], u.master[p], seed, u.noise))
+                    rounded = round_stochastic_(u.arrived[p], u.master[p], seed, u.noise, self.store.offset(p))
+                    weights.copy_(rounded.view(weights.shape))
+        return True
 
     def write_weights(self, stage: int) -> None:
         """New compute-dtype weights to the host copy that prefetches read (on the current stream);
@@ -122,7 +126,9 @@ class GpuStepper:
             return
         pin = self.store.cuda
         for p in self.params[stage]:
-            if not self.store.source_is_master(p):  # else it went back as the weights
+            if p in self.store.separate:  # a mixed-precision master's piece (NOTE: [Sharded state])
+                self.store.home[p].copy_(u.master[p], non_blocking=True)
+            elif not self.store.source_is_master(p):  # else it went back as the weights
                 self.store.master[p].detach().copy_(u.arrived.get(p, u.master[p]), non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)

@@ -31,46 +31,70 @@ import torch
 
 
 def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = None,
-                      noise: torch.Tensor | None = None) -> torch.Tensor:
+                      noise: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
     """`dst` (bf16) <- `src` (fp32) with stochastic rounding: random low 16 bits are added to the
     fp32 bit pattern, then truncated; a value 1/4 of the way between two bf16 numbers rounds up
-    with probability 1/4. Infinities stay infinite. `seed`: draw the noise from its own generator.
-    `noise`: an int32 buffer of `src`'s numel to draw it into (on a device: the memory the plan
-    counted for it), instead of a fresh one."""
+    with probability 1/4. Infinities stay infinite. `seed`: draw the noise from seeded generators,
+    element i of the whole parameter from chunk i // _NOISE_CHUNK's (NOTE: [Host rounding noise]);
+    `offset`: where `src`'s first element sits in its whole parameter (a rank's piece, NOTE:
+    [Sharded state] in sharding.py), so a piece rounds as the whole tensor would. `noise`: an int32
+    buffer of `src`'s numel to draw it into (on a device: the memory the plan counted for it),
+    instead of a fresh one."""
     bits = src.view(torch.int32)
     if seed is None:
         noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=src.device)
-    elif src.device.type == "cpu" and bits.numel() > _NOISE_CHUNK:
-        noise = _host_noise(_host_buffer("noise", bits.numel(), torch.int32), seed).view(bits.shape)
     else:
-        gen = torch.Generator(device=src.device).manual_seed(seed)
-        out = noise.view(-1)[:bits.numel()].view(bits.shape) if noise is not None else None
-        noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, dtype=torch.int32, device=src.device, out=out)
+        out = noise.view(-1)[:bits.numel()] if noise is not None and src.device.type != "cpu" else (
+            _host_buffer("noise", bits.numel(), torch.int32) if src.device.type == "cpu" else
+            torch.empty(bits.numel(), dtype=torch.int32, device=src.device))
+        noise = _seeded_noise(out, seed, offset).view(bits.shape)
     return dst.copy_(noise.add_(bits).bitwise_and_(-65536).view(torch.float32))
 
 
 # NOTE: [Host rounding noise] A seeded CPU generator draws one number at a time on one core: 3.4
-# ns per parameter measured on a 2-core machine, eight times the fused AdamW step it follows. So on the host the
-# noise comes in fixed chunks, each from its own generator seeded by (seed, chunk), drawn on as
-# many threads as torch uses; the chunk size is fixed, so the noise depends on the seed alone.
+# ns per parameter measured on a 2-core machine, eight times the fused AdamW step it follows. So the
+# noise comes in fixed chunks of a parameter's elements, each from its own generator seeded by
+# (seed, chunk), drawn on the host on as many threads as torch uses; the chunk size is fixed, so
+# the noise of an element depends on the seed and its index in the parameter alone, not on how the
+# parameter is cut (a data-parallel rank's piece draws what the whole tensor would there). A piece
+# starting inside a chunk draws that chunk from its start (a host generator's first k draws are
+# the same whatever the size asked for); on a device a chunk is always drawn whole (the values a
+# device generator gives an element depend on the size drawn), into a chunk-sized buffer where the
+# piece covers only part of it.
 _NOISE_CHUNK = 1 << 20
 _noise_pool = None
 
 
-def _host_noise(out: torch.Tensor, seed: int) -> torch.Tensor:
-    """`out` (int32, flat) filled with noise in [0, 2**16)."""
+def _seeded_noise(out: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
+    """`out` (int32, flat) filled with the noise of elements [offset, offset + numel) of a parameter
+    rounded with `seed`, in [0, 2**16)."""
     global _noise_pool
-    if _noise_pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _noise_pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="lazytrain-sr")
-    n = out.numel()
+    n, C = out.numel(), _NOISE_CHUNK
+    chunks = range(offset // C, -(-(offset + n) // C)) if n else range(0)
+    host = out.device.type == "cpu"
 
     def fill(c: int) -> None:
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + c) % (1 << 63))
-        part = out[c * _NOISE_CHUNK:(c + 1) * _NOISE_CHUNK]
-        torch.randint(0, 1 << 16, part.shape, generator=gen, dtype=torch.int32, out=part)
-    list(_noise_pool.map(fill, range(-(-n // _NOISE_CHUNK))))
+        lo, hi = max(offset, c * C), min(offset + n, (c + 1) * C)
+        gen = torch.Generator(device=out.device).manual_seed((seed * 1_000_003 + c) % (1 << 63))
+        part = out[lo - offset:hi - offset]
+        if host and lo == c * C:  # from the chunk's start: a prefix of its draws
+            torch.randint(0, 1 << 16, part.shape, generator=gen, dtype=torch.int32, out=part)
+            return
+        if not host and hi - lo == C:
+            torch.randint(0, 1 << 16, part.shape, generator=gen, dtype=torch.int32, out=part)
+            return
+        size = hi - c * C if host else C
+        whole = torch.randint(0, 1 << 16, (size,), generator=gen, dtype=torch.int32, device=out.device)
+        part.copy_(whole[lo - c * C:hi - c * C])
+    if host and len(chunks) > 1:
+        if _noise_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _noise_pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="lazytrain-sr")
+        list(_noise_pool.map(fill, chunks))
+    else:
+        for c in chunks:
+            fill(c)
     return out
 
 
@@ -153,21 +177,23 @@ class _Staged:
         if all(p.dtype == torch.float32 for p in params):
             self._step(view)
             return
+        offsets = view.param_groups[0].get("offsets") or [0] * len(params)  # NOTE: [Sharded state] in sharding.py
         for i, p in enumerate(params):  # NOTE: [bf16 master weights]
             if p.grad is not None:
-                self._step_twin(view, index, i, p)
+                self._step_twin(view, index, i, p, offsets[i])
 
-    def _step_twin(self, view, index: int, i: int, p: torch.Tensor) -> None:
+    def _step_twin(self, view, index: int, i: int, p: torch.Tensor, offset: int) -> None:
         """Parameter `p` (bf16) stepped through an fp32 twin, then rounded back. A function of its
         own so the twin and its gradient die on return, before the next parameter's are made
-        (NOTE: [Resident steps] in passes/footprint.py)."""
+        (NOTE: [Resident steps] in passes/footprint.py). `offset`: where `p` starts in its whole
+        parameter (NOTE: [Sharded state] in sharding.py)."""
         twin = _fp32(p.detach(), "master")
         twin.grad = _fp32(p.grad, "grad")
         state = defaultdict(dict, {twin: view.state[p]})
         self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
         view.state[p] = state[twin]
         with torch.no_grad():
-            round_stochastic_(p.detach(), twin, self.sr_seed(index, i, view.state[p]))
+            round_stochastic_(p.detach(), twin, self.sr_seed(index, i, view.state[p]), offset=offset)
 
     def _step(self, view) -> None:
         view.step()

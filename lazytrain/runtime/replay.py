@@ -67,21 +67,24 @@ class Replay:
         self.norm_sq = None
         handlers = {
             Kind.PREFETCH: self._prefetch, Kind.COMPUTE: self._compute, Kind.OFFLOAD: self._offload,
-            Kind.RELOAD: self._reload, Kind.FREE: self._free,
+            Kind.RELOAD: self._reload, Kind.FREE: self._free, Kind.REDUCE: self._reduce, Kind.GATHER: self._gather,
         }
-        deferred = []
+        self.sharding = self.sharded and optimize  # NOTE: [Sharded state] in sharding.py
+        deferred, gathers = [], {}
         self.streams.begin(self.record_timeline)
         for event in self.events:
             if event.kind is Kind.OPT_STEP and event.stage >= 0 and self.stages[event.stage].gpu_step:
                 # last step's update of a GPU-stepped streamed stage, at its prefetch
-                self.streams.run_aside(event, lambda s=event.stage: self.stepper.step(s, self._group(s)),
-                                       after_compute=False)
+                self.streams.run_aside(event, lambda s=event.stage: self._gpu_step(s), after_compute=False)
                 continue
             if event.kind is Kind.OPT_STEP:
                 if optimize and self.max_grad_norm is None and not self.serial_optimizer:
                     self._opt_step(event, 1.0)
                 elif optimize:
                     deferred.append(event)
+                continue
+            if event.kind is Kind.GATHER and any(d.stage == event.stage for d in deferred):
+                gathers[event.stage] = event  # after its deferred step
                 continue
             if event.kind is Kind.COMPUTE:  # its weights must be stepped (NOTE: [Optimizer stream] in stepping.py)
                 self.streams.wait_aside(event.stage)
@@ -97,6 +100,9 @@ class Replay:
             else:
                 for event in sorted(deferred, key=lambda e: (e.stage < 0, e.stage)):
                     self._opt_step(event, coef)
+                    if event.stage in gathers:
+                        g = gathers[event.stage]
+                        self.streams.run(g, lambda g=g: self._gather(g))
                 self._record_gpu_steps(coef)
                 if self.serial_optimizer:
                     self.synchronize()
@@ -219,6 +225,8 @@ class Replay:
         """After a stage's backward: average its gradients over data-parallel ranks; park streamed
         gradients for their offload; add to the norm."""
         work = self.store.work
+        if self.sharding:  # its REDUCE event reduce-scatters them (NOTE: [Sharded state] in sharding.py)
+            return
         if self.dp is not None:  # before anything reads them (NOTE: [Data parallel] in data_parallel.py)
             names = stage.params + (self.m.SHARED if stage.index == 0 else ())
             self.dp.reduce_grads(stage.index, [work[p].grad for p in names if work[p].grad is not None])
@@ -232,6 +240,60 @@ class Replay:
             done += [work[p].grad for p in names if not stage.stream or p in self.m.SHARED if work[p].grad is not None]
             self._add_norm(done)
 
+    def _reduce(self, e: Event):
+        """This rank's shard of the stage's averaged gradients; the full ones go (NOTE: [Sharded
+        state] in sharding.py). Without a step (`forward_backward`) the backward all-reduced them."""
+        if not self.sharding:
+            return
+        s, work = e.stage, self.store.work
+        names = self._names(s)
+        full = {p: work[p].grad if work[p].grad is not None else
+                torch.zeros(self.store.master[p].shape, dtype=self.store.dtype[p], device=self.device) for p in names}
+        shards = self.dp.reduce_scatter(s, self.store.layouts[s], full)
+        for p in names:
+            if work[p].grad is None:  # no gradient on any rank (the same graph): not stepped, as torch skips it
+                shards[p] = None
+            elif self.cuda:  # the compute stream may reuse it once the collective has read it
+                work[p].grad.record_stream(torch.cuda.current_stream())
+            work[p].grad = None
+        if s >= 0 and self.stages[s].stream:  # the shard goes to the host (OFFLOAD sg:S)
+            self.gbuf[s] = shards
+            if self.cuda:  # made on the comm stream's pool, read by the copy: not reused before it is done
+                for g in shards.values():
+                    if g is not None:
+                        g.record_stream(self.streams.stream(Stream.D2H))
+        else:
+            for p, g in shards.items():
+                home = self.store.home[p]
+                home.grad = None if g is None else g if g.dtype == home.dtype else g.to(home.dtype)
+        if self.max_grad_norm is not None:
+            self._add_norm([g for g in shards.values() if g is not None])
+
+    def _gather(self, e: Event):
+        """A stepped stage's new weights from every rank's piece (NOTE: [Sharded state])."""
+        if e.stage not in self.pending_gather:
+            return
+        self._gather_stage(e.stage)
+        if e.stage >= 0 and self.stages[e.stage].stream and e.stage not in self.stepper.params:
+            self.gathered.add(e.stage)  # its OFFLOAD w:S takes them to the host
+        self.streams.stepped_at(e.stage, e.id)  # the next compute that reads them waits for this
+
+    def _gather_stage(self, s: int) -> None:
+        self.pending_gather.discard(s)
+        targets = {p: self.store.work[p].data for p in self._names(s)}
+        pieces = {p: self.store.mine(p, t) for p, t in targets.items()}
+        self.dp.all_gather(s, self.store.layouts[s], pieces, targets)
+
+    def _write_gathered(self, s: int) -> None:
+        """A host-stepped streamed stage's gathered weights to the host copy prefetches read."""
+        self.gathered.discard(s)
+        for p in self.stages[s].params:
+            self.store.source[p].copy_(self.store.work[p].data, non_blocking=True)
+
+    def _gpu_step(self, s: int) -> None:
+        if self.stepper.step(s, self._group(s)) and self.sharded:
+            self.pending_gather.add(s)
+
     def _prefetch(self, e: Event):
         job = self.cpu_jobs.pop(e.stage, None)
         if job is not None:  # the previous step's host optimizer must finish updating the source
@@ -244,20 +306,25 @@ class Replay:
         self._take_slot(f"w:{stage}")
         if update:
             self.stepper.fetch(stage, self._take_slot(f"opt:{stage}"))
+        own = stage in self.pending_gather  # sharded: this rank's piece; the GATHER brings the rest
         with torch.no_grad():
             for p in self.stages[stage].params:
                 view = self.store.slot_view(stage, p)
-                if not update:
+                if own and not update:
+                    self.store.mine(p, view).copy_(self.store.mine(p, self.store.source[p]), non_blocking=True)
+                elif not update:
                     view.copy_(self.store.source[p], non_blocking=True)
                 self.store.work[p].data = view
 
     def _offload(self, e: Event):
         buf = e.reads[0]
-        if buf.startswith("w:"):
+        if buf.startswith("w:") and e.stage in self.gathered:
+            self._write_gathered(e.stage)
+        elif buf.startswith("w:"):
             self.stepper.write_weights(e.stage)
         elif buf.startswith("opt:"):
             self.stepper.write_back(e.stage)
-        elif buf.startswith("g:"):  # gradients of streamed weights go to page-locked host buffers
+        elif buf.startswith(("g:", "sg:")):  # gradients of streamed weights (sharded: this rank's shard) to the host
             for name, g in self.gbuf[e.stage].items():
                 if g is None:
                     continue
@@ -286,6 +353,10 @@ class Replay:
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
         if kind in ("host", "rgrad"):  # host buffers are kept for the next step; resident gradients until it starts
+            return
+        if kind == "sg":  # a streamed stage's gradient shard, offloaded; resident ones stay until the next step
+            if idx.isdigit():
+                self.gbuf.pop(int(idx), None)
             return
         stage = self.stages[int(idx)]
         if kind == "w":

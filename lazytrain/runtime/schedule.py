@@ -35,8 +35,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py),
 # `Stage.random` (its recomputes replay its generator state), `Stage.limits`, and chunked loss
 # stages cut along tokens with their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`); 5: `WORLD_SIZE`, the
-# data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py)
-FORMAT_VERSION = 5
+# data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
+# stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py)
+FORMAT_VERSION = 6
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

@@ -43,6 +43,8 @@ class Stepping:
 
     def _clip_coefficient(self) -> float | None:
         """torch.nn.utils.clip_grad_norm_'s coefficient, or None when the norm is not finite."""
+        if self.sharding:  # every rank's shards: the global norm (NOTE: [Sharded state] in sharding.py)
+            self.norm_sq = self.dp.total(self.norm_sq if self.norm_sq is not None else torch.zeros(()))
         norm = math.sqrt(self.norm_sq.item()) if self.norm_sq is not None else 0.0
         self.last_grad_norm = norm
         if not math.isfinite(norm):
@@ -108,6 +110,8 @@ class Stepping:
                 for p in names:  # consumed: the next step starts from fresh gradients
                     self.store.home[p].grad = None
             self.cpu_jobs[s] = self.streams.host(e, host_step)
+            if self.sharded:  # gathered at its next prefetch, or by synchronize()
+                self.pending_gather.add(s)
         else:
             def device_step():
                 grads = [t.grad for p in names for t in (self.store.work[p], self.store.home[p]) if t.grad is not None]
@@ -117,3 +121,5 @@ class Stepping:
                     for g in grads:
                         g.record_stream(torch.cuda.current_stream())
             self.streams.run_aside(e, device_step, after_compute=True)
+            if self.sharded:  # its GATHER event follows
+                self.pending_gather.add(s)

@@ -38,8 +38,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class ParamStore:
-    def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device, pinned: PinnedArena):
+    def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device, pinned: PinnedArena,
+                 layouts: dict | None = None, pieces: dict[str, torch.Tensor] | None = None):
         self.device, self.pinned = device, pinned
+        self.layouts = layouts or {}  # stage (-1: shared) -> ShardLayout, with sharded state
+        self.layout_of = {p: lay for lay in self.layouts.values() for p in lay.numel}
+        self.separate: set[str] = set()  # sharded: masters kept apart from the weights (mixed precision)
         self.cuda = device.type == "cuda"
         self.master = {p: t for p, t in tensors.items() if module.PLACEHOLDERS[p][0] == "param"}
         self.buffers = {p: t.to(device) for p, t in tensors.items() if module.PLACEHOLDERS[p][0] == "buffer"}
@@ -64,7 +68,31 @@ class ParamStore:
                     self.home[p] = self.work[p]
                 else:
                     self.home[p] = torch.nn.Parameter(master.detach().to(device, master.dtype, copy=True))
+        self.streamed = streamed
+        if self.layouts:
+            self._shard_homes(pieces or {})
         self._plan_slots(module)
+
+    def _shard_homes(self, pieces: dict[str, torch.Tensor]) -> None:
+        """NOTE: [Sharded state] in sharding.py: each home becomes this rank's piece, where its step
+        runs: a view of the full weights (the master dtype is the compute dtype), or the piece of
+        the mixed-precision master alone."""
+        for p, lay in self.layout_of.items():
+            streamed = p in self.streamed
+            if p in pieces:
+                piece = pieces[p]
+                self.home[p] = self.pinned.copy_of(piece) if streamed else piece.to(self.device, copy=True)
+                self.separate.add(p)
+            else:
+                self.home[p] = lay.own(p, (self.source[p] if streamed else self.work[p]).detach())
+
+    def offset(self, p: str) -> int:
+        """Where the home's first element sits in its whole parameter (0 without sharding)."""
+        return self.layout_of[p].span(p)[0] if p in self.layout_of else 0
+
+    def mine(self, p: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full tensor of `p` (the whole of it without sharding)."""
+        return self.layout_of[p].own(p, full) if p in self.layout_of else full
 
     def _host_copy(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.pinned.empty(master.shape, dtype).copy_(master.detach())
@@ -113,14 +141,20 @@ class ParamStore:
         return self.source[p].data_ptr() == self.master[p].data_ptr()
 
     def refresh_source(self, names) -> None:
-        """After a host optimizer step: the prefetch copies of updated masters."""
+        """After a host optimizer step: the prefetch copies of updated masters (sharded: of this
+        rank's piece; the rest comes from the other ranks at the next prefetch)."""
         for p in names:
-            if not self.source_is_master(p):
+            if p in self.separate:
+                self.mine(p, self.source[p]).copy_(self.home[p])
+            elif p not in self.layout_of and not self.source_is_master(p):
                 self.source[p].copy_(self.master[p].detach())
 
     def refresh_work(self, names) -> None:
-        """After a device optimizer step: compute copies of updated homes."""
+        """After a device optimizer step: compute copies of updated homes (sharded: of this rank's
+        piece, which the GATHER then sends to the other ranks)."""
         with torch.no_grad():
             for p in names:
-                if self.work[p] is not self.home[p]:
+                if p in self.separate:
+                    self.mine(p, self.work[p].detach()).copy_(self.home[p])
+                elif p not in self.layout_of and self.work[p] is not self.home[p]:
                     self.work[p].copy_(self.home[p])

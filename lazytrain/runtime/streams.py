@@ -53,6 +53,9 @@ class SerialStreams:
     def wait_aside(self, stage: int):
         pass
 
+    def stepped_at(self, stage: int, eid: int):
+        pass
+
     def finish(self):
         return self.timeline
 
@@ -66,7 +69,7 @@ class CudaStreams:
         # steps run on the device's default stream, where bitsandbytes launches them
         self.streams = {Stream.COMPUTE: torch.cuda.Stream(device),
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
-                        Stream.DISK: torch.cuda.Stream(device)}
+                        Stream.DISK: torch.cuda.Stream(device), Stream.COMM: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
         self.aside = torch.cuda.default_stream(device)  # NOTE: [Optimizer stream]
         self.stepped: dict[int, torch.cuda.Event] = {}  # stage -> its step on the optimizer stream
@@ -133,6 +136,11 @@ class CudaStreams:
         ev = self.stepped.pop(stage, None)
         if ev is not None:
             self.streams[Stream.COMPUTE].wait_event(ev)
+
+    def stepped_at(self, stage: int, eid: int):
+        """`stage`'s weights are final once event `eid` (its GATHER) is done: the next compute that
+        reads them waits for it, as for a step (`wait_aside`)."""
+        self.stepped[stage] = self.done[eid]
 
     def host(self, e: Event, fn) -> Future:
         """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""

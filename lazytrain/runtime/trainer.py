@@ -34,6 +34,8 @@ from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
+from lazytrain.runtime.sharded_state import ShardedState
+from lazytrain.runtime.sharding import ShardLayout
 from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.stepping import Stepping
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
@@ -47,7 +49,7 @@ def _fmt(shape, dtype) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
-class Trainer(Replay, Stepping):
+class Trainer(Replay, Stepping, ShardedState):
     """`schedule.bind(model, lr=...)` returns one. `forward_backward(batch)` leaves each parameter's
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
@@ -56,7 +58,9 @@ class Trainer(Replay, Stepping):
     allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap]).
     A schedule compiled with `--world-size N` trains data parallel over `process_group` (default:
     torch.distributed's default group), which must have N ranks: gradients are averaged over them
-    and the loss returned is the ranks' mean (NOTE: [Data parallel] in data_parallel.py)."""
+    and the loss returned is the ranks' mean (NOTE: [Data parallel] in data_parallel.py); with sharded
+    state each rank keeps 1/N of it (NOTE: [Sharded state] in sharding.py), and `sharded_state_dict()`
+    / `load_sharded_state_dict()` give it to torch.distributed.checkpoint (NOTE: [Sharded checkpoints])."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
@@ -79,10 +83,14 @@ class Trainer(Replay, Stepping):
             total = torch.cuda.get_device_properties(self.device).total_memory
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(min(1.0, max(module.BUDGET - CAP_MARGIN, CAP_FLOOR) / total), index)
+        self.sharded = self.dp is not None and getattr(module, "SHARDED", False)  # NOTE: [Sharded state] in sharding.py
+        layouts, pieces = (self._shard(tensors) if self.sharded else (None, None))
         self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena] in pinned.py
         if self.cuda:
             self._pin_streamed_masters(tensors)
-        self.store = ParamStore(module, tensors, self.device, self.pinned)
+        self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces)
+        self.pending_gather: set[int] = set()  # stages stepped whose new weights are not yet gathered
+        self.gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
         self.max_grad_norm = max_grad_norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
@@ -90,6 +98,8 @@ class Trainer(Replay, Stepping):
         groups = []
         for names, states in [(s.params, s.states) for s in self.stages] + [(module.SHARED, chosen)]:
             group = {"params": [self.store.home[p] for p in names], "states": states}
+            if self.sharded:  # the pieces' places in their parameters: the bf16 rounding noise follows them
+                group["offsets"] = [self.store.offset(p) for p in names]
             if fused is not None or self.cuda:
                 group["fused"] = fused if fused is not None else True
             groups.append(group)
@@ -154,6 +164,22 @@ class Trainer(Replay, Stepping):
                 f"{where} and is bound on {self.device.type}: its operators were chosen for {self.m.DEVICE}. Recompile it with "
                 f"{fix}, or bind it with device=\"{self.m.DEVICE}\"")
 
+    def _shard(self, tensors) -> tuple[dict, dict]:
+        """This rank's cut of every stage's parameters (NOTE: [Sharded state] in sharding.py), and
+        the mixed-precision masters' pieces, taken before the model's parameters become the full
+        weights in the compute dtype."""
+        groups = [(s.index, s.params) for s in self.stages] + [(-1, self.m.SHARED)]
+        layouts = {i: ShardLayout({p: tensors[p].numel() for p in names}, self.dp.world, self.dp.rank)
+                   for i, names in groups if names}
+        pieces = {}
+        for lay in layouts.values():
+            for p in lay.numel:
+                t, dtype = tensors[p], getattr(torch, self.m.PLACEHOLDERS[p][3])
+                if t.dtype != dtype:
+                    pieces[p] = lay.own(p, t.detach()).clone()
+                    t.data = t.data.to(dtype)
+        return layouts, pieces
+
     def _pin_streamed_masters(self, tensors):
         """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The
         parameter's storage moves into the arena: no second host copy."""
@@ -212,17 +238,30 @@ class Trainer(Replay, Stepping):
             torch.cuda.synchronize(self.device)
         if self.stepper.pending:
             self._flush_gpu_steps()
+        if self.pending_gather:  # NOTE: [Sharded state] in sharding.py: a collective
+            self._land_gathers()
 
     def _flush_gpu_steps(self) -> None:
         """The pending updates' events, run back to back on the current stream (`synchronize`
         has waited for every stream first)."""
         for s in sorted(self.stepper.pending):
             self._fetch_stage(s, update=True)
-            self.stepper.step(s, self._group(s))
+            if self.stepper.step(s, self._group(s)) and self.sharded:
+                self._gather_stage(s)
             self.stepper.write_weights(s)
             self.stepper.write_back(s)
             self._release_weights(s)
             self.store.release_slot(f"opt:{s}")
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _land_gathers(self) -> None:
+        """Host-stepped streamed stages' updates, gathered now instead of at their next prefetch."""
+        for s in sorted(self.pending_gather):
+            self._fetch_stage(s, update=False)
+            self._gather_stage(s)
+            self._write_gathered(s)
+            self._release_weights(s)
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -261,6 +300,9 @@ class Trainer(Replay, Stepping):
         with torch.no_grad():
             for p, home in self.store.home.items():
                 master = self.store.master[p]
-                if home is not master:
+                if self.sharded:  # the full weights: on the device (resident), or the master itself (streamed)
+                    if p not in self.store.streamed and self.store.work[p] is not master:
+                        master.copy_(self.store.work[p])
+                elif home is not master:
                     master.copy_(home)
         self._model_behind = False

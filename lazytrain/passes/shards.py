@@ -1,0 +1,107 @@
+"""Bytes and seconds of sharded data-parallel state (NOTE: [Sharded state] in runtime/sharding.py),
+shared by the step model (pass `solve`) and pass `lower`.
+
+With `Stages.sharded`, each of the `world_size` ranks keeps 1/N of every stage's master weights,
+optimizer states and reduced gradients. Every parameter is cut along its flattened elements into N
+pieces of ceil(numel / N) (torch.chunk's cut, the last ones shorter or empty), so a rank's share of
+a stage is at most its numel / N plus one element per parameter; the counts below round up by that.
+Collectives run over flat buffers of N equal regions (each rank's pieces, padded): the
+reduce-scatter's input and the all-gather's output hold the whole stage in the compute dtype.
+Their time is the buffer's bytes over the link's algorithm bandwidth (`Hardware.link_bandwidth`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from lazytrain.hardware import Hardware
+from lazytrain.passes.footprint import fixed_bytes, resident_bytes, resident_grad_bytes, shared_step_bytes, step_bytes
+
+
+def sharding(stages) -> int:
+    """The ranks state is sharded over: N with sharded state, else 1 (replicated or one process)."""
+    return stages.world_size if stages.sharded and stages.world_size > 1 else 1
+
+
+def piece(nbytes: float, numel: int, params: int, n: int) -> int:
+    """A rank's share of `nbytes` spread evenly over `numel` elements of `params` tensors."""
+    if n == 1:
+        return int(math.ceil(nbytes))
+    per = nbytes / max(1, numel)
+    return int(math.ceil(per * (numel / n + params)))
+
+
+def flat_bytes(param_bytes: int, numel: int, params: int, n: int) -> int:
+    """The N-region flat buffer of a stage's collective, in the compute dtype."""
+    return n * piece(param_bytes, numel, params, n)
+
+
+def comm_s(param_bytes: int, hw: Hardware, n: int) -> float:
+    """One reduce-scatter or all-gather of a stage (its bytes in the compute dtype) on the link."""
+    return param_bytes / hw.link_bandwidth if n > 1 else 0.0
+
+
+def resident_sharded_bytes(param_bytes: int, numel: int, params: int, state_bytes: float, master: int, n: int) -> int:
+    """A sharded resident stage on the GPU: the full compute-dtype weights, and its shard of the
+    optimizer states and (in mixed precision) the master weights."""
+    mixed = master * numel if param_bytes != master * numel else 0
+    return param_bytes + piece(state_bytes * numel + mixed, numel, params, n)
+
+
+def shard_grad_bytes(param_bytes: int, numel: int, params: int, master: int, n: int) -> int:
+    """A rank's reduced gradients of a stage: its shard in the compute dtype, and in mixed precision
+    also the master-dtype copy the step reads."""
+    extra = resident_grad_bytes(param_bytes, numel, master) if param_bytes != master * numel else 0
+    return piece(param_bytes + extra, numel, params, n)
+
+
+def comm_workspace(param_bytes: int, numel: int, params: int, n: int) -> int:
+    """A collective's transient buffers: the flat N-region buffer and the rank's own region."""
+    return flat_bytes(param_bytes, numel, params, n) + piece(param_bytes, numel, params, n)
+
+
+def sharded_step_bytes(stages, s: int, n: int) -> int:
+    """A resident stage's step on its shard: `step_bytes` of a 1/N stage."""
+    g = stages[s]
+    return piece(step_bytes(stages, s), g.param_numel, len(g.params), n)
+
+
+def host_shard_bytes(param_bytes: int, numel: int, params: int, state_bytes: float, master: int, n: int) -> int:
+    """Host memory a sharded streamed stage adds beyond its full weights in the compute dtype (the
+    model's own parameters, which the prefetches read): its shards of the master (in mixed
+    precision), the optimizer states, and the gradient as offloaded (compute dtype) and as a host
+    step reads it (master dtype: a GPU step subtracts it)."""
+    mixed = master * numel if param_bytes != master * numel else 0
+    return piece(mixed + state_bytes * numel + param_bytes + master * numel, numel, params, n)
+
+
+def sharded_tail(stages, hw: Hardware, resident, steps, n: int):
+    """GPU bytes after backward with sharded state (pass `lower`'s tail): resident stages' weights,
+    state shards and gradient shards, the shared weights' full gradients and shard, stage 0's full
+    gradients and shard, the largest collective's buffers, and `steps` (the deferred steps' most).
+    `resident`: per stage 1 or 0, numbers or solver variables alike."""
+    M = stages.master_bytes
+    P0 = len(stages.shared_params)
+    out = fixed_bytes(stages) + hw.runtime_bytes + steps - _shared_unsharded(stages) + resident_sharded_bytes(
+        stages.shared_bytes, stages.shared_numel, P0, stages.state_bytes, M, n)
+    if stages.shared_numel:
+        out += stages.shared_bytes + shard_grad_bytes(stages.shared_bytes, stages.shared_numel, P0, M, n)
+    g0 = stages[0]
+    ws = max(comm_workspace(g0.param_bytes, g0.param_numel, len(g0.params), n),
+             comm_workspace(stages.shared_bytes, stages.shared_numel, P0, n))
+    out += g0.param_bytes + shard_grad_bytes(g0.param_bytes, g0.param_numel, len(g0.params), M, n) + ws
+    for g, r in zip(stages, resident):
+        P = len(g.params)
+        out = out + r * (resident_sharded_bytes(g.param_bytes, g.param_numel, P, stages.state_bytes, M, n)
+                         + shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n))
+    return out
+
+
+def _shared_unsharded(stages) -> int:
+    return resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, stages.master_bytes)
+
+
+def sharded_deferred_bytes(stages, resident, n: int) -> int:
+    """`deferred_step_bytes` of shards: the most any resident (or shared) step on its shard holds."""
+    shared = piece(shared_step_bytes(stages), stages.shared_numel, len(stages.shared_params), n)
+    return max([shared] + [sharded_step_bytes(stages, s, n) for s, r in enumerate(resident) if r])

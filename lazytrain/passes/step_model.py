@@ -1,0 +1,288 @@
+"""The step model of pass `solve` (NOTE: [The step model] in solve.py): per-window memory, compute
+capacity, transfer volumes, host work and collectives of one training step, as linear expressions
+over the MIP's decision variables (`solve._vars`), which `solve._build` prices and bounds.
+"""
+
+from __future__ import annotations
+
+import mip
+
+from lazytrain.hardware import Hardware
+from lazytrain.passes.blocks import Stages
+from lazytrain.passes.footprint import (
+    CPU_STATE_BYTES,
+    HOST_STEP_BYTES,
+    MASTER_BYTES,
+    Layout,
+    backward_workspace,
+    chunk_workspace,
+    cpu_step_s,
+    deferred_step_bytes,
+    fixed_bytes,
+    gpu_step_bytes,
+    gpu_step_out_bytes,
+    gpu_step_state_bytes,
+    host_bytes_streamed,
+    recompute_workspace,
+    resident_bytes,
+    resident_grad_bytes,
+    saving_workspace,
+    shared_grad_bytes,
+    step_bytes,
+)
+from lazytrain.passes.shards import (
+    comm_s,
+    comm_workspace,
+    host_shard_bytes,
+    piece,
+    resident_sharded_bytes,
+    shard_grad_bytes,
+    sharded_deferred_bytes,
+    sharded_step_bytes,
+    sharded_tail,
+    sharding,
+)
+
+class StepModel:
+    """The step model: per-window memory, compute capacity and transfer volumes as linear expressions."""
+
+    def __init__(self, stages: Stages, hw: Hardware, vars_: dict, m: mip.Model):
+        self.st, self.hw, self.m = stages, hw, m
+        self.floors: list = []  # variables held at their least by the objective (NOTE: [Floor variables])
+        S = len(stages)
+        self.L = L = Layout(S)
+        self.v = vars_
+        # NOTE: [MIP scaling] CBC misjudges optimality when the objective is ~1e-3 and byte counts
+        # ~1e10 share rows with it; bytes are counted in `unit` (about a thousandth of the model)
+        # and time in `unit_s` (the step's compute), so coefficients stay near 1. Variables that
+        # hold bytes (R, the offload parts, twins) hold them in `unit`s too: HiGHS warns of, and
+        # slows on, rows whose coefficients span more than about 1e9.
+        M = stages.master_bytes
+        self.unit = byte_unit(stages)
+        self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
+        T = 2 * S
+        sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
+        ahead = vars_["ahead"]
+        n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
+        steps = self._deferred_steps(sig)
+        fixed = fixed_bytes(stages) + hw.runtime_bytes
+        if n > 1:  # the shared weights' states and master are sharded too
+            fixed += resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, len(stages.shared_params),
+                                            stages.state_bytes, M, n) - resident_bytes(
+                stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
+        mem = [fixed for _ in range(T)]
+        for t in range(S, T):  # shared (tied) weights' gradients, from the first backward on
+            mem[t] = mem[t] + (stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
+        # after backward: resident weights and their gradients, and the steps clipping defers (NOTE: [Resident steps])
+        tail = sharded_tail(stages, hw, [1 - x for x in sig], steps, n) if n > 1 else \
+            fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + steps
+        h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
+        comm = [0.0] * (T + 2)  # seconds of collectives on the ranks' link (NOTE: [Link bandwidth])
+        lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
+        d2h = [0.0] * (T + 2)
+        cpu = [0.0] * (T + 2)
+        released = [0.0] * (T + 2)  # host step seconds that may start in a window (NOTE: [Host step backlog])
+        PRE, TAIL = T, T + 1
+        cap = [0.0] * (T + 2)
+        self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
+        self.recompute = 0.0
+        self.optimizer = piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n) / hw.gpu_adamw_params_per_s
+        if stages.shared_numel:  # the shared weights' reduce-scatter and all-gather after backward
+            comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
+            self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
+        PK = max((s.peak_bytes for s in stages), default=0)
+        for s, g in enumerate(stages):
+            chunked = g.chunks > 1
+            P = len(g.params)
+            numel = piece(g.param_numel, g.param_numel, P, n)  # the parameters this rank steps
+            cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
+            cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
+            self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
+            # weights: resident (weights, grads, states) or a streamed buffer
+            res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
+            rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
+            self.optimizer = self.optimizer + (1 - sig[s]) * (numel / hw.gpu_adamw_params_per_s)
+            if n > 1:
+                self._sharded(s, g, mem, comm, h2d, d2h, sig, gst)
+            else:
+                for t in range(T):
+                    mem[t] = mem[t] + res * (1 - sig[s])
+                for t in range(L.bw(s), T):
+                    mem[t] = mem[t] + rgrad * (1 - sig[s])
+                tail = tail + (res + rgrad) * (1 - sig[s])
+                # its step follows its backward in B(s), once the backward's workspace is gone
+                bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
+                mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
+            for t in L.weight_windows(s):
+                mem[t] = mem[t] + g.param_bytes * sig[s]
+            for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
+                if t is not None:
+                    mem[t] = mem[t] + g.param_bytes * sig[s]
+            # weight prefetch and gradient offload traffic (sharded: the forward prefetch brings this
+            # rank's shard, the gradient leaves as one)
+            h2d[L.fw(s - 1) if s > 0 else PRE] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
+            if s < S - 1:
+                h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
+            d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
+            # a host step can start once its gradient has landed (B(s-2)) and run in any later window
+            released[L.bw(s - 2) if s >= 2 else TAIL] += (sig[s] - gst[s]) * cpu_step_s(
+                piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
+            # GPU-stepped streamed: state in at the prefetch, out one window later
+            fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
+            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
+            out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
+            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * gst[s]
+            opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
+                              g.param_numel, P, n)
+            for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
+                mem[t] = mem[t] + opt_bytes * gst[s]
+            if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
+                h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
+                h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
+                mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
+            step_s = numel / hw.gpu_adamw_params_per_s
+            self.optimizer = self.optimizer + gst[s] * step_s
+            # the step runs once its fetch has landed, and the forward waits for it: fetched one
+            # window ahead, the step trails the fetch inside that window; two ahead, a window later
+            # (NOTE: [GPU-step lag])
+            lag[L.fw(s - 1) if s > 0 else PRE] += (gst[s] - ahead[s]) * step_s
+            # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
+            for t in range(L.fw(s), L.bw(s) + 1):
+                mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
+            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + saving_workspace(g) * (1 - rec[s])
+            mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + recompute_workspace(g) * rec[s]
+            if chunked:  # one chunk's forward and backward
+                mem[L.bw(s)] = mem[L.bw(s)] + chunk_workspace(stages, s)
+            # output activations
+            if g.consumers:
+                cmin, cmax = g.consumers[0], g.consumers[-1]
+                keep = 1 - off[s] - drop[s]
+                for t in range(L.fw(s), L.bw(cmin) + 1):
+                    mem[t] = mem[t] + g.out_bytes * keep
+                # a saving stage's autograd graph holds its outputs until its own backward
+                # (it then keeps them: `_vars`), when its last reader came before
+                for t in range(L.bw(cmin) + 1, L.bw(s) + 1):
+                    mem[t] = mem[t] + g.out_bytes * (1 - rec[s])
+                for t in list(range(L.fw(s), L.fw(cmax) + 1)) + list(range(L.bw(cmax + 1), L.bw(cmin) + 1)) if cmax < S - 1 else []:
+                    mem[t] = mem[t] + g.out_bytes * off[s]
+                for t in (L.fw(s), L.fw(s + 1)):
+                    mem[t] = mem[t] + g.out_bytes * drop[s]
+                for t in range(L.bw(cmax), L.bw(s) + 1):
+                    mem[t] = mem[t] + g.grad_out_bytes
+                if cmax < S - 1:
+                    self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
+                    h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
+        for w, done in backlog(m, released, list(range(S, T)) + [TAIL], self.unit_s).items():
+            cpu[w] = cpu[w] + done
+        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
+        R = vars_["R"]
+        self.floors.extend(R)
+        for c in range(1, S):
+            mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
+        self.mem = mem
+        self.tail = tail
+        if n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
+            self.host = sum(g.param_bytes for g in stages) + stages.shared_bytes + sum(
+                sig[s] * host_shard_bytes(g.param_bytes, g.param_numel, len(g.params), stages.state_bytes, M, n)
+                - gst[s] * piece(M * g.param_numel, g.param_numel, len(g.params), n) + off[s] * g.out_bytes
+                + (sig[s] - gst[s]) * piece((CPU_STATE_BYTES - stages.state_bytes) * g.param_numel, g.param_numel,
+                                            len(g.params), n)
+                for s, g in enumerate(stages))
+        else:
+            self.host = sum(M * g.param_numel for g in stages) + sum(
+                sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
+                - gst[s] * M * g.param_numel + off[s] * g.out_bytes
+                + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
+                for s, g in enumerate(stages))
+        if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
+            buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
+            self.floors.append(buffers)
+            for s, g in enumerate(stages):
+                m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s])
+            self.host = self.host + buffers * self.unit
+        self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
+
+    def _sharded(self, s, g, mem, comm, h2d, d2h, sig, gst):
+        """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
+        reduce-scatter in B(s-1) beside that backward, its full gradients until then, its shards
+        after; resident: the step on the shard and the all-gather after it, before the next F(s);
+        streamed: the all-gather at the forward prefetch, the gathered weights back to the host in F(s)."""
+        st, L, hw, n, M = self.st, self.L, self.hw, self.n, self.st.master_bytes
+        T, PRE, TAIL = 2 * len(st), 2 * len(st), 2 * len(st) + 1
+        P = len(g.params)
+        after = L.bw(s) + 1 if s > 0 else TAIL  # B(s-1): the window after its backward
+        t_comm = comm_s(g.param_bytes, hw, n)
+        comm[after] += t_comm
+        ws = comm_workspace(g.param_bytes, g.param_numel, P, n)
+        res = resident_sharded_bytes(g.param_bytes, g.param_numel, P, st.state_bytes, M, n)
+        sg = shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n)
+        for t in range(T):
+            mem[t] = mem[t] + res * (1 - sig[s])
+        mem[L.bw(s)] = mem[L.bw(s)] + g.param_bytes * (1 - sig[s])  # full gradients, until reduced
+        if after < T:
+            mem[after] = mem[after] + g.param_bytes * (1 - sig[s]) + ws + sharded_step_bytes(st, s, n) * (1 - sig[s]) \
+                + piece(g.param_bytes, g.param_numel, P, n) * sig[s]
+            for t in range(after, T):
+                mem[t] = mem[t] + sg * (1 - sig[s])
+        # resident: gathered after its step, any time before the next F(s)
+        windows = [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL, PRE] + [L.fw(w) for w in range(s)]
+        self._spread(comm, windows, t_comm * (1 - sig[s]), f"gather{s}")
+        # streamed: gathered where its forward prefetch lands; the gathered weights go back to the host
+        comm[L.fw(s - 1) if s > 0 else PRE] += t_comm * sig[s]
+        for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
+            mem[t] = mem[t] + ws * sig[s]
+        d2h[L.fw(s)] += g.param_bytes * (sig[s] - gst[s])
+
+    def _deferred_steps(self, sig):
+        """`deferred_step_bytes` of the resident stages: the most of its candidates."""
+        st, n = self.st, sharding(self.st)
+        size = (lambda s: sharded_step_bytes(st, s, n)) if n > 1 else (lambda s: step_bytes(st, s))
+        least = sharded_deferred_bytes(st, [False] * len(st), n) if n > 1 else deferred_step_bytes(st, [False] * len(st))
+        tw = self.m.add_var("deferred_steps", lb=0.0)  # in units of `unit` bytes
+        self.floors.append(tw)
+        self.m += tw >= least / self.unit
+        for s in range(len(st)):
+            if size(s):
+                self.m += tw >= (size(s) / self.unit) * (1 - sig[s])
+        return tw * self.unit
+
+    def _spread(self, table, windows, volume, tag):
+        """Split `volume` bytes over `windows` with continuous variables: transfers need not fit one window."""
+        parts = [self.m.add_var(name=f"{tag}_{w}", lb=0.0) for w in windows]  # in units of `unit` bytes
+        self.m += mip.xsum(parts) == volume * (1.0 / self.unit)
+        for w, p in zip(windows, parts):
+            table[w] = table[w] + p * self.unit
+
+
+# NOTE: [Host step backlog]
+# A host-stepped stage's AdamW may run in any window from B(s-2) (its gradient has landed) to the
+# tail. Splitting each stage's seconds over its own windows took one variable per (stage, window):
+# 3,322 of the 4,223 columns of the 72B shape's MIP. Every stage may run until the same last window,
+# so a split exists exactly when no prefix of the windows runs more than was released by its end
+# (the earliest-release-first order shows it), and a backlog carried from window to window says that
+# with two variables per window: done[w] = backlog[w-1] + released[w] - backlog[w], all >= 0, nothing
+# left after the tail. The same per-window loads are reachable, so no plan changes value; HiGHS
+# searches the smaller model faster (72B at max: 1,062 columns).
+def backlog(m: mip.Model, released: list, windows: list[int], scale: float) -> dict:
+    """The host work done in each of `windows` (in time order), in seconds, where `released[w]` (seconds,
+    a linear expression) may run in `w` or any later window (NOTE: [Host step backlog])."""
+    done, carried = {}, None
+    for i, w in enumerate(windows):
+        if carried is None and not isinstance(released[w], mip.LinExpr):
+            continue  # nothing released yet
+        x = m.add_var(name=f"cpu_{w}", lb=0.0)  # in units of `scale` seconds
+        done[w] = x * scale
+        inflow = released[w] * (1.0 / scale) + (carried if carried is not None else 0.0)
+        if i == len(windows) - 1:
+            m += x == inflow
+        else:
+            carried = m.add_var(name=f"backlog_{w}", lb=0.0)
+            m += carried == inflow - x
+    return done
+
+
+def byte_unit(stages: Stages) -> float:
+    """Bytes per unit in the model's memory rows: about a thousandth of the model (NOTE: [MIP scaling])."""
+    M = stages.master_bytes
+    return max(1.0, (fixed_bytes(stages) + sum(resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + g.saved_bytes
+                                               for g in stages)) / 1000.0)

@@ -1,0 +1,111 @@
+"""The trainer's optimizer state as DTensors, for torch.distributed.checkpoint (a mixin of `Trainer`).
+
+NOTE: [Sharded checkpoints]
+`sharded_state_dict()` gives, per model parameter (by its name in the model), its master weights
+and AdamW moments as DTensors of the whole flattened parameter on a 1-D DeviceMesh of the trainer's
+process group: `Shard(0)` with sharded state (each rank's local tensor is its piece, NOTE: [Sharded
+state] in sharding.py: torch.chunk's cut, which is `Shard(0)`'s), `Replicate()` otherwise; the step
+count as a plain tensor, and each group's hyperparameters. torch.distributed.checkpoint saves each
+rank's pieces and, loading into the state dict of a trainer on another number of ranks, reads each
+rank's new pieces from whichever files hold them. `load_sharded_state_dict(sd)` copies the loaded
+values in, rebuilds the full weights from the masters (a GATHER per stage: a collective) and lands
+them in the model. In one process without torch.distributed, the entries are plain tensors (DCP
+saves and loads those without a process group). Both calls are collectives: every rank makes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ShardedState:
+    def _mesh(self):
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.dp.group if self.dp is not None else dist.group.WORLD
+        return DeviceMesh.from_group(group, self.device.type)
+
+    def _entries(self):
+        """(name in the model, placeholder, group index, home) of every parameter the optimizer steps."""
+        for s in range(-1, len(self.stages)):
+            for p in self._names(s):
+                yield self.m.PLACEHOLDERS[p][1], p, self._group(s), self.store.home[p]
+
+    def _state_of(self, group: int, home: torch.Tensor) -> dict:
+        """The optimizer's state of `home`, made as its first step would (zeroed) if it has none yet."""
+        state = self.optimizer.state.get(home)
+        if not state:
+            state = self.optimizer.fresh_state(group, home, lambda shape, dtype: torch.empty(
+                shape, dtype=dtype, device=home.device))
+            self.optimizer.state[home] = state
+        return state
+
+    def sharded_state_dict(self) -> dict:
+        """NOTE: [Sharded checkpoints]."""
+        self.synchronize()
+        mesh = self._mesh()
+        state = {}
+        for name, p, group, home in self._entries():
+            numel = self.store.master[p].numel()
+            own = self._state_of(group, home)
+            entry = {"master": self._dtensor(home, numel, mesh)}
+            entry.update({k: self._dtensor(own[k], numel, mesh) for k in _MOMENTS if k in own})
+            entry["step"] = own["step"] if torch.is_tensor(own["step"]) else torch.tensor(float(own["step"]))
+            state[name] = entry
+        groups = [{k: v for k, v in g.items() if k not in ("params", "offsets")} for g in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def _dtensor(self, t: torch.Tensor, numel: int, mesh):
+        flat = t.detach().reshape(-1)
+        if mesh is None:
+            return flat
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placement = Shard(0) if self.sharded else Replicate()
+        return DTensor.from_local(flat, mesh, [placement], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+    def load_sharded_state_dict(self, sd: dict) -> None:
+        """Load what `sharded_state_dict()` gave (here, or filled by torch.distributed.checkpoint from
+        a save on any number of ranks), then rebuild the weights from the masters."""
+        self.synchronize()
+        with torch.no_grad():
+            for name, p, group, home in self._entries():
+                entry = sd["state"][name]
+                home.copy_(_local(entry["master"]).view(home.shape))
+                own = self._state_of(group, home)
+                for k in _MOMENTS:
+                    if k in own:
+                        own[k].copy_(_local(entry[k]).view(own[k].shape))
+                if torch.is_tensor(own["step"]):
+                    own["step"].copy_(entry["step"])
+                else:
+                    own["step"] = float(entry["step"])
+        for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k not in ("params", "offsets")})
+        self.optimizer._sr_steps = {}  # bf16 masters' noise counters: read again from the loaded steps
+        self._rebuild_weights()
+
+    def _rebuild_weights(self) -> None:
+        """The full weights from the loaded masters: this rank's pieces, then every stage gathered."""
+        for s in range(-1, len(self.stages)):
+            names = self._names(s)
+            if not names:
+                continue
+            streamed = s >= 0 and self.stages[s].stream
+            (self.store.refresh_source if streamed else self.store.refresh_work)(names)
+            if not self.sharded:
+                continue
+            self.pending_gather.add(s)
+            if not streamed:  # a streamed stage's: by synchronize(), through its weight slot
+                self._gather_stage(s)
+        self._model_behind = True
+        self.sync_model()
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
