@@ -20,7 +20,9 @@ import torch
 
 from lazytrain.errors import CheckpointError, ResourceError
 from lazytrain.train import checkpoint as ckpt
-from lazytrain.train.checkpoint import export_hf, load_latest, restore_rng, save_checkpoint
+from lazytrain.train.checkpoint import restore_rng, save_checkpoint
+from lazytrain.train.checkpoint_load import holds_checkpoints, load_latest
+from lazytrain.train.export import export_hf
 
 FP = "fp-model-a"
 
@@ -286,10 +288,10 @@ def test_a_failed_latest_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def test_holds_checkpoints_without_latest(tmp_path):
-    assert not ckpt.holds_checkpoints(tmp_path) and not ckpt.holds_checkpoints(tmp_path / "nope")
+    assert not holds_checkpoints(tmp_path) and not holds_checkpoints(tmp_path / "nope")
     save(tmp_path, 3)
     (tmp_path / "LATEST").unlink()
-    assert ckpt.holds_checkpoints(tmp_path)
+    assert holds_checkpoints(tmp_path)
     assert load_latest(tmp_path, FP).step == 3
 
 

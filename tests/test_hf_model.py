@@ -109,7 +109,7 @@ def test_sharded_export_trains_again(tmp_path, capsys):
     """export_hf shards a model larger than max_shard_size; the shards load in transformers and train."""
     from transformers import AutoModelForCausalLM
 
-    from lazytrain.train.checkpoint import export_hf
+    from lazytrain.train.export import export_hf
 
     model = save_model(tmp_path / "src", "qwen2", True, False)
     out = export_hf(model, tmp_path / "out", max_shard_size="50KB")
@@ -298,7 +298,7 @@ def test_moe_checkpoint_in_the_hub_layout_names_the_conversion(tmp_path, capsys)
 def test_moe_export_loads_in_transformers_and_in_lazytrain(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from lazytrain.train.checkpoint import export_hf
+    from lazytrain.train.export import export_hf
     from lazytrain.train.source import resolve
 
     model = _tiny_moe()

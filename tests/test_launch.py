@@ -35,6 +35,7 @@ import torch
 import launch_worker
 from lazytrain.cli import main
 from lazytrain.train import checkpoint as ckpt
+from lazytrain.train.checkpoint_load import load_latest
 from lazytrain.train.data import CORPUS_PATH, PackedBatches, builtin_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def losses(run_dir: Path) -> list[tuple]:
 
 
 def final(run_dir: Path) -> ckpt.Checkpoint:
-    found = ckpt.load_latest(run_dir / "checkpoints", None)
+    found = load_latest(run_dir / "checkpoints", None)
     assert found.step == 4
     return found
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from lazytrain.cli import main
 from lazytrain.train import checkpoint as ckpt
+from lazytrain.train.checkpoint_load import load_latest
 from lazytrain.train.loop import lr_lambda
 
 SMALL = '''
@@ -176,7 +177,7 @@ def _edit_weights(state):
 def test_checkpoint_structure_is_checked_before_it_is_applied(small_model, run_copy, capsys, edit, message):
     """Each checkpoint below has valid digests and this run's fingerprint; what it holds does not fit."""
     root = run_copy / "checkpoints"
-    found = ckpt.load_latest(root, None)
+    found = load_latest(root, None)
     model_state, optimizer_state, extra = dict(found.model_state), found.optimizer_state, dict(found.extra)
     if edit in ("missing", "shape", "fp16"):
         model_state = _edit_weights(edit)(model_state)
@@ -249,4 +250,4 @@ def test_full_disk_during_a_checkpoint(small_model, tmp_path, capsys, monkeypatc
                    "the previous checkpoint", "is intact")
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000001"]
-    assert ckpt.load_latest(root, None).step == 1
+    assert load_latest(root, None).step == 1

@@ -29,6 +29,8 @@ from lazytrain.files import write_atomic
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.summary import summary
 from lazytrain.train import checkpoint as ckpt
+from lazytrain.train.checkpoint_load import check_fingerprint
+from lazytrain.train.export import export_hf
 from lazytrain.train import distributed
 from lazytrain.train.distributed import PeerFailed, Ranks, from_rank0, together
 from lazytrain.train.preflight import Prepared, prepare
@@ -163,7 +165,7 @@ def _train(args, ranks: Ranks | None) -> dict:
         schedule = load_source(schedule_text, f"lazytrain_train_schedule_{id(prep)}", args.schedule or None)
         _check_schedule(args, schedule, prep)
         if found is not None and main:  # the checkpoint fits this schedule and model before anything is written
-            ckpt.check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))  # (every rank read it)
+            check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))  # (every rank read it)
             check_structure(found, prep.meta_model, schedule)
         if run_dir is not None and main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +242,7 @@ def _train(args, ranks: Ranks | None) -> dict:
         trainer.sync_model()
         with together(ranks, "the export"):
             if main:
-                ckpt.export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
+                export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
         print(f"exported to {args.export_hf}")
     return record
 

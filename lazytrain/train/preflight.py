@@ -23,6 +23,7 @@ from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError
 from lazytrain.ir.capture import build_on_meta
 from lazytrain.train import checkpoint as ckpt
+from lazytrain.train.checkpoint_load import holds_checkpoints, load_latest
 from lazytrain.train.data import CORPUS_PATH, PackedBatches, builtin_tokenizer, load_tokenizer
 from lazytrain.train.resume import LrSchedule, settle
 from lazytrain.train.source import RANDOM, ModelSource, resolve
@@ -70,7 +71,7 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
                             "pass a file path in an existing directory")
     tokenizer = _tokenizer(args, source)
     data = _data(args, source, meta_model, tokenizer, rank, world)
-    found = ckpt.load_latest(run_dir / "checkpoints", None) if args.resume else None
+    found = load_latest(run_dir / "checkpoints", None) if args.resume else None
     lr, notice = settle(args, found)
     return Prepared(source, meta_model, tokenizer, data, run_dir, found, lr, notice, world)
 
@@ -89,7 +90,7 @@ def _check_split(source: ModelSource, world: int) -> None:
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise CheckpointError(f"--checkpoint-dir {run_dir} is a file; pass a directory")
-    holds = ckpt.holds_checkpoints(run_dir / "checkpoints")
+    holds = holds_checkpoints(run_dir / "checkpoints")
     if resume and not holds:
         raise CheckpointError(f"{run_dir} holds no checkpoint to resume from; drop --resume to start a new run "
                               "there, or pass the --checkpoint-dir of the run to continue")
