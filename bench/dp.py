@@ -110,7 +110,7 @@ def cmd_run(args) -> None:
 
 def _shape_args(args) -> list[str]:
     return ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget,
-            "--states", args.states, "--master", args.master, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            "--states", args.states, "--master-weights", args.master, "--steps", str(args.steps), "--warmup", str(args.warmup)]
 
 
 def main(argv=None) -> None:
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
         s.add_argument("--seq", type=int, default=1024)
         s.add_argument("--budget", default="24GiB", help="a size per GPU (e.g. 24GiB) or max")
         s.add_argument("--states", choices=["32bit", "8bit"], default="8bit")
-        s.add_argument("--master", choices=["fp32", "bf16"], default="bf16")
+        s.add_argument("--master", "--master-weights", dest="master", choices=["fp32", "bf16"], default="bf16")
         s.add_argument("--world", default="1,2", help="world sizes, comma-separated")
         s.add_argument("--hardware", default="h200")
         s.add_argument("--steps", type=int, default=4)

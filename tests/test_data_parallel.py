@@ -208,3 +208,34 @@ def test_sharded_checkpoint_reshards(sources, tmp_path):
             if after is not None:
                 for n, w in want_next.items():
                     assert np.array_equal(after[n], w), f"{n} differs one step after loading (rank {rank})"
+
+
+def test_a_gather_marks_its_weights_final_from_inside_its_event(monkeypatch):
+    """The GATHER handler says its stage's weights are final while `CudaStreams.run` is still
+    running it, before the event's own completion is recorded: the mark must come from the stream
+    it runs on. (It looked the event up in `done` and raised KeyError on the first GATHER of a
+    2-GPU run; CPU streams make the mark a no-op, so only this double of CUDA's bookkeeping sees it.)"""
+    import contextlib
+
+    import torch
+
+    from lazytrain.ir.events import Event, Kind, Stream
+    from lazytrain.runtime.streams import CudaStreams
+
+    class FakeEvent:
+        def __init__(self, **_):
+            self.on = None
+
+        def record(self, stream):
+            self.on = stream
+
+    comm, compute = object(), type("S", (), {"wait_event": lambda self, ev: None})()
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: comm)
+    streams = object.__new__(CudaStreams)
+    streams.device, streams.record, streams.done, streams.stepped = "cuda", False, {}, {}
+    streams.streams = {Stream.COMM: comm, Stream.COMPUTE: compute}
+    gather = Event(id=7, stream=Stream.COMM, kind=Kind.GATHER, stage=3)
+    streams.run(gather, lambda: streams.stepped_at(gather.stage))
+    assert streams.stepped[3].on is comm and 7 in streams.done

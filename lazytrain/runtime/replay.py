@@ -276,7 +276,7 @@ class Replay:
         self._gather_stage(e.stage)
         if e.stage >= 0 and self.stages[e.stage].stream and e.stage not in self.stepper.params:
             self.gathered.add(e.stage)  # its OFFLOAD w:S takes them to the host
-        self.streams.stepped_at(e.stage, e.id)  # the next compute that reads them waits for this
+        self.streams.stepped_at(e.stage)  # the next compute that reads them waits for this
 
     def _gather_stage(self, s: int) -> None:
         self.pending_gather.discard(s)

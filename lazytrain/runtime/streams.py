@@ -53,7 +53,7 @@ class SerialStreams:
     def wait_aside(self, stage: int):
         pass
 
-    def stepped_at(self, stage: int, eid: int):
+    def stepped_at(self, stage: int):
         pass
 
     def finish(self):
@@ -137,10 +137,14 @@ class CudaStreams:
         if ev is not None:
             self.streams[Stream.COMPUTE].wait_event(ev)
 
-    def stepped_at(self, stage: int, eid: int):
-        """`stage`'s weights are final once event `eid` (its GATHER) is done: the next compute that
-        reads them waits for it, as for a step (`wait_aside`)."""
-        self.stepped[stage] = self.done[eid]
+    def stepped_at(self, stage: int):
+        """`stage`'s weights are final once the work issued so far on the current stream (its
+        GATHER's, from inside that event) is done: the next compute that reads them waits for it, as
+        for a step (`wait_aside`). Called while the GATHER runs, before `run` has recorded the
+        event's own completion."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self.stepped[stage] = ev
 
     def host(self, e: Event, fn) -> Future:
         """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""
