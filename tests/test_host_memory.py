@@ -11,7 +11,7 @@ from models import decisions, tiny_gpt_pair
 from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.hardware import HOST_RESERVE
-from lazytrain.passes import solve
+from lazytrain.passes import step_model
 from lazytrain.passes.footprint import HOST_STEP_BYTES
 from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
@@ -50,9 +50,9 @@ def test_bf16_masters_count_the_host_steps_buffers(stages, monkeypatch):
     host_stepped = _all_host_stepped(stages)
     with_buffers = evaluate(bf16, CPU, 1 << 40, host_stepped).host_bytes
     assert evaluate(stages, CPU, 1 << 40, host_stepped).host_bytes > 0  # fp32 masters: no such buffers
-    monkeypatch.setattr(solve, "HOST_STEP_BYTES", 0)
+    monkeypatch.setattr(step_model, "HOST_STEP_BYTES", 0)
     without = evaluate(bf16, CPU, 1 << 40, host_stepped).host_bytes
     assert with_buffers - without == HOST_STEP_BYTES * max(g.largest_numel for g in stages)
     resident = decisions(["-Rk"] * (len(stages) - 1) + ["-rk"])
-    monkeypatch.setattr(solve, "HOST_STEP_BYTES", 12)
+    monkeypatch.setattr(step_model, "HOST_STEP_BYTES", 12)
     assert evaluate(bf16, CPU, 1 << 40, resident).host_bytes == evaluate(stages, CPU, 1 << 40, resident).host_bytes // 2

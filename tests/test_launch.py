@@ -330,3 +330,17 @@ def test_resume_at_another_world_size_checks_the_model(runs, tmp_path, capsys, c
         assert code == 0, err
         return
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_sharded_schedule_is_refused_by_train(model_file, tmp_path, capsys):
+    """`lazytrain train` keeps whole state on every rank (NOTE: [Replicated state in train]); a
+    --schedule that shards it is refused before any rank trains, with the fix."""
+    schedule = tmp_path / "s.py"
+    half = tmp_path / "half.py"
+    half.write_text(MODEL.replace("torch.zeros(4, 32", "torch.zeros(2, 32"))
+    assert main(["compile", str(half), "-o", str(schedule), "--hardware", "cpu", "--budget", "1GiB",
+                 "--world-size", "2"]) == 0
+    capsys.readouterr()
+    done = launch(train_argv(model_file, tmp_path / "run", "--steps", 2, "--schedule", schedule))
+    assert done.returncode == 2, done.stderr
+    assert "shards the optimizer state over its ranks" in done.stderr and "--replicate-state" in done.stderr, done.stderr

@@ -60,6 +60,10 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
             if value is not None and value != compiled:
                 raise DataError(f"{args.schedule} was compiled with {flag} {compiled}, not {value}; recompile it "
                                 f"with `lazytrain compile ... {flag} {value}`, or drop {flag}")
+        if getattr(module, "SHARDED", False) and getattr(module, "WORLD_SIZE", 1) == prep.world:  # NOTE: [Replicated state in train]
+            # (another world size is refused, with its own fix, where the schedule is bound)
+            raise DataError(f"{args.schedule} shards the optimizer state over its ranks, which `lazytrain train`'s "
+                            "checkpoints do not hold yet; recompile it with `lazytrain compile ... --replicate-state`")
         return Path(args.schedule).read_text(), False
     from lazytrain.pipeline import compile_model, minimum_budget  # the solver: only to compile here
 
@@ -68,14 +72,23 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
     opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32"}
     budget = args.budget if args.budget not in (None, "min", "max") else None
     if args.budget in (None, "min"):
-        budget = minimum_budget(prep.meta_model, batch, hw, **opts)
+        budget = minimum_budget(prep.meta_model, batch, hw, world_size=prep.world, shard_state=False, **opts)
     elif args.budget == "max":
         budget = hw.max_budget
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
-                             world_size=prep.world, **opts)
+                             world_size=prep.world, shard_state=False, **opts)
     return compiled.source_text, True
+
+
+# NOTE: [Replicated state in train]
+# `lazytrain train` on several ranks keeps every rank's master weights and optimizer states whole
+# (`shard_state=False`): its checkpoints (NOTE: [Distributed checkpoints]) save and resume torch.optim's
+# state per parameter index, whole, which is what lets a run resume at another world size. Sharded
+# state (NOTE: [Sharded state] in runtime/sharding.py) has its own DCP layout (NOTE: [Sharded
+# checkpoints] in runtime/sharded_state.py) that these checkpoints do not use yet; a sharded
+# schedule is refused here rather than saved in a layout no resume can read.
 
 
 def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
