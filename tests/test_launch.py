@@ -248,14 +248,20 @@ def test_world_size_that_does_not_divide_the_global_batch_is_refused(model_file,
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
-def test_schedule_for_another_world_size_is_refused(model_file, tmp_path, capsys):
-    """A --schedule compiled for 2 ranks (2 rows each), given to a run of one process."""
+def two_rank_schedule(tmp_path: Path, capsys) -> Path:
+    """`lazytrain compile --world-size 2` of the model at half its batch (2 rows a rank)."""
     schedule = tmp_path / "s.py"
-    small = tmp_path / "half.py"
-    small.write_text(MODEL.replace("torch.zeros(4, 32", "torch.zeros(2, 32"))
-    assert main(["compile", str(small), "-o", str(schedule), "--hardware", "cpu", "--budget", "1GiB",
+    half = tmp_path / "half.py"
+    half.write_text(MODEL.replace("torch.zeros(4, 32", "torch.zeros(2, 32"))
+    assert main(["compile", str(half), "-o", str(schedule), "--hardware", "cpu", "--budget", "1GiB",
                  "--world-size", "2"]) == 0
     capsys.readouterr()
+    return schedule
+
+
+def test_schedule_for_another_world_size_is_refused(model_file, tmp_path, capsys):
+    """A --schedule compiled for 2 ranks (2 rows each), given to a run of one process."""
+    schedule = two_rank_schedule(tmp_path, capsys)
     code = main(train_argv(model_file, tmp_path / "run", "--steps", 2, "--schedule", schedule))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
@@ -335,12 +341,7 @@ def test_resume_at_another_world_size_checks_the_model(runs, tmp_path, capsys, c
 def test_a_sharded_schedule_is_refused_by_train(model_file, tmp_path, capsys):
     """`lazytrain train` keeps whole state on every rank (NOTE: [Replicated state in train]); a
     --schedule that shards it is refused before any rank trains, with the fix."""
-    schedule = tmp_path / "s.py"
-    half = tmp_path / "half.py"
-    half.write_text(MODEL.replace("torch.zeros(4, 32", "torch.zeros(2, 32"))
-    assert main(["compile", str(half), "-o", str(schedule), "--hardware", "cpu", "--budget", "1GiB",
-                 "--world-size", "2"]) == 0
-    capsys.readouterr()
+    schedule = two_rank_schedule(tmp_path, capsys)
     done = launch(train_argv(model_file, tmp_path / "run", "--steps", 2, "--schedule", schedule))
     assert done.returncode == 2, done.stderr
     assert "shards the optimizer state over its ranks" in done.stderr and "--replicate-state" in done.stderr, done.stderr
