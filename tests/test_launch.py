@@ -248,13 +248,13 @@ def test_world_size_that_does_not_divide_the_global_batch_is_refused(model_file,
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
-def two_rank_schedule(tmp_path: Path, capsys) -> Path:
+def two_rank_schedule(tmp_path: Path, capsys, *extra: str) -> Path:
     """`lazytrain compile --world-size 2` of the model at half its batch (2 rows a rank)."""
     schedule = tmp_path / "s.py"
     half = tmp_path / "half.py"
     half.write_text(MODEL.replace("torch.zeros(4, 32", "torch.zeros(2, 32"))
     assert main(["compile", str(half), "-o", str(schedule), "--hardware", "cpu", "--budget", "1GiB",
-                 "--world-size", "2"]) == 0
+                 "--world-size", "2", *extra]) == 0
     capsys.readouterr()
     return schedule
 
@@ -270,11 +270,14 @@ def test_schedule_for_another_world_size_is_refused(model_file, tmp_path, capsys
 
 
 @pytest.mark.parametrize("mode", ["exit", "stall"])
-def test_a_lost_rank_stops_the_others_with_an_error(model_file, tmp_path, mode):
+def test_a_lost_rank_stops_the_others_with_an_error(model_file, tmp_path, capsys, mode):
     """Rank 1 exits (or hangs) as it reads its batch for step 3, outside any launcher that would stop
     rank 0: rank 0's step 3 fails with one line naming the failed reduction and the timeout instead of
-    hanging (a closed connection at once; a hung rank after --dist-timeout, 3 s here)."""
-    argv = train_argv(model_file, tmp_path / "run", "--steps", 6, "--checkpoint-every", 2, "--dist-timeout", 3)
+    hanging (a closed connection at once; a hung rank after --dist-timeout, 3 s here). The schedule is
+    compiled beforehand: rank 1 would wait for rank 0's compile within the same 3 s."""
+    schedule = two_rank_schedule(tmp_path, capsys, "--replicate-state")
+    argv = train_argv(model_file, tmp_path / "run", "--steps", 6, "--checkpoint-every", 2, "--dist-timeout", 3,
+                      "--schedule", schedule)
     got = launch_worker.run_ranks(argv, tmp_path / "out", fault=(mode, 3), deadline_s=240)
     code, out, err = got[0]
     assert code == 2, err
