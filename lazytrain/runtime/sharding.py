@@ -69,30 +69,34 @@ class ShardLayout:
         """Every rank's pieces of the full `tensors` into the flat buffer `out` (world * region)."""
         rows = out.view(self.world, self.region)
         for p, t in tensors.items():
-            flat = t.reshape(-1)
-            off, c, n = self.offset[p], self.chunk[p], self.numel[p]
-            full_rows = n // c if c else 0
-            if full_rows:
-                rows[:full_rows, off:off + c].copy_(flat[:full_rows * c].view(full_rows, c))
-            if full_rows < self.world:
-                rows[full_rows:, off:off + c].zero_()
-                rest = n - full_rows * c
-                if rest:
-                    rows[full_rows, off:off + rest].copy_(flat[full_rows * c:])
+            off, c = self.offset[p], self.chunk[p]
+            if self._full_rows(p) < self.world:  # the padding of the short and empty pieces
+                rows[self._full_rows(p):, off:off + c].zero_()
+            for region, part in self._parts(p, rows, t.reshape(-1)):
+                region.copy_(part)
         return out
 
     def unpack(self, flat: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
         """Every rank's pieces in the flat buffer into the full `targets`."""
         rows = flat.view(self.world, self.region)
         for p, t in targets.items():
-            dst = t.view(-1)
-            off, c, n = self.offset[p], self.chunk[p], self.numel[p]
-            full_rows = n // c if c else 0
-            if full_rows:
-                dst[:full_rows * c].view(full_rows, c).copy_(rows[:full_rows, off:off + c])
-            rest = n - full_rows * c
-            if rest:
-                dst[full_rows * c:].copy_(rows[full_rows, off:off + rest])
+            for region, part in self._parts(p, rows, t.view(-1)):
+                part.copy_(region)
+
+    def _full_rows(self, p: str) -> int:
+        """The ranks whose piece of `p` is a whole chunk (the first ones)."""
+        c = self.chunk[p]
+        return self.numel[p] // c if c else 0
+
+    def _parts(self, p: str, rows: torch.Tensor, flat: torch.Tensor):
+        """(part of the flat buffer's `rows`, part of `p`'s flattened elements `flat`) pairs holding
+        the same elements: the whole chunks, then the one shorter piece."""
+        off, c, full = self.offset[p], self.chunk[p], self._full_rows(p)
+        if full:
+            yield rows[:full, off:off + c], flat[:full * c].view(full, c)
+        rest = self.numel[p] - full * c
+        if rest:
+            yield rows[full, off:off + rest], flat[full * c:]
 
     def region_of(self, flat: torch.Tensor, p: str) -> torch.Tensor:
         """This rank's piece of `p` inside its own region `flat` (region elements)."""
