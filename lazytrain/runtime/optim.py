@@ -77,10 +77,7 @@ def _seeded_noise(out: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor
         lo, hi = max(offset, c * C), min(offset + n, (c + 1) * C)
         gen = torch.Generator(device=out.device).manual_seed((seed * 1_000_003 + c) % (1 << 63))
         part = out[lo - offset:hi - offset]
-        if host and lo == c * C:  # from the chunk's start: a prefix of its draws
-            torch.randint(0, 1 << 16, part.shape, generator=gen, dtype=torch.int32, out=part)
-            return
-        if not host and hi - lo == C:
+        if (lo == c * C) if host else (hi - lo == C):  # host: a prefix of the chunk's draws; device: all of them
             torch.randint(0, 1 << 16, part.shape, generator=gen, dtype=torch.int32, out=part)
             return
         size = hi - c * C if host else C
