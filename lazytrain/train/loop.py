@@ -60,10 +60,6 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
             if value is not None and value != compiled:
                 raise DataError(f"{args.schedule} was compiled with {flag} {compiled}, not {value}; recompile it "
                                 f"with `lazytrain compile ... {flag} {value}`, or drop {flag}")
-        if getattr(module, "SHARDED", False) and getattr(module, "WORLD_SIZE", 1) == prep.world:  # NOTE: [Replicated state in train]
-            # (another world size is refused, with its own fix, where the schedule is bound)
-            raise DataError(f"{args.schedule} shards the optimizer state over its ranks, which `lazytrain train`'s "
-                            "checkpoints do not hold yet; recompile it with `lazytrain compile ... --replicate-state`")
         return Path(args.schedule).read_text(), False
     from lazytrain.pipeline import compile_model, minimum_budget  # the solver: only to compile here
 
@@ -121,7 +117,8 @@ def _zeros(shape) -> dict:
 
 
 def _check_schedule(args, schedule, prep: Prepared) -> None:
-    """A --schedule fits the run: compiled for its world size and one rank's share of its batch."""
+    """A --schedule fits the run: compiled for its world size and one rank's share of its batch, with
+    the state replicated."""
     where = args.schedule or "the schedule"
     compiled = getattr(schedule, "WORLD_SIZE", 1)
     shape = tuple(schedule.BATCH["input_ids"][0]) if "input_ids" in schedule.BATCH else None
@@ -132,6 +129,9 @@ def _check_schedule(args, schedule, prep: Prepared) -> None:
             f"{list(prep.source.batch_shape)}, {list(prep.rank_batch)} per rank. Drop --schedule to compile the right "
             f"one (the run directory keeps it as schedule.py), or compile {list(prep.rank_batch)} with --world-size "
             f"{prep.world}")
+    if getattr(schedule, "SHARDED", False):  # NOTE: [Replicated state in train]
+        raise DataError(f"{where} shards the optimizer state over its ranks, which `lazytrain train`'s checkpoints do "
+                        "not hold yet; recompile it with `lazytrain compile ... --replicate-state`")
 
 
 def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
