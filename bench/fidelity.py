@@ -49,10 +49,12 @@ class Case:
     states: str  # "32bit" or "8bit"
     master: str  # "fp32" or "bf16"
     budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
+    clipping: str = "off"  # the run clips at norm 1.0 unless "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
 
     @property
     def name(self) -> str:
-        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}"
+        clip = "" if self.clipping == "off" else f"_clip-{self.clipping}"
+        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}{clip}"
 
 
 def _cases() -> list[Case]:
@@ -62,6 +64,8 @@ def _cases() -> list[Case]:
             for budget in ("24GiB", "40GiB", "max"):
                 out.append(Case(model, batch, 1024, states, master, budget))
     out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "min"), Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "max")]
+    for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32)):  # clipped runs: host steps after backward
+        out += [Case(model, batch, 1024, "8bit", "bf16", "24GiB", clip) for clip in ("exact", "previous-norm")]
     return out
 
 
@@ -97,7 +101,8 @@ def cmd_compile(args) -> None:
                 budget = minimum_budget(meta, b, hw, **opts)
             else:
                 budget = hw.max_budget if case.budget == "max" else parse_size(case.budget)
-            compiled = compile_model(meta, b, budget, hw, source=f"bench:{case.model}", time_limit=args.time_limit, **opts)
+            compiled = compile_model(meta, b, budget, hw, source=f"bench:{case.model}", time_limit=args.time_limit,
+                                     clipping=case.clipping, **opts)
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")
@@ -170,7 +175,7 @@ def _run_schedule(case: Case, path: Path, model, data, args) -> dict:
     current: list = [None]  # the event being issued: where an out-of-memory error happened
     cleared = _clear_host_peak()
     t0 = time.perf_counter()
-    trainer = module.bind(model, device="cuda", lr=1e-5)
+    trainer = module.bind(model, device="cuda", lr=1e-5, max_grad_norm=None if module.CLIPPING == "off" else 1.0)
     bind_s = time.perf_counter() - t0
     issue = trainer.streams.run
 

@@ -92,7 +92,7 @@ def cmd_compile(args) -> int:
                             dtype=getattr(torch, args.dtype) if args.dtype else None,
                             optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                             loss_chunk_bytes=chunk_bytes, world_size=args.world_size,
-                            shard_state=False if args.replicate_state else None)
+                            shard_state=False if args.replicate_state else None, clipping=args.clipping)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -171,6 +171,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--replicate-state", action="store_true",
                    help="with --world-size > 1: every rank keeps the whole optimizer state and master weights (default: "
                         "each keeps 1/N of them, sharded; 8-bit optimizer states are always replicated)")
+    c.add_argument("--clipping", choices=["exact", "previous-norm", "off"], default="exact",
+                   help="the gradient clipping planned for (bind's max_grad_norm): exact (default; optimizer steps on "
+                        "the host wait for the end of backward), previous-norm (clip by the previous step's norm; "
+                        "steps run during backward), or off (no clipping)")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")
@@ -197,7 +201,10 @@ def parser() -> argparse.ArgumentParser:
                    help="AdamW state precision when compiling on the fly (default 32bit; a given --schedule has its own)")
     t.add_argument("--master-weights", choices=["fp32", "bf16"], default=None,
                    help="master weight precision when compiling on the fly (default fp32; bf16 rounds stochastically)")
-    t.add_argument("--max-grad-norm", type=_number(0), default=None, help="clip gradients to this global norm (exact; default off)")
+    t.add_argument("--max-grad-norm", type=_number(0), default=None, help="clip gradients to this global norm (default off)")
+    t.add_argument("--clipping", choices=["exact", "previous-norm"], default="exact",
+                   help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
+                        "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
     t.add_argument("--steps", type=_at_least(1), default=None,
                    help="steps the run ends at (default 200; on --resume, the run's own)")
     t.add_argument("--lr", type=_number(0), default=None, help="peak learning rate (default 3e-3; on --resume, the run's own)")

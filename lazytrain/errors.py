@@ -39,6 +39,10 @@ class CheckpointError(LazytrainError):
     """A checkpoint is corrupt, incomplete, or belongs to another model or run."""
 
 
+class TrainingError(LazytrainError):
+    """Training cannot go on safely: the weights are no longer finite."""
+
+
 class ResourceError(LazytrainError):
     """The machine cannot provide what the plan needs (page-locked host memory, disk space)."""
 

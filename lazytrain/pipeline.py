@@ -31,7 +31,7 @@ from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
 from lazytrain.passes.causal import causal
-from lazytrain.passes.blocks import MASTER_BYTES, Stages, blocks
+from lazytrain.passes.blocks import CLIPPING_MODES, MASTER_BYTES, Stages, blocks
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES, chunk, decide
 from lazytrain.passes.costs import costs
 from lazytrain.passes.limits import limits, limits_text
@@ -117,7 +117,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1,
-                  shard_state: bool | None = None) -> Compiled:
+                  shard_state: bool | None = None, clipping: str = "exact") -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
     `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
@@ -126,13 +126,19 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     `world_size` is the number of data-parallel ranks the schedule runs on; `batch` is one rank's
     batch (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
     sharded for several ranks with 32-bit states) shards master weights and optimizer states over
-    the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank."""
+    the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank.
+    `clipping` is the gradient clipping the schedule runs with (NOTE: [Gradient clipping] in
+    runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
+    previous step's) or "off" (bind then refuses `max_grad_norm`)."""
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
     stages = data_parallel(stages, hw, world_size, shard_state, optimizer_states)
+    if clipping not in CLIPPING_MODES:
+        raise PlanError(f"clipping {clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
+    stages = dataclasses.replace(stages, clipping=clipping)
     budget = hw.max_budget if budget is None else int(budget)
     plan = hook.run("solve", cached_solve, stages, hw, budget, time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))

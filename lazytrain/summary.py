@@ -12,6 +12,12 @@ from types import ModuleType
 from lazytrain.units import format_size
 
 _WIDTH = 40  # characters of the memory bar at the peak window
+# NOTE: [Gradient clipping] in runtime/stepping.py
+CLIPPING_TEXT = {
+    "exact": "max_grad_norm clips by this step's global norm; host optimizer steps wait for the end of backward",
+    "previous-norm": "max_grad_norm clips by the previous step's global norm; optimizer steps run during backward",
+    "off": "no gradient clipping: bind refuses max_grad_norm",
+}
 
 
 def _ms(s: float) -> str:
@@ -30,6 +36,7 @@ def summary(schedule: ModuleType) -> str:
         f" + exposed transfer {_ms(p['exposed_s'])} + optimizer {_ms(p['optimizer_s'])}",
         f"solver: {m.SOLVER['status']}, gap {m.SOLVER['gap']:.2%}" + (f" ({m.SOLVER['message']})" if m.SOLVER["message"] else ""),
         _states_line(m),
+        f"gradient clipping: {m.CLIPPING} ({CLIPPING_TEXT[m.CLIPPING]})",
         *_ranks_line(m),
         "",
         f"{'stage':<28}{'kind':<6}{'weights':>11}  {'placement':<10}{'internals':<12}{'outputs':<9}optimizer",

@@ -215,27 +215,31 @@ def test_plan_windows_are_the_bytes_the_schedule_holds():
     assert v["R"] and all(weights.get(x, 0.0) > 0 for x in [*v["R"], *model.floors])
 
 
-def _host_work(released, windows, caps, costs, *, split: bool) -> float:
-    """The least sum over `windows` of costs[w] * done[w] + max(0, done[w] - caps[w]), where
-    `released[w]` seconds may run in window `w` or any later one: through `solve.backlog`, or
-    (`split`) one part per (release, window) as each stage's own split would place it."""
+def _host_work(jobs, caps, costs, *, split: bool, deadlines: bool = False) -> float:
+    """The least sum over the windows of costs[w] * done[w] + max(0, done[w] - caps[w]), where each
+    job (release, due, seconds) runs in windows release..due (due: the last window, unless
+    `deadlines`): through `step_model.backlog`, or (`split`) one part per (job, window) as each
+    stage's own split would place it."""
     from lazytrain.passes.step_model import backlog
 
+    n = len(caps)
+    windows = list(range(n))
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0
-    one = m.add_var("one", lb=1.0, ub=1.0)  # makes each release a linear expression, as in the step model
-    rel = [a * one if a else 0.0 for a in released]
+    one = m.add_var("one", lb=1.0, ub=1.0)  # makes each amount a linear expression, as in the step model
     if split:
         done = {w: 0.0 for w in windows}
-        for i, w in enumerate(windows):
-            if not released[w]:
-                continue
-            parts = [m.add_var(lb=0.0) for _ in windows[i:]]
-            m += mip.xsum(parts) == rel[w]
-            for later, p in zip(windows[i:], parts):
-                done[later] = done[later] + p
+        for release, due, amount in jobs:
+            parts = [m.add_var(lb=0.0) for _ in windows[release:due + 1]]
+            m += mip.xsum(parts) == amount * one
+            for w, p in zip(windows[release:due + 1], parts):
+                done[w] = done[w] + p
     else:
-        done = backlog(m, rel, windows, 0.5)
+        rel, dues = [0.0] * n, [0.0] * n
+        for release, due, amount in jobs:
+            rel[release] = rel[release] + amount * one
+            dues[due] = dues[due] + amount * one
+        done = backlog(m, rel, windows, 0.5, dues if deadlines else None)
     over = [m.add_var(lb=0.0) for _ in windows]
     for o, w in zip(over, windows):
         m += o >= done.get(w, 0.0) - caps[w]
@@ -256,9 +260,31 @@ def test_host_step_backlog_places_work_as_a_split_does(data):
     released[-1] = released[-1] or 0.5  # the last window always has some (the tail: the first stages' steps)
     caps = data.draw(st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n))
     costs = data.draw(st.lists(st.floats(-1.0, 1.0), min_size=n, max_size=n))
-    windows = list(range(n))
-    a = _host_work(released, windows, caps, costs, split=False)
-    b = _host_work(released, windows, caps, costs, split=True)
+    jobs = [(w, n - 1, a) for w, a in enumerate(released) if a]
+    a = _host_work(jobs, caps, costs, split=False)
+    b = _host_work(jobs, caps, costs, split=True)
+    assert a == pytest.approx(b, rel=1e-7, abs=1e-9)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data())
+def test_host_step_deadlines_place_work_as_a_split_does(data):
+    """NOTE: [Host step deadlines]: with exact clipping every host step is released at the tail and
+    due before its next prefetch, later stages later; the backlog with `due` reaches exactly what
+    splitting each step over its own windows reaches."""
+    n = data.draw(st.integers(1, 7))
+    count = data.draw(st.integers(1, 6))
+    releases = sorted(data.draw(st.lists(st.integers(0, n - 1), min_size=count, max_size=count)))
+    dues = sorted(data.draw(st.lists(st.integers(0, n - 1), min_size=count, max_size=count)))
+    dues = [max(d, r) for r, d in zip(releases, dues)]
+    dues = [max(dues[:i + 1]) for i in range(count)]  # first released, first due
+    dues[-1] = n - 1  # the last window clears the backlog
+    amounts = data.draw(st.lists(st.floats(0.01, 5.0), min_size=count, max_size=count))
+    caps = data.draw(st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n))
+    costs = data.draw(st.lists(st.floats(-1.0, 1.0), min_size=n, max_size=n))
+    jobs = list(zip(releases, dues, amounts))
+    a = _host_work(jobs, caps, costs, split=False, deadlines=True)
+    b = _host_work(jobs, caps, costs, split=True)
     assert a == pytest.approx(b, rel=1e-7, abs=1e-9)
 
 

@@ -19,7 +19,7 @@ from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
-from lazytrain.summary import internals
+from lazytrain.summary import CLIPPING_TEXT, internals
 from lazytrain.units import format_size
 
 _ENV = jinja2.Environment(
@@ -194,6 +194,6 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
         world_size=world_size, ranks_text=_ranks_text(world_size, stages.sharded and world_size > 1),
-        sharded=stages.sharded and world_size > 1,
+        sharded=stages.sharded and world_size > 1, clipping=stages.clipping, clipping_text=CLIPPING_TEXT[stages.clipping],
     )
     return text.replace('CHECKSUM = "@CHECKSUM@"', f'CHECKSUM = "{checksum(text)}"')

@@ -82,6 +82,8 @@ class StepModel:
         d2h = [0.0] * (T + 2)
         cpu = [0.0] * (T + 2)
         released = [0.0] * (T + 2)  # host step seconds that may start in a window (NOTE: [Host step backlog])
+        due = [0.0] * (T + 2)  # host step seconds that must be done by a window's end (exact clipping)
+        exact = stages.clipping == "exact"
         PRE, TAIL = T, T + 1
         cap = [0.0] * (T + 2)
         self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
@@ -124,9 +126,12 @@ class StepModel:
             if s < S - 1:
                 h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
             d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
-            # a host step can start once its gradient has landed (B(s-2)) and run in any later window
-            released[L.bw(s - 2) if s >= 2 else TAIL] += (sig[s] - gst[s]) * cpu_step_s(
-                piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
+            # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
+            # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
+            host_s = (sig[s] - gst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
+            released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s
+            if exact:
+                due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += host_s
             # GPU-stepped streamed: state in at the prefetch, out one window later
             fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
             h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
@@ -172,7 +177,11 @@ class StepModel:
                 if cmax < S - 1:
                     self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
                     h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
-        for w, done in backlog(m, released, list(range(S, T)) + [TAIL], self.unit_s).items():
+        # NOTE: [Host step deadlines] in runtime/stepping.py's [Gradient clipping]: unclipped, host
+        # steps end by the step's end (the runtime waits for them there); with exact clipping they
+        # start after backward and run on into the next step's forward, each done before its prefetch
+        hosted = list(range(S, T)) + [TAIL] if not exact else [TAIL, PRE] + [L.fw(j) for j in range(S - 2)]
+        for w, done in backlog(m, released, hosted, self.unit_s, due if exact else None).items():
             cpu[w] = cpu[w] + done
         # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
         R = vars_["R"]
@@ -263,10 +272,12 @@ class StepModel:
 # with two variables per window: done[w] = backlog[w-1] + released[w] - backlog[w], all >= 0, nothing
 # left after the tail. The same per-window loads are reachable, so no plan changes value; HiGHS
 # searches the smaller model faster (72B at max: 1,062 columns).
-def backlog(m: mip.Model, released: list, windows: list[int], scale: float) -> dict:
+def backlog(m: mip.Model, released: list, windows: list[int], scale: float, due: list | None = None) -> dict:
     """The host work done in each of `windows` (in time order), in seconds, where `released[w]` (seconds,
-    a linear expression) may run in `w` or any later window (NOTE: [Host step backlog])."""
-    done, carried = {}, None
+    a linear expression) may run in `w` or any later window (NOTE: [Host step backlog]), and with
+    `due`, `due[w]` seconds of what was released must be done by the end of `w`. Jobs are taken
+    first released, first due: a job released later is never due sooner, as the callers' are."""
+    done, carried, pending = {}, None, None
     for i, w in enumerate(windows):
         if carried is None and not isinstance(released[w], mip.LinExpr):
             continue  # nothing released yet
@@ -275,9 +286,14 @@ def backlog(m: mip.Model, released: list, windows: list[int], scale: float) -> d
         inflow = released[w] * (1.0 / scale) + (carried if carried is not None else 0.0)
         if i == len(windows) - 1:
             m += x == inflow
-        else:
-            carried = m.add_var(name=f"backlog_{w}", lb=0.0)
-            m += carried == inflow - x
+            continue
+        carried = m.add_var(name=f"backlog_{w}", lb=0.0)
+        m += carried == inflow - x
+        if due is not None:  # released and not yet due: what may still be carried
+            left = (pending if pending is not None else 0.0) + (released[w] - due[w]) * (1.0 / scale)
+            pending = m.add_var(name=f"pending_{w}", lb=0.0)
+            m += pending == left
+            m += carried <= pending
     return done
 
 

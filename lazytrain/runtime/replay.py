@@ -71,6 +71,7 @@ class Replay:
         }
         self.sharding = self.sharded and optimize  # NOTE: [Sharded state] in sharding.py
         deferred, gathers = [], {}
+        coef = self._early_coefficient() if optimize and not self.serial_optimizer else None  # None: steps wait
         self.streams.begin(self.record_timeline)
         for event in self.events:
             if event.kind is Kind.OPT_STEP and event.stage >= 0 and self.stages[event.stage].gpu_step:
@@ -78,8 +79,8 @@ class Replay:
                 self.streams.run_aside(event, lambda s=event.stage: self._gpu_step(s), after_compute=False)
                 continue
             if event.kind is Kind.OPT_STEP:
-                if optimize and self.max_grad_norm is None and not self.serial_optimizer:
-                    self._opt_step(event, 1.0)
+                if coef is not None:
+                    self._opt_step(event, coef)
                 elif optimize:
                     deferred.append(event)
                 continue
@@ -90,9 +91,14 @@ class Replay:
                 self.streams.wait_aside(event.stage)
                 self.streams.wait_aside(-1)  # shared (tied) weights
             self.streams.run(event, lambda e=event: handlers[e.kind](e))
-        if optimize and (deferred or self.stepper.params):
+        if optimize and self.max_grad_norm is not None:  # this step's global norm: its clipping, or the next's
             with self.streams.compute_context():
-                coef = self._clip_coefficient() if self.max_grad_norm is not None else 1.0
+                early, coef = coef is not None, coef if coef is not None else self._clip_coefficient()
+                if self.clipping == "previous-norm" and coef is not None:
+                    self._keep_norm(totaled=not early)
+        elif optimize:
+            coef = 1.0
+        if optimize and (deferred or self.stepper.params):
             if coef is None:
                 self.skipped_steps += 1
                 self.fresh.clear()
@@ -106,6 +112,8 @@ class Replay:
                 self._record_gpu_steps(coef)
                 if self.serial_optimizer:
                     self.synchronize()
+        if optimize and not deferred:  # host steps end inside their step (NOTE: [Host step deadlines])
+            self._wait_host_steps()
         timeline = self.streams.finish()
         if self.dp is not None and self.loss is not None:  # the global batch's loss (NOTE: [Data parallel])
             self.loss = self.dp.mean_loss(self.loss)

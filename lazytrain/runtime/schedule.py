@@ -36,8 +36,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # `Stage.random` (its recomputes replay its generator state), `Stage.limits`, and chunked loss
 # stages cut along tokens with their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`); 5: `WORLD_SIZE`, the
 # data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
-# stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py)
-FORMAT_VERSION = 6
+# stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py); 7: `CLIPPING`,
+# the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py)
+FORMAT_VERSION = 7
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

@@ -4,9 +4,25 @@ prefetch).
 
 NOTE: [Gradient clipping]
 With `max_grad_norm`, each stage's squared gradient norm is added up right after its backward (no
-extra pass over the gradients); optimizer steps, which need the global norm, wait until backward
-ends, then run in forward order so the next step's forward can start on the first updated stages.
-A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
+extra pass over the gradients). A schedule is compiled for one of three modes (`CLIPPING`):
+  - "exact" (the default): optimizer steps, which need the global norm, wait until backward ends,
+    then run in forward order so the next step's forward can start on the first updated stages.
+    A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
+  - "previous-norm": every stage is clipped by the global norm of the step before, so its step runs
+    during backward as an unclipped one does. The first step has no previous norm and runs exact.
+    An update is applied before its own norm is known: if that norm is not finite, the next step
+    stops with an error (the weights are no longer finite) instead of training on.
+  - "off": no clipping; bind refuses `max_grad_norm`.
+`last_grad_norm` is the norm of the last step's gradients; with "previous-norm", of the one before.
+
+NOTE: [Host step deadlines]
+The plan gives every host optimizer step a window to start in and one to end by (passes/step_model.py):
+unclipped (or clipped by the previous norm), a host step starts when its gradient has landed and
+ends inside its own step, so `step()` waits for the host steps still running before it returns.
+Letting them run on into the next forward measured slower than the plan on the H200 (a 1.5B plan at
+40 GiB, bf16 masters: the forward beside a host step took 7.5-9 ms a layer against 4.2 ms, its
+launching thread sharing the CPU). With exact clipping they start after backward and run beside the
+next step's forward, each done before its stage's prefetch, which waits for it.
 
 NOTE: [Optimizer stream]
 Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
@@ -30,6 +46,7 @@ import math
 
 import torch
 
+from lazytrain.errors import TrainingError
 from lazytrain.ir.events import Event
 
 
@@ -50,6 +67,35 @@ class Stepping:
         if not math.isfinite(norm):
             return None
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _early_coefficient(self) -> float | None:
+        """The clipping coefficient optimizer steps may use as they come during backward, or None when
+        they must wait for this step's global norm (NOTE: [Gradient clipping])."""
+        if self.max_grad_norm is None:
+            return 1.0
+        if self.clipping != "previous-norm" or self.previous_norm_sq is None:
+            return None
+        with self.streams.compute_context():
+            norm = math.sqrt(self.previous_norm_sq.item())
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            raise TrainingError(
+                f"the last step's gradient norm is {norm}: with --clipping previous-norm its update was applied "
+                "before its norm was known, so the weights are no longer finite. Resume from the last checkpoint, "
+                "with a lower learning rate or --clipping exact (which skips such a step)")
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _keep_norm(self, totaled: bool) -> None:
+        """Previous-norm clipping: this step's global norm (still on the device) for the next step's;
+        `totaled`: `_clip_coefficient` has added up the ranks' shards already."""
+        norm_sq = self.norm_sq if self.norm_sq is not None else torch.zeros((), device=self.device)
+        self.previous_norm_sq = self.dp.total(norm_sq) if self.sharding and not totaled else norm_sq
+
+    def _wait_host_steps(self) -> None:
+        """The host optimizer steps still running: they end inside their step (NOTE: [Host step deadlines])."""
+        for job in self.cpu_jobs.values():
+            job.result()
+        self.cpu_jobs.clear()
 
     def _record_gpu_steps(self, coef: float) -> None:
         """GPU-stepped streamed stages: their gradients wait on the host for the next prefetch."""

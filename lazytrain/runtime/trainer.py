@@ -93,6 +93,13 @@ class Trainer(Replay, Stepping, ShardedState):
         self.gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
         self.max_grad_norm = max_grad_norm
+        self.clipping = module.CLIPPING  # NOTE: [Gradient clipping] in stepping.py
+        if max_grad_norm is not None and self.clipping == "off":
+            raise ScheduleMismatch(
+                f"max_grad_norm={max_grad_norm} asks for gradient clipping, but this schedule was compiled with "
+                "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
+                "without max_grad_norm")
+        self.previous_norm_sq: torch.Tensor | None = None  # "previous-norm": the last step's squared global norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         chosen = getattr(module, "OPTIMIZER_STATES", "32bit")
         groups = []
@@ -207,7 +214,8 @@ class Trainer(Replay, Stepping, ShardedState):
 
     def step(self, batch: dict) -> torch.Tensor:
         """One training step: fresh gradients, forward, backward, AdamW. Returns the loss.
-        Host steps may still run when it returns, and GPU-stepped streamed stages apply their update
+        With exact clipping host steps may still run when it returns (NOTE: [Host step deadlines] in
+        stepping.py), and GPU-stepped streamed stages apply their update
         at the next forward's prefetch; `synchronize()` (which `state_dict`, `sync_model` and
         `zero_grad` call) finishes both. The model's `state_dict()` and forward call `sync_model()`
         first (NOTE: [Model sync hooks] in model_sync.py)."""
@@ -229,11 +237,9 @@ class Trainer(Replay, Stepping, ShardedState):
                 self.store.work[p].grad = None
 
     def synchronize(self) -> None:
-        """Finish every optimizer step: wait for host steps still running (they overlap the next
-        step), and apply GPU steps of streamed stages still waiting for the next prefetch."""
-        for job in self.cpu_jobs.values():
-            job.result()
-        self.cpu_jobs.clear()
+        """Finish every optimizer step: wait for host steps still running (with exact clipping they
+        overlap the next step), and apply GPU steps of streamed stages still waiting for the next prefetch."""
+        self._wait_host_steps()
         if self.cuda:  # every stream: what follows may read on any of them
             torch.cuda.synchronize(self.device)
         if self.stepper.pending:

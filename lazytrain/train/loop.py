@@ -73,8 +73,9 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
         budget = hw.max_budget
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
+    clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
-                             world_size=prep.world, shard_state=False, **opts)
+                             world_size=prep.world, shard_state=False, clipping=clipping, **opts)
     return compiled.source_text, True
 
 
