@@ -107,8 +107,10 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
         cpu_round_params_per_s=round_rate(),
         disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
         estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s", "disk_read_bandwidth")
-        + (("allocator_reserve_bytes",) if cuda else ("duplex_bandwidth",)),
+        + (("allocator_reserve_bytes", "gpu_round_params_per_s", "gpu_round_tensor_s") if cuda else ("duplex_bandwidth",)),
         runtime_bytes=runtime, allocator_reserve_bytes=reserve, link_bandwidth=_link_bandwidth(quick) if cuda else 0.0,
+        # NOTE: [Device steps of bf16 masters]: the H200's ratios (bench/gpu_step.py measures them)
+        gpu_round_params_per_s=0.64 * gpu_adamw if cuda else 0.0, gpu_round_tensor_s=1.4e-4 if cuda else 0.0,
     )
     import torch.distributed as dist
 

@@ -77,6 +77,14 @@ class Hardware:
     # B / link_bandwidth seconds. `lazytrain profile` measures it under torchrun on 2+ GPUs; 0: not
     # known, and a plan for several ranks with sharded state is refused until it is.
     link_bandwidth: float = 0.0
+    # NOTE: [Device steps of bf16 masters] A bf16 master steps on the device through an fp32 twin of
+    # each tensor, rounded back stochastically (NOTE: [bf16 master weights] in runtime/optim.py): per
+    # parameter on top of the fp32-master rate, and per tensor (a generator and its launches). On
+    # the H200 (`bench/gpu_step.py`, 2026-11-30) a Qwen2.5-1.5B layer's 8-bit step took 3.31 ms with
+    # bf16 masters against 1.43 ms with fp32 ones; fitted over 1.5B-14B layers, whole and cut into
+    # 3x the tensors: 7.7e10 params/s and 0.14 ms a tensor. 0: not counted.
+    gpu_round_params_per_s: float = 0.0
+    gpu_round_tensor_s: float = 0.0
 
     @property
     def max_budget(self) -> int:

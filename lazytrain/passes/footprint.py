@@ -62,6 +62,16 @@ def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_
     return alone / hw.host_fraction  # NOTE: [Host steps in a running step] in hardware/__init__.py
 
 
+def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTES) -> float:
+    """A device optimizer step of `numel` parameters in `tensors` tensors: AdamW at the profile's rate
+    for the chosen states (`pipeline.for_states`), and for a bf16 master its twins and rounding
+    (NOTE: [Device steps of bf16 masters] in hardware/__init__.py)."""
+    seconds = numel / hw.gpu_adamw_params_per_s
+    if master != MASTER_BYTES:
+        seconds += (numel / hw.gpu_round_params_per_s if hw.gpu_round_params_per_s else 0.0) + tensors * hw.gpu_round_tensor_s
+    return seconds
+
+
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
     """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
     buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts

@@ -20,6 +20,7 @@ from lazytrain.passes.footprint import (
     deferred_step_bytes,
     fixed_bytes,
     gpu_step_bytes,
+    gpu_step_s,
     gpu_step_out_bytes,
     gpu_step_state_bytes,
     host_bytes_streamed,
@@ -88,7 +89,8 @@ class StepModel:
         cap = [0.0] * (T + 2)
         self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
         self.recompute = 0.0
-        self.optimizer = piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n) / hw.gpu_adamw_params_per_s
+        self.optimizer = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
+                                    len(stages.shared_params), hw, M)
         if stages.shared_numel:  # the shared weights' reduce-scatter and all-gather after backward
             comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
@@ -103,7 +105,8 @@ class StepModel:
             # weights: resident (weights, grads, states) or a streamed buffer
             res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
-            self.optimizer = self.optimizer + (1 - sig[s]) * (numel / hw.gpu_adamw_params_per_s)
+            step_s = gpu_step_s(numel, P, hw, M)
+            self.optimizer = self.optimizer + (1 - sig[s]) * step_s
             if n > 1:
                 self._sharded(s, g, mem, comm, h2d, d2h, sig, gst)
             else:
@@ -145,7 +148,6 @@ class StepModel:
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
                 mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
-            step_s = numel / hw.gpu_adamw_params_per_s
             self.optimizer = self.optimizer + gst[s] * step_s
             # the step runs once its fetch has landed, and the forward waits for it: fetched one
             # window ahead, the step trails the fetch inside that window; two ahead, a window later
