@@ -314,7 +314,8 @@ def _table(rows: list[dict]) -> list[str]:
     for r in rows:
         c = r["case"]
         stamp = f"{r.get('date', '')}, {r.get('device', '')}, {r.get('commit', '')}"
-        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']} | "
+        clip = f", clipped ({c['clipping']})" if c.get("clipping", "off") != "off" else ""
+        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']}{clip} | "
         if "failed" in r or "refused" in r:
             why = r.get("refused", r.get("failed", ""))[:120].replace("|", "/")
             lines.append(head + f"{c['budget']} | - | - | - | - | {_checks(r)}: {why} | {stamp} |")

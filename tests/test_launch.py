@@ -348,3 +348,42 @@ def test_a_sharded_schedule_is_refused_by_train(model_file, tmp_path, capsys):
     done = launch(train_argv(model_file, tmp_path / "run", "--steps", 2, "--schedule", schedule))
     assert done.returncode == 2, done.stderr
     assert "shards the optimizer state over its ranks" in done.stderr and "--replicate-state" in done.stderr, done.stderr
+
+
+def test_the_launcher_shares_the_cores_among_its_ranks(monkeypatch):
+    """NOTE: [Launching]: torch's launcher would give each rank one OpenMP thread; `--nproc-per-node`
+    gives each its share of the host's cores, unless the user set OMP_NUM_THREADS."""
+    import torch.distributed.run
+
+    from lazytrain.train import distributed
+
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda config: seen.append(os.environ.get("OMP_NUM_THREADS")))
+    monkeypatch.setattr(distributed, "_cores", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    distributed.relaunch(4, ["train"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    distributed.relaunch(4, ["train"])
+    assert seen == ["4", "3"]
+
+
+def test_a_rank_with_one_thread_on_a_bigger_host_is_warned_about(monkeypatch, capsys):
+    """Under torchrun with its default of one thread a rank, rank 0 names the fix."""
+    import torch.distributed as dist
+
+    from lazytrain.train import distributed
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed, "_cores", lambda: 16)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        distributed.from_env(None, "cpu", 5.0)
+        assert "set OMP_NUM_THREADS=8" in capsys.readouterr().err
+        torch.set_num_threads(8)
+        distributed.from_env(None, "cpu", 5.0)
+        assert capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(threads)

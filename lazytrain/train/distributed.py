@@ -10,6 +10,12 @@ LOCAL_RANK. For NCCL, NCCL_NVLS_ENABLE=0 is set unless the user set it: NVLink m
 reserves fabric resources per communicator, and on a shared host a failure to get them has taken
 every GPU of the host down; the all-reduces lazytrain issues do not need it.
 
+torch's launcher gives each of several ranks one OpenMP thread unless OMP_NUM_THREADS is set,
+which starves host optimizer steps (the 7B at 24 GiB, 32-bit states, on 2 H200 ranks of a 32-core
+host: 9.9 s a step with one thread a rank, 3.9 s with 16). `--nproc-per-node` sets it to the
+host's cores over the ranks unless the user set it; under torchrun, rank 0 says so when it finds
+one thread a rank on a host with more cores.
+
 Rank 0 prints, logs and writes the run directory's files; the others are quiet (their standard
 output goes nowhere; errors still reach standard error). Steps that can fail on one rank for a
 reason the others cannot see (reading the data, the compile, a checkpoint's files) run inside
@@ -79,6 +85,12 @@ def from_env(nproc_per_node: int | None, device: str, timeout_s: float) -> Ranks
         torch.cuda.set_device(local)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NOTE: [Launching]
         backend = "nccl"
+    share = _cores() // local_world
+    if rank == 0 and torch.get_num_threads() == 1 and share > 1:  # NOTE: [Launching]
+        print(f"lazytrain: warning: each rank uses one CPU thread (torchrun sets OMP_NUM_THREADS=1 for several ranks), "
+              f"so optimizer steps on the host run far slower than planned; set OMP_NUM_THREADS={share} "
+              f"(this host's cores over its {local_world} ranks) before torchrun, or use lazytrain train "
+              "--nproc-per-node, which does", file=sys.stderr)
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # the rendezvous: torch raises several types for one cause
@@ -100,6 +112,7 @@ def relaunch(nproc: int, argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))  # NOTE: [Launching]
     config = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "lazytrain", *argv])
     try:
         run(config)
@@ -107,6 +120,14 @@ def relaunch(nproc: int, argv: list[str]) -> None:
         rank, failure = exc.get_first_failure()
         raise DistributedError(f"rank {rank} of {nproc} exited with code {failure.exitcode}, and the launcher stopped "
                                "the others; its own output is above") from None
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def teardown(ranks: Ranks | None) -> None:
