@@ -7,7 +7,7 @@ A profile is a JSON file; `lazytrain compile --hardware hw.json` takes any file 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from lazytrain.errors import LazytrainError
@@ -119,8 +119,8 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
         )
     data = json.loads(path.read_text())
     known = {f.name for f in fields(Hardware)}
-    missing = known - set(data) - {"estimated", "runtime_bytes", "allocator_reserve_bytes", "attention_fraction", "host_fraction",
-                                   "link_bandwidth"}
+    required = {f.name for f in fields(Hardware) if f.default is MISSING and f.default_factory is MISSING}
+    missing = required - set(data)
     if missing:
         raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
     data["estimated"] = tuple(data.get("estimated", ()))
