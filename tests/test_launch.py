@@ -133,13 +133,33 @@ def assert_same_weights(a: ckpt.Checkpoint, b: ckpt.Checkpoint, exact: bool = Fa
             err = (got - want).abs()
             assert err.mean().item() <= WEIGHT_MEAN_ATOL, f"{name} differs by {err.mean().item():.3g} on average"
             assert err.max().item() <= WEIGHT_MAX_ATOL, f"{name} differs by up to {err.max().item():.3g}"
-    for i, entry in a.optimizer_state["state"].items():
+    mine, theirs = moments(a), moments(b)
+    assert sorted(mine) == sorted(theirs)
+    for name, entry in mine.items():
         for key, want in entry.items():
-            got = b.optimizer_state["state"][i][key]
+            got = theirs[name][key]
             if exact or key == "step":
-                assert torch.equal(got, want), (i, key)
+                assert torch.equal(got, want), (name, key)
             else:  # the moments: rounding-level on average, as the weights
-                assert (got - want).abs().mean() <= 1e-4 * want.abs().mean(), (i, key)
+                assert (got - want).abs().mean() <= 1e-4 * want.abs().mean(), (name, key)
+
+
+def moments(found: ckpt.Checkpoint) -> dict:
+    """A checkpoint's AdamW moments and steps by parameter name, flattened, whichever layout holds
+    them (NOTE: [Distributed checkpoints]): torch.optim's by index (the run's schedule names them) or
+    the sharded one's by name."""
+    from lazytrain.runtime.schedule import load_schedule
+    from lazytrain.train.dist_checkpoint import SHARDED
+
+    keys = ("exp_avg", "exp_avg_sq", "step")
+    state = found.optimizer_state
+    if SHARDED in state:
+        return {name: {k: e[k].reshape(-1) if k != "step" else e[k] for k in keys}
+                for name, e in state[SHARDED]["state"].items()}
+    schedule = load_schedule(found.path.parent.parent / "schedule.py")
+    params = [p for stage in schedule.STAGES for p in stage.params] + list(schedule.SHARED)
+    return {schedule.PLACEHOLDERS[params[i]][1]: {k: e[k].reshape(-1) if k != "step" else e[k] for k in keys}
+            for i, e in state["state"].items()}
 
 
 def test_two_ranks_train_as_one_on_the_global_batch(runs):
@@ -341,13 +361,38 @@ def test_resume_at_another_world_size_checks_the_model(runs, tmp_path, capsys, c
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_a_sharded_schedule_is_refused_by_train(model_file, tmp_path, capsys):
-    """`lazytrain train` keeps whole state on every rank (NOTE: [Replicated state in train]); a
-    --schedule that shards it is refused before any rank trains, with the fix."""
-    schedule = two_rank_schedule(tmp_path, capsys)
-    done = launch(train_argv(model_file, tmp_path / "run", "--steps", 2, "--schedule", schedule))
-    assert done.returncode == 2, done.stderr
-    assert "shards the optimizer state over its ranks" in done.stderr and "--replicate-state" in done.stderr, done.stderr
+def test_checkpoints_of_sharded_state_hold_each_ranks_pieces(runs):
+    """By default 2 ranks shard the state (NOTE: [State in train]): the checkpoint holds it by
+    parameter name, each rank's file its own pieces, and the masters once (as the model's weights)."""
+    from lazytrain.train.dist_checkpoint import SHARDED
+
+    found = final(runs["2"][0])
+    entries = found.optimizer_state[SHARDED]["state"]
+    assert entries and all(set(e) == {"exp_avg", "exp_avg_sq", "step"} for e in entries.values())
+    shards = sorted(p.name for p in found.path.glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    sizes = [(found.path / p).stat().st_size for p in shards]
+    assert min(sizes) > 0.3 * max(sizes), sizes  # both ranks wrote moments, not one rank everything
+
+
+def test_a_replicated_run_resumes_sharded(runs, model_file, tmp_path, capsys):
+    """Two steps on 2 ranks with replicated state (a --replicate-state --schedule: torch.optim's
+    layout), resumed for two more with the default sharded schedule: each rank takes its pieces of
+    the whole state, and the run ends where the sharded run of 4 steps does."""
+    from lazytrain.train.dist_checkpoint import SHARDED
+
+    run_dir = tmp_path / "run"
+    schedule = two_rank_schedule(tmp_path, capsys, "--replicate-state")
+    done = launch(train_argv(model_file, run_dir, "--steps", 4, "--checkpoint-every", 2, "--schedule", schedule))
+    assert done.returncode == 0, done.stderr
+    assert SHARDED not in load_latest(run_dir / "checkpoints", None).optimizer_state
+    back_to_step_2(run_dir)
+    (run_dir / "schedule.py").unlink(missing_ok=True)  # none: it ran a --schedule; the resume compiles
+    done = launch(train_argv(model_file, run_dir, "--resume"))
+    assert done.returncode == 0, done.stderr
+    got = final(run_dir)
+    assert SHARDED in got.optimizer_state
+    assert_same_weights(final(runs["2"][0]), got)
 
 
 def test_the_launcher_shares_the_cores_among_its_ranks(monkeypatch):

@@ -11,6 +11,10 @@ rank's new pieces from whichever files hold them. `load_sharded_state_dict(sd)` 
 values in, rebuilds the full weights from the masters (a GATHER per stage: a collective) and lands
 them in the model. In one process without torch.distributed, the entries are plain tensors (DCP
 saves and loads those without a process group). Both calls are collectives: every rank makes them.
+An entry may also be loaded whole (a plain tensor of the full flattened parameter, as one process
+saves it, or read whole from any checkpoint): each rank takes its own piece of it.
+`whole_state(optimizer_state, model_state)` turns torch.optim's format (one process's
+`state_dict()`, by parameter index) into these entries, whole, for a trainer on any number of ranks.
 """
 
 from __future__ import annotations
@@ -76,11 +80,12 @@ class ShardedState:
         with torch.no_grad():
             for name, p, group, home in self._entries():
                 entry = sd["state"][name]
-                home.copy_(_local(entry["master"]).view(home.shape))
+                piece = lambda t: self._piece(p, _local(t), home)  # noqa: E731
+                home.copy_(piece(entry["master"]).view(home.shape))
                 own = self._state_of(group, home)
                 for k in _MOMENTS:
                     if k in own:
-                        own[k].copy_(_local(entry[k]).view(own[k].shape))
+                        own[k].copy_(piece(entry[k]).view(own[k].shape))
                 if torch.is_tensor(own["step"]):
                     own["step"].copy_(entry["step"])
                 else:
@@ -89,6 +94,37 @@ class ShardedState:
             g.update({k: v for k, v in saved.items() if k not in ("params", "offsets")})
         self.optimizer._sr_steps = {}  # bf16 masters' noise counters: read again from the loaded steps
         self._rebuild_weights()
+
+    def _piece(self, p: str, t: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `t`: `t` itself when it is one, else cut from the whole parameter."""
+        if t.numel() == home.numel() or not self.sharded:
+            return t
+        return self.store.mine(p, t.reshape(-1))
+
+    def whole_state(self, optimizer_state: dict, model_state: dict) -> dict:
+        """`load_sharded_state_dict`'s entries, whole, from torch.optim's format of a trainer of the same
+        schedule's stages (one process, or ranks with replicated state) and the model's weights (the
+        masters). Raises ValueError where the groups do not match this trainer's."""
+        saved = optimizer_state["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"{len(saved)} parameter groups saved, this trainer has {len(self.optimizer.param_groups)}")
+        state = {}
+        for s in range(-1, len(self.stages)):
+            names, group = self._names(s), self._group(s)
+            indices = saved[group]["params"]
+            if len(indices) != len(names):
+                raise ValueError(f"group {group} saved {len(indices)} parameters, this trainer steps {len(names)} there")
+            for p, index in zip(names, indices):
+                name = self.m.PLACEHOLDERS[p][1]
+                entry = {"master": model_state[name].reshape(-1)}
+                own = optimizer_state["state"].get(index, {})
+                entry.update({k: own[k].reshape(-1) for k in _MOMENTS if k in own})
+                for k in _MOMENTS:  # never stepped: a first step's zeroed moments (fp32, as AdamW's)
+                    entry.setdefault(k, torch.zeros(self.store.master[p].numel()))
+                step = own.get("step", 0.0)
+                entry["step"] = step if torch.is_tensor(step) else torch.tensor(float(step))
+                state[name] = entry
+        return {"state": state, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in saved]}
 
     def _rebuild_weights(self) -> None:
         """The full weights from the loaded masters: this rank's pieces, then every stage gathered."""

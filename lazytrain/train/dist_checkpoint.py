@@ -2,16 +2,22 @@
 
 NOTE: [Distributed checkpoints]
 A run on several ranks saves its weights and optimizer state with `dcp.save`: every rank hands DCP
-the entries it holds (`distributed_state`), and DCP's planner writes each entry once. Today every
-rank holds the whole replicated state, so DCP keeps one copy of each tensor and spreads the writing
-over the ranks; a sharded optimizer returns its shards from `distributed_state` (DTensors under the
-same keys) and each rank writes its own. Loading (`read_state`) builds the tensors from the
-checkpoint's metadata, whole, so a checkpoint of any number of ranks loads into a run of any number,
-one process included; a sharded layout would pass its DTensor shards as `template` and DCP reads
-just those slices. Those two functions are the only places that know the layout.
+the entries it holds (`distributed_state`), and DCP's planner writes each entry once. With the
+state replicated, every rank holds all of it: DCP keeps one copy of each tensor and spreads the
+writing over the ranks. With sharded state (NOTE: [Sharded checkpoints] in runtime/sharded_state.py)
+the masters and moments are `Shard(0)` DTensors and each rank writes its own pieces. Loading
+(`read_state`) builds the tensors from the checkpoint's metadata, whole, so a checkpoint of any
+number of ranks loads into a run of any number, one process included, and each rank of a sharded
+run takes its pieces of them (`load_sharded_state_dict`). Those functions are the only places that
+know the layouts.
 
-The keys are those of `model.state_dict()` and `trainer.state_dict()` (torch.optim's format),
-flattened: `model/<name>`, `optimizer/state/<index>/<key>`, `optimizer/param_groups/<group>/<key>`.
+The keys are flattened: `model/<name>` (`model.state_dict()`), then either torch.optim's format
+(`trainer.state_dict()`: `optimizer/state/<index>/<key>`, `optimizer/param_groups/<group>/<key>`)
+or, with sharded state, `trainer.sharded_state_dict()`'s, by parameter name:
+`sharded/state/<name>/<key>`, `sharded/param_groups/<group>/<key>`, without the masters where the
+model's weights are them (its dtype: always in `lazytrain train`). A resumed run reads either
+(`restore_optimizer` in loop.py): a sharded run turns torch.optim's format into whole entries by
+name (`whole_state`); a replicated one reads the sharded layout through `load_sharded_state_dict`.
 
 Everything around the tensors is as for one process (checkpoint.py): rank 0 makes the temp
 directory and tells the others its name, every rank writes its DCP files into it, and after all
@@ -37,6 +43,9 @@ from lazytrain.train.distributed import Ranks, from_rank0, gather_to_rank0, toge
 MODEL = "model/"
 STATE = "optimizer/state/"
 GROUPS = "optimizer/param_groups/"
+SHARDED_STATE = "sharded/state/"
+SHARDED_GROUPS = "sharded/param_groups/"
+SHARDED = "sharded"  # the key of `from_flat`'s optimizer state in the sharded layout
 
 
 def distributed_state(trainer, model: torch.nn.Module) -> dict[str, Any]:
@@ -44,20 +53,28 @@ def distributed_state(trainer, model: torch.nn.Module) -> dict[str, Any]:
     weights after every pending update has landed, and the optimizer state."""
     trainer.sync_model()
     flat: dict[str, Any] = {MODEL + name: t.detach() for name, t in model.state_dict().items()}
-    optimizer = trainer.state_dict()
+    if trainer.sharded:
+        optimizer = trainer.sharded_state_dict()
+        prefix, groups = SHARDED_STATE, SHARDED_GROUPS
+        for name, entry in optimizer["state"].items():  # the model's weights are the masters: not twice
+            if flat[MODEL + name].dtype == entry["master"].dtype:
+                del entry["master"]
+    else:
+        optimizer = trainer.state_dict()
+        prefix, groups = STATE, GROUPS
     for index, entry in optimizer["state"].items():
         for key, value in entry.items():
-            flat[f"{STATE}{index}/{key}"] = value
+            flat[f"{prefix}{index}/{key}"] = value
     for g, group in enumerate(optimizer["param_groups"]):
         for key, value in group.items():
-            flat[f"{GROUPS}{g}/{key}"] = value
+            flat[f"{groups}{g}/{key}"] = value
     return flat
 
 
 def from_flat(flat: dict[str, Any], model_keys: list[str] | None = None) -> tuple[dict, dict]:
     """`distributed_state`'s entries back as `(model_state, optimizer_state)` in torch's formats;
     `model_keys` orders the weights (module order)."""
-    model, state, groups = {}, {}, {}
+    model, state, groups, sharded, sharded_groups = {}, {}, {}, {}, {}
     for key, value in flat.items():
         if key.startswith(MODEL):
             model[key[len(MODEL):]] = value
@@ -67,10 +84,18 @@ def from_flat(flat: dict[str, Any], model_keys: list[str] | None = None) -> tupl
         elif key.startswith(GROUPS):
             g, name = key[len(GROUPS):].split("/", 1)
             groups.setdefault(int(g), {})[name] = value
+        elif key.startswith(SHARDED_STATE):  # a parameter's name has no "/"; its entry's key none either
+            name, k = key[len(SHARDED_STATE):].rsplit("/", 1)
+            sharded.setdefault(name, {})[k] = value
+        elif key.startswith(SHARDED_GROUPS):
+            g, name = key[len(SHARDED_GROUPS):].split("/", 1)
+            sharded_groups.setdefault(int(g), {})[name] = value
         else:
             raise CheckpointError(f"unexpected entry {key!r} in a distributed checkpoint")
     if model_keys is not None and sorted(model_keys) == sorted(model):
         model = {k: model[k] for k in model_keys}
+    if sharded:
+        return model, {SHARDED: {"state": sharded, "param_groups": [sharded_groups[g] for g in sorted(sharded_groups)]}}
     return model, {"state": dict(sorted(state.items())), "param_groups": [groups[g] for g in sorted(groups)]}
 
 
@@ -120,6 +145,25 @@ def save(root: str | Path, step: int, ranks: Ranks, *, trainer, model: torch.nn.
             raise ckpt.save_failed(exc, root, step, needed, tmp) from None
         raise
     return root / ckpt.dir_name(step) if not ranks.main else final
+
+
+def restore_optimizer(trainer, optimizer_state: dict, model_state: dict) -> None:
+    """A checkpoint's optimizer state into `trainer`, whichever layout it was saved in and whether
+    or not the trainer shards its state (NOTE: [Distributed checkpoints]): a collective when sharded."""
+    if SHARDED in optimizer_state:
+        sd = optimizer_state[SHARDED]
+        for name, entry in sd["state"].items():  # saved once, as the model's weights
+            entry.setdefault("master", model_state[name].reshape(-1))
+        trainer.load_sharded_state_dict(sd)
+    elif trainer.sharded:
+        try:
+            whole = trainer.whole_state(optimizer_state, model_state)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"the checkpoint's optimizer state does not match this schedule's stages ({exc}); "
+                                  "resume with the model and settings that wrote it") from None
+        trainer.load_sharded_state_dict(whole)
+    else:
+        trainer.load_state_dict(optimizer_state)
 
 
 def _finish(root: Path, tmp: Path, step: int, keep: int, rngs: list, needed: int, fingerprint: str, extra: dict,

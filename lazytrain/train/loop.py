@@ -68,24 +68,23 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
     opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32"}
     budget = args.budget if args.budget not in (None, "min", "max") else None
     if args.budget in (None, "min"):
-        budget = minimum_budget(prep.meta_model, batch, hw, world_size=prep.world, shard_state=False, **opts)
+        budget = minimum_budget(prep.meta_model, batch, hw, world_size=prep.world, **opts)  # NOTE: [State in train]
     elif args.budget == "max":
         budget = hw.max_budget
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
-                             world_size=prep.world, shard_state=False, clipping=clipping, **opts)
+                             world_size=prep.world, clipping=clipping, **opts)
     return compiled.source_text, True
 
 
-# NOTE: [Replicated state in train]
-# `lazytrain train` on several ranks keeps every rank's master weights and optimizer states whole
-# (`shard_state=False`): its checkpoints (NOTE: [Distributed checkpoints]) save and resume torch.optim's
-# state per parameter index, whole, which is what lets a run resume at another world size. Sharded
-# state (NOTE: [Sharded state] in runtime/sharding.py) has its own DCP layout (NOTE: [Sharded
-# checkpoints] in runtime/sharded_state.py) that these checkpoints do not use yet; a sharded
-# schedule is refused here rather than saved in a layout no resume can read.
+# NOTE: [State in train]
+# `lazytrain train` on several ranks shards the master weights and optimizer states where the
+# compiler does by default (32-bit states; NOTE: [Sharded state] in runtime/sharding.py) and
+# replicates them otherwise (8-bit states, or a --schedule compiled with --replicate-state). Its
+# checkpoints (NOTE: [Distributed checkpoints]) hold either layout, and a resumed run reads either,
+# at any world size.
 
 
 def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
@@ -118,8 +117,7 @@ def _zeros(shape) -> dict:
 
 
 def _check_schedule(args, schedule, prep: Prepared) -> None:
-    """A --schedule fits the run: compiled for its world size and one rank's share of its batch, with
-    the state replicated."""
+    """A --schedule fits the run: compiled for its world size and one rank's share of its batch."""
     where = args.schedule or "the schedule"
     compiled = getattr(schedule, "WORLD_SIZE", 1)
     shape = tuple(schedule.BATCH["input_ids"][0]) if "input_ids" in schedule.BATCH else None
@@ -130,9 +128,6 @@ def _check_schedule(args, schedule, prep: Prepared) -> None:
             f"{list(prep.source.batch_shape)}, {list(prep.rank_batch)} per rank. Drop --schedule to compile the right "
             f"one (the run directory keeps it as schedule.py), or compile {list(prep.rank_batch)} with --world-size "
             f"{prep.world}")
-    if getattr(schedule, "SHARDED", False):  # NOTE: [Replicated state in train]
-        raise DataError(f"{where} shards the optimizer state over its ranks, which `lazytrain train`'s checkpoints do "
-                        "not hold yet; recompile it with `lazytrain compile ... --replicate-state`")
 
 
 def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
@@ -286,7 +281,9 @@ def _restore_weights(found, model):
 
 
 def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None, rank: int = 0):
-    trainer.load_state_dict(found.optimizer_state)
+    from lazytrain.train.dist_checkpoint import restore_optimizer
+
+    restore_optimizer(trainer, found.optimizer_state, found.model_state)
     scheduler.load_state_dict(found.extra["scheduler"])
     if new_lr is not None:  # --new-lr-schedule: the new peak and curve from the checkpoint's step on
         scheduler.base_lrs = [new_lr.lr for _ in scheduler.base_lrs]

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from lazytrain.errors import CheckpointError
 from lazytrain.files import write_atomic
 from lazytrain.train.checkpoint import Checkpoint
+from lazytrain.train.dist_checkpoint import SHARDED
 
 DEFAULT_STEPS = 200
 DEFAULT_LR = 3e-3
@@ -136,6 +138,9 @@ def _check_optimizer(found: Checkpoint, schedule, where: str, fix: str) -> None:
     order, moments shaped like their parameters, step counts within the checkpoint's step."""
     groups = [list(stage.params) for stage in schedule.STAGES] + [list(schedule.SHARED)]
     state = found.optimizer_state
+    if isinstance(state, dict) and SHARDED in state:  # NOTE: [Distributed checkpoints] in dist_checkpoint.py
+        _check_sharded(found, state[SHARDED], schedule, groups, where, fix)
+        return
     if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
             and isinstance(state.get("param_groups"), list)):
         raise CheckpointError(f"{where} holds no optimizer state (state and param_groups); {fix}")
@@ -166,6 +171,28 @@ def _check_optimizer(found: Checkpoint, schedule, where: str, fix: str) -> None:
             if not isinstance(value, (int, float)) or not 0 <= value <= found.step:
                 raise CheckpointError(f"{where} is at step {found.step} but the optimizer state of {path} at "
                                       f"step {value!r}; {fix}")
+
+
+def _check_sharded(found: Checkpoint, state: dict, schedule, groups: list, where: str, fix: str) -> None:
+    """The sharded layout: an entry per parameter by its name in the model, each flattened whole."""
+    numel = {schedule.PLACEHOLDERS[p][1]: math.prod(schedule.PLACEHOLDERS[p][2]) for g in groups for p in g}
+    entries = state.get("state") if isinstance(state.get("state"), dict) else {}
+    if sorted(entries) != sorted(numel) or len(state.get("param_groups", ())) != len(groups):
+        raise CheckpointError(f"{where} holds optimizer state for {len(entries)} parameters in "
+                              f"{len(state.get('param_groups', ()))} groups, this schedule steps {len(numel)} in "
+                              f"{len(groups)}; {fix}")
+    for name, entry in entries.items():
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if key == "master" and isinstance(entry, dict) and key not in entry:
+                continue  # the model's weights are the masters
+            t = entry.get(key) if isinstance(entry, dict) else None
+            if not isinstance(t, torch.Tensor) or t.numel() != numel[name]:
+                raise CheckpointError(f"{where} holds no whole {key} of {name} ({numel[name]} elements); {fix}")
+        step = entry.get("step")
+        value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+        if not isinstance(value, (int, float)) or not 0 <= value <= found.step:
+            raise CheckpointError(f"{where} is at step {found.step} but the optimizer state of {name} at step "
+                                  f"{value!r}; {fix}")
 
 
 def _few(names: list[str]) -> str:
