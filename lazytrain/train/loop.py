@@ -65,24 +65,29 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
 
     hw = _hardware(args)
     batch = _zeros(prep.rank_batch)
-    opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32"}
+    opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32",
+            "world_size": prep.world, "shard_state": None if hw.link_bandwidth > 0 else False}  # NOTE: [State in train]
+    if prep.world > 1 and not hw.link_bandwidth > 0:
+        print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
+              "rank; `torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json` measures it", flush=True)
     budget = args.budget if args.budget not in (None, "min", "max") else None
     if args.budget in (None, "min"):
-        budget = minimum_budget(prep.meta_model, batch, hw, world_size=prep.world, **opts)  # NOTE: [State in train]
+        budget = minimum_budget(prep.meta_model, batch, hw, **opts)
     elif args.budget == "max":
         budget = hw.max_budget
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
-                             world_size=prep.world, clipping=clipping, **opts)
+                             clipping=clipping, **opts)
     return compiled.source_text, True
 
 
 # NOTE: [State in train]
 # `lazytrain train` on several ranks shards the master weights and optimizer states where the
 # compiler does by default (32-bit states; NOTE: [Sharded state] in runtime/sharding.py) and
-# replicates them otherwise (8-bit states, or a --schedule compiled with --replicate-state). Its
+# replicates them otherwise (8-bit states, a --schedule compiled with --replicate-state, or a
+# hardware profile without the ranks' link bandwidth, which a sharded plan needs). Its
 # checkpoints (NOTE: [Distributed checkpoints]) hold either layout, and a resumed run reads either,
 # at any world size.
 
