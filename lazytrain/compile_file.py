@@ -8,7 +8,7 @@ from lazytrain import hardware as hw_profiles
 from lazytrain.files import write_atomic
 from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
-from lazytrain.pipeline import Compiled, compile_model, minimum_budget
+from lazytrain.pipeline import Compiled, compile_model
 
 
 def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.0, dump_dir=None,
@@ -23,9 +23,6 @@ def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.
     hw = hw_profiles.load(hardware)
     if budget == "max" or budget is None:
         budget = hw.max_budget
-    elif budget == "min":
-        budget = minimum_budget(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights,
-                                loss_chunk_bytes=loss_chunk_bytes, world_size=world_size, shard_state=shard_state)
     compiled = compile_model(model, batch, budget, hw, source=str(model_path), time_limit=time_limit,
                              dump_dir=dump_dir, time_passes=time_passes, optimizer_states=optimizer_states,
                              master_weights=master_weights, loss_chunk_bytes=loss_chunk_bytes, world_size=world_size,

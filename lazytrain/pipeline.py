@@ -113,12 +113,13 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     return graph, chunked
 
 
-def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None, hardware: str | Hardware | None = None, *,
+def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None = None, hardware: str | Hardware | None = None, *,
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1,
                   shard_state: bool | None = None, clipping: str = "exact") -> Compiled:
-    """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory).
+    """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory;
+    "min": the smallest feasible one).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
     `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
     `master_weights` "fp32" or "bf16" (updated with stochastic rounding).
@@ -139,6 +140,8 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | None = None
     if clipping not in CLIPPING_MODES:
         raise PlanError(f"clipping {clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
     stages = dataclasses.replace(stages, clipping=clipping)
+    if budget == "min":  # the smallest feasible budget of these stages: no second capture
+        budget = hook.run("minimum", smallest_budget, stages, hw)
     budget = hw.max_budget if budget is None else int(budget)
     plan = hook.run("solve", cached_solve, stages, hw, budget, time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))

@@ -61,7 +61,7 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
                 raise DataError(f"{args.schedule} was compiled with {flag} {compiled}, not {value}; recompile it "
                                 f"with `lazytrain compile ... {flag} {value}`, or drop {flag}")
         return Path(args.schedule).read_text(), False
-    from lazytrain.pipeline import compile_model, minimum_budget  # the solver: only to compile here
+    from lazytrain.pipeline import compile_model  # the solver: only to compile here
 
     hw = _hardware(args)
     batch = _zeros(prep.rank_batch)
@@ -70,11 +70,7 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
     if prep.world > 1 and not hw.link_bandwidth > 0:
         print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
               "rank; `torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json` measures it", flush=True)
-    budget = args.budget if args.budget not in (None, "min", "max") else None
-    if args.budget in (None, "min"):
-        budget = minimum_budget(prep.meta_model, batch, hw, **opts)
-    elif args.budget == "max":
-        budget = hw.max_budget
+    budget = "min" if args.budget is None else hw.max_budget if args.budget == "max" else args.budget
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
