@@ -149,13 +149,13 @@ def moments(found: ckpt.Checkpoint) -> dict:
     them (NOTE: [Distributed checkpoints]): torch.optim's by index (the run's schedule names them) or
     the sharded one's by name."""
     from lazytrain.runtime.schedule import load_schedule
-    from lazytrain.train.dist_checkpoint import SHARDED
+    from lazytrain.train.dist_checkpoint import DEFERRED, SHARDED, whole_sharded
 
     keys = ("exp_avg", "exp_avg_sq", "step")
     state = found.optimizer_state
     if SHARDED in state:
-        return {name: {k: e[k].reshape(-1) if k != "step" else e[k] for k in keys}
-                for name, e in state[SHARDED]["state"].items()}
+        entries = whole_sharded(state[SHARDED]["state"], state[SHARDED][DEFERRED])
+        return {name: {k: e[k].reshape(-1) if k != "step" else e[k] for k in keys} for name, e in entries.items()}
     schedule = load_schedule(found.path.parent.parent / "schedule.py")
     params = [p for stage in schedule.STAGES for p in stage.params] + list(schedule.SHARED)
     return {schedule.PLACEHOLDERS[params[i]][1]: {k: e[k].reshape(-1) if k != "step" else e[k] for k in keys}
@@ -369,6 +369,8 @@ def test_checkpoints_of_sharded_state_hold_each_ranks_pieces(runs):
     found = final(runs["2"][0])
     entries = found.optimizer_state[SHARDED]["state"]
     assert entries and all(set(e) == {"exp_avg", "exp_avg_sq", "step"} for e in entries.values())
+    # read whole only when a trainer asks: a sharded one reads its pieces alone
+    assert all(e["exp_avg"].is_meta and not e["step"].is_meta for e in entries.values())
     shards = sorted(p.name for p in found.path.glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     sizes = [(found.path / p).stat().st_size for p in shards]

@@ -7,8 +7,9 @@ state replicated, every rank holds all of it: DCP keeps one copy of each tensor 
 writing over the ranks. With sharded state (NOTE: [Sharded checkpoints] in runtime/sharded_state.py)
 the masters and moments are `Shard(0)` DTensors and each rank writes its own pieces. Loading
 (`read_state`) builds the tensors from the checkpoint's metadata, whole, so a checkpoint of any
-number of ranks loads into a run of any number, one process included, and each rank of a sharded
-run takes its pieces of them (`load_sharded_state_dict`). Those functions are the only places that
+number of ranks loads into a run of any number, one process included; the sharded layout's masters
+and moments wait on the meta device until the trainer is bound, when each rank of a sharded run
+reads only its pieces into its own tensors and one process reads them whole (`restore_optimizer`). Those functions are the only places that
 know the layouts.
 
 The keys are flattened: `model/<name>` (`model.state_dict()`), then either torch.optim's format
@@ -46,6 +47,7 @@ GROUPS = "optimizer/param_groups/"
 SHARDED_STATE = "sharded/state/"
 SHARDED_GROUPS = "sharded/param_groups/"
 SHARDED = "sharded"  # the key of `from_flat`'s optimizer state in the sharded layout
+DEFERRED = "deferred"  # its key naming the checkpoint whose masters and moments are still to read
 
 
 def distributed_state(trainer, model: torch.nn.Module) -> dict[str, Any]:
@@ -99,24 +101,37 @@ def from_flat(flat: dict[str, Any], model_keys: list[str] | None = None) -> tupl
     return model, {"state": dict(sorted(state.items())), "param_groups": [groups[g] for g in sorted(groups)]}
 
 
-def read_state(path: Path, model_keys: list[str] | None = None, template: dict[str, Any] | None = None) -> tuple[dict, dict]:
+def read_state(path: Path, model_keys: list[str] | None = None) -> tuple[dict, dict]:
     """The weights and optimizer state of the DCP checkpoint at `path`, in this process alone (no
-    collective; NOTE: [Distributed checkpoints]). `template` (flat keys, as `distributed_state`)
-    says what to read into; by default every entry whole, on the CPU, as saved."""
+    collective; NOTE: [Distributed checkpoints]), whole, on the CPU, as saved. The sharded layout's
+    large entries (masters and moments) stay on the meta device, shaped as saved, until
+    `restore_optimizer` reads them, each rank only its pieces where the trainer shards its state;
+    the optimizer state then names the checkpoint (`DEFERRED`)."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(str(path))
-    if template is None:
-        template = {}
-        for key, meta in reader.read_metadata().state_dict_metadata.items():
-            if isinstance(meta, dcp.TensorStorageMetadata):
-                template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-            else:
-                template[key] = None  # a plain value (a hyperparameter), read as saved
+    template, deferred = {}, {}
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        if isinstance(meta, dcp.TensorStorageMetadata):
+            large = key.startswith(SHARDED_STATE) and not key.endswith("/step")
+            (deferred if large else template)[key] = torch.empty(meta.size, dtype=meta.properties.dtype,
+                                                                 device="meta" if large else "cpu")
+        else:
+            template[key] = None  # a plain value (a hyperparameter), read as saved
+    _load(template, path)
+    model, optimizer = from_flat({**template, **deferred}, model_keys)
+    if deferred:
+        optimizer[SHARDED][DEFERRED] = str(path)
+    return model, optimizer
+
+
+def _load(template: dict[str, Any], path: Path | str) -> None:
+    """`template`'s entries read from the checkpoint at `path`, in this process alone."""
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():  # no_dist says it: DCP's notice that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, storage_reader=reader, no_dist=True)
-    return from_flat(template, model_keys)
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
 
 
 def save(root: str | Path, step: int, ranks: Ranks, *, trainer, model: torch.nn.Module, extra: dict,
@@ -151,7 +166,10 @@ def restore_optimizer(trainer, optimizer_state: dict, model_state: dict) -> None
     """A checkpoint's optimizer state into `trainer`, whichever layout it was saved in and whether
     or not the trainer shards its state (NOTE: [Distributed checkpoints]): a collective when sharded."""
     if SHARDED in optimizer_state:
-        sd = optimizer_state[SHARDED]
+        sd = dict(optimizer_state[SHARDED])
+        path = sd.pop(DEFERRED, None)
+        if path is not None:
+            sd["state"] = _read_deferred(trainer, sd["state"], path)
         for name, entry in sd["state"].items():  # saved once, as the model's weights
             entry.setdefault("master", model_state[name].reshape(-1))
         trainer.load_sharded_state_dict(sd)
@@ -164,6 +182,38 @@ def restore_optimizer(trainer, optimizer_state: dict, model_state: dict) -> None
         trainer.load_sharded_state_dict(whole)
     else:
         trainer.load_state_dict(optimizer_state)
+
+
+def _read_deferred(trainer, state: dict, path: str) -> dict:
+    """The masters and moments `read_state` left on the meta device: with sharded state, each rank
+    reads only its pieces, straight into the trainer's own tensors (`dcp.load` into the DTensors of
+    `sharded_state_dict()`: a collective); else whole, in this process."""
+    wanted = {f"{SHARDED_STATE}{name}/{k}": (name, k) for name, entry in state.items()
+              for k, t in entry.items() if torch.is_tensor(t) and t.is_meta}
+    if trainer.sharded:
+        import torch.distributed.checkpoint as dcp
+
+        own = trainer.sharded_state_dict()["state"]
+        template = {key: own[name][k] for key, (name, k) in wanted.items()}
+        dcp.load(template, storage_reader=dcp.FileSystemReader(path))
+    else:
+        return whole_sharded(state, path)
+    out = {name: dict(entry) for name, entry in state.items()}
+    for key, (name, k) in wanted.items():
+        out[name][k] = template[key]
+    return out
+
+
+def whole_sharded(state: dict, path: str) -> dict:
+    """The sharded layout's entries with the masters and moments `read_state` deferred read whole."""
+    wanted = {f"{SHARDED_STATE}{name}/{k}": (name, k) for name, entry in state.items()
+              for k, t in entry.items() if torch.is_tensor(t) and t.is_meta}
+    template = {key: torch.empty(state[name][k].shape, dtype=state[name][k].dtype) for key, (name, k) in wanted.items()}
+    _load(template, path)
+    out = {name: dict(entry) for name, entry in state.items()}
+    for key, (name, k) in wanted.items():
+        out[name][k] = template[key]
+    return out
 
 
 def _finish(root: Path, tmp: Path, step: int, keep: int, rngs: list, needed: int, fingerprint: str, extra: dict,
