@@ -188,28 +188,32 @@ def _read_deferred(trainer, state: dict, path: str) -> dict:
     """The masters and moments `read_state` left on the meta device: with sharded state, each rank
     reads only its pieces, straight into the trainer's own tensors (`dcp.load` into the DTensors of
     `sharded_state_dict()`: a collective); else whole, in this process."""
-    wanted = {f"{SHARDED_STATE}{name}/{k}": (name, k) for name, entry in state.items()
-              for k, t in entry.items() if torch.is_tensor(t) and t.is_meta}
-    if trainer.sharded:
-        import torch.distributed.checkpoint as dcp
-
-        own = trainer.sharded_state_dict()["state"]
-        template = {key: own[name][k] for key, (name, k) in wanted.items()}
-        dcp.load(template, storage_reader=dcp.FileSystemReader(path))
-    else:
+    if not trainer.sharded:
         return whole_sharded(state, path)
-    out = {name: dict(entry) for name, entry in state.items()}
-    for key, (name, k) in wanted.items():
-        out[name][k] = template[key]
-    return out
+    import torch.distributed.checkpoint as dcp
+
+    wanted = _deferred(state)
+    own = trainer.sharded_state_dict()["state"]
+    template = {key: own[name][k] for key, (name, k) in wanted.items()}
+    dcp.load(template, storage_reader=dcp.FileSystemReader(path))
+    return _filled(state, wanted, template)
 
 
 def whole_sharded(state: dict, path: str) -> dict:
     """The sharded layout's entries with the masters and moments `read_state` deferred read whole."""
-    wanted = {f"{SHARDED_STATE}{name}/{k}": (name, k) for name, entry in state.items()
-              for k, t in entry.items() if torch.is_tensor(t) and t.is_meta}
+    wanted = _deferred(state)
     template = {key: torch.empty(state[name][k].shape, dtype=state[name][k].dtype) for key, (name, k) in wanted.items()}
     _load(template, path)
+    return _filled(state, wanted, template)
+
+
+def _deferred(state: dict) -> dict[str, tuple[str, str]]:
+    """Checkpoint key -> (parameter name, entry key) of every entry still on the meta device."""
+    return {f"{SHARDED_STATE}{name}/{k}": (name, k) for name, entry in state.items()
+            for k, t in entry.items() if torch.is_tensor(t) and t.is_meta}
+
+
+def _filled(state: dict, wanted: dict, template: dict) -> dict:
     out = {name: dict(entry) for name, entry in state.items()}
     for key, (name, k) in wanted.items():
         out[name][k] = template[key]
