@@ -406,7 +406,7 @@ def test_the_launcher_shares_the_cores_among_its_ranks(monkeypatch):
 
     seen = []
     monkeypatch.setattr(torch.distributed.run, "run", lambda config: seen.append(os.environ.get("OMP_NUM_THREADS")))
-    monkeypatch.setattr(distributed, "_cores", lambda: 16)
+    monkeypatch.setattr(distributed, "host_cores", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     distributed.relaunch(4, ["train"])
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -422,7 +422,7 @@ def test_a_rank_with_one_thread_on_a_bigger_host_is_warned_about(monkeypatch, ca
 
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(distributed, "_cores", lambda: 16)
+    monkeypatch.setattr(distributed, "host_cores", lambda: 16)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
     threads = torch.get_num_threads()
     try:
@@ -432,5 +432,23 @@ def test_a_rank_with_one_thread_on_a_bigger_host_is_warned_about(monkeypatch, ca
         torch.set_num_threads(8)
         distributed.from_env(None, "cpu", 5.0)
         assert capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_profile_under_torchrun_measures_as_a_rank_trains(monkeypatch):
+    """`lazytrain profile` under torchrun: each rank takes its share of the cores, as training ranks
+    do, instead of the launcher's one thread (host rates 30x too low on the 2-GPU box)."""
+    from lazytrain import profile
+    from lazytrain.train import distributed
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(distributed, "host_cores", lambda: 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        profile._as_rank()
+        assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)

@@ -85,7 +85,7 @@ def from_env(nproc_per_node: int | None, device: str, timeout_s: float) -> Ranks
         torch.cuda.set_device(local)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NOTE: [Launching]
         backend = "nccl"
-    share = _cores() // local_world
+    share = host_cores() // local_world
     if rank == 0 and torch.get_num_threads() == 1 and share > 1:  # NOTE: [Launching]
         print(f"lazytrain: warning: each rank uses one CPU thread (torchrun sets OMP_NUM_THREADS=1 for several ranks), "
               f"so optimizer steps on the host run far slower than planned; set OMP_NUM_THREADS={share} "
@@ -112,7 +112,7 @@ def relaunch(nproc: int, argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))  # NOTE: [Launching]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, host_cores() // nproc)))  # NOTE: [Launching]
     config = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "lazytrain", *argv])
     try:
         run(config)
@@ -122,7 +122,7 @@ def relaunch(nproc: int, argv: list[str]) -> None:
                                "the others; its own output is above") from None
 
 
-def _cores() -> int:
+def host_cores() -> int:
     """The CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
