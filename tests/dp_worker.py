@@ -129,9 +129,10 @@ def check_forward_backward(rank, world, name, source):
     assert_grads_match(model, loss, ref_loss, ref_grads)
 
 
-def check_steps(rank, world, name, source, max_grad_norm):
+def check_steps(rank, world, name, source, max_grad_norm, previous=False):
     """STEPS `step`s on this rank's rows of a fresh global batch each: torch AdamW's weights on the
-    global batches (with clip_grad_norm_ first when clipping), and the same clipped norm."""
+    global batches (with clip_grad_norm_ first when clipping; `previous`: by the norm of the step
+    before, the first step by its own), and the same clipped norm."""
     _, real, _ = pair(name)
     trainer, model = bind(source, real, max_grad_norm=max_grad_norm, **HP)
     ref = copy.deepcopy(real)
@@ -145,8 +146,12 @@ def check_steps(rank, world, name, source, max_grad_norm):
         ref_loss = _loss(ref(**glob))
         ref_loss.backward()
         if max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm).item()
-            assert abs(trainer.last_grad_norm - norm) <= 1e-5 * norm, f"step {i}: norm {trainer.last_grad_norm} != eager {norm}"
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf") if previous else max_grad_norm).item()
+            used = norms[-1] if previous and norms else norm
+            if previous:  # NOTE: [Gradient clipping] in runtime/stepping.py
+                for p in ref.parameters():
+                    p.grad.mul_(min(1.0, max_grad_norm / (used + 1e-6)))
+            assert abs(trainer.last_grad_norm - used) <= 1e-5 * used, f"step {i}: norm {trainer.last_grad_norm} != eager {used}"
             norms.append(norm)
         opt.step()
         assert torch.allclose(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5), f"step {i}: loss {loss} != eager {ref_loss}"

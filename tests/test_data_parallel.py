@@ -36,12 +36,13 @@ MODELS = ("tiny_gpt", "qwen2")
 BUDGETS = ("resident", "minimum")
 
 
-def _compile(name: str, budget: str, world_size: int = WORLD, shard_state: bool | None = None) -> str:
+def _compile(name: str, budget: str, world_size: int = WORLD, shard_state: bool | None = None,
+             clipping: str = "exact") -> str:
     meta, _, batch = dp_worker.pair(name)
     size = GiB if budget == "resident" else minimum_budget(meta, batch, "cpu", world_size=world_size,
                                                            shard_state=shard_state)
     return compile_model(meta, batch, size, "cpu", source=name, time_limit=20, world_size=world_size,
-                         shard_state=shard_state).source_text
+                         shard_state=shard_state, clipping=clipping).source_text
 
 
 def _forced_homes(sharded: bool = False) -> str:
@@ -66,6 +67,7 @@ def sources():
     out[("tiny_gpt", "forced-replicated")] = _forced_homes(sharded=False)
     out[("tiny_gpt", "minimum-replicated")] = _compile("tiny_gpt", "minimum", shard_state=False)
     out[("tiny_gpt", "world1")] = _compile("tiny_gpt", "resident", world_size=1)
+    out[("tiny_gpt", "previous-norm")] = _compile("tiny_gpt", "minimum", clipping="previous-norm")
     return out
 
 
@@ -83,7 +85,8 @@ def ranks(sources):
         cases += [((m, b, "fb"), "check_forward_backward", m, src),
                   ((m, b, "steps"), "check_steps", m, src, None),
                   ((m, b, "clip"), "check_steps", m, src, 0.5)]
-    cases += [("world1", "check_refused", "tiny_gpt", sources[("tiny_gpt", "world1")]),
+    cases += [("previous-norm", "check_steps", "tiny_gpt", sources[("tiny_gpt", "previous-norm")], 0.5, True),
+              ("world1", "check_refused", "tiny_gpt", sources[("tiny_gpt", "world1")]),
               ("other schedules", "check_refused", "tiny_gpt", None,
                {0: sources[("tiny_gpt", "resident")], 1: sources[("tiny_gpt", "minimum")]}),
               ("other weights", "check_other_weights", "tiny_gpt", sources[("tiny_gpt", "resident")])]
@@ -109,6 +112,16 @@ def test_two_ranks_equal_global_batch(ranks, case, kind):
     assert not failures, "\n".join(failures)
     if kind != "fb":  # the ranks stepped the same averaged gradients: bit-identical weights
         assert got[0][1] == got[1][1], "the ranks' weights differ"
+
+
+def test_two_ranks_clip_by_the_previous_norm(ranks):
+    """`--clipping previous-norm` with sharded state: each step is clipped by the global norm (every
+    rank's shards) of the step before, the first by its own, as one process would on the global batch."""
+    results, _ = ranks
+    got = [r["previous-norm"] for r in results.values()]
+    failures = [r for r in got if not isinstance(r, tuple)]
+    assert not failures, "\n".join(failures)
+    assert got[0][1] == got[1][1], "the ranks' weights differ"
 
 
 def test_schedule_for_one_rank_refused_in_a_group_of_two(ranks):
