@@ -93,9 +93,11 @@ class Replay:
             self.streams.run(event, lambda e=event: handlers[e.kind](e))
         if optimize and self.max_grad_norm is not None:  # this step's global norm: its clipping, or the next's
             with self.streams.compute_context():
-                early, coef = coef is not None, coef if coef is not None else self._clip_coefficient()
-                if self.clipping == "previous-norm" and coef is not None:
-                    self._keep_norm(totaled=not early)
+                waited = coef is None
+                if waited:
+                    coef = self._clip_coefficient()  # leaves the global norm in norm_sq
+                if self.clipping == "previous-norm" and coef is not None:  # the next step clips by it
+                    self.previous_norm_sq = self.norm_sq if waited else self._global_norm_sq()
         elif optimize:
             coef = 1.0
         if optimize and (deferred or self.stepper.params):

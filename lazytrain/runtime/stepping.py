@@ -58,11 +58,16 @@ class Stepping:
             sq = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
             self.norm_sq = sq if self.norm_sq is None else self.norm_sq + sq
 
+    def _global_norm_sq(self) -> torch.Tensor:
+        """This step's squared gradient norm; with sharded state, over every rank's shards (NOTE:
+        [Sharded state] in sharding.py)."""
+        norm_sq = self.norm_sq if self.norm_sq is not None else torch.zeros(())
+        return self.dp.total(norm_sq) if self.sharding else norm_sq
+
     def _clip_coefficient(self) -> float | None:
         """torch.nn.utils.clip_grad_norm_'s coefficient, or None when the norm is not finite."""
-        if self.sharding:  # every rank's shards: the global norm (NOTE: [Sharded state] in sharding.py)
-            self.norm_sq = self.dp.total(self.norm_sq if self.norm_sq is not None else torch.zeros(()))
-        norm = math.sqrt(self.norm_sq.item()) if self.norm_sq is not None else 0.0
+        self.norm_sq = self._global_norm_sq()
+        norm = math.sqrt(self.norm_sq.item())
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             return None
@@ -84,12 +89,6 @@ class Stepping:
                 "before its norm was known, so the weights are no longer finite. Resume from the last checkpoint, "
                 "with a lower learning rate or --clipping exact (which skips such a step)")
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
-
-    def _keep_norm(self, totaled: bool) -> None:
-        """Previous-norm clipping: this step's global norm (still on the device) for the next step's;
-        `totaled`: `_clip_coefficient` has added up the ranks' shards already."""
-        norm_sq = self.norm_sq if self.norm_sq is not None else torch.zeros((), device=self.device)
-        self.previous_norm_sq = self.dp.total(norm_sq) if self.sharding and not totaled else norm_sq
 
     def _wait_host_steps(self) -> None:
         """The host optimizer steps still running: they end inside their step (NOTE: [Host step deadlines])."""
