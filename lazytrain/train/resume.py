@@ -166,11 +166,7 @@ def _check_optimizer(found: Checkpoint, schedule, where: str, fix: str) -> None:
                 raise CheckpointError(f"{where} holds the optimizer's {key} of {path} with shape {got}, "
                                       f"the parameter's is {shape}; {fix}")
         if "step" in entry:
-            step = entry["step"]
-            value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-            if not isinstance(value, (int, float)) or not 0 <= value <= found.step:
-                raise CheckpointError(f"{where} is at step {found.step} but the optimizer state of {path} at "
-                                      f"step {value!r}; {fix}")
+            _check_step(found, entry["step"], path, where, fix)
 
 
 def _check_sharded(found: Checkpoint, state: dict, schedule, groups: list, where: str, fix: str) -> None:
@@ -188,11 +184,14 @@ def _check_sharded(found: Checkpoint, state: dict, schedule, groups: list, where
             t = entry.get(key) if isinstance(entry, dict) else None
             if not isinstance(t, torch.Tensor) or t.numel() != numel[name]:
                 raise CheckpointError(f"{where} holds no whole {key} of {name} ({numel[name]} elements); {fix}")
-        step = entry.get("step")
-        value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-        if not isinstance(value, (int, float)) or not 0 <= value <= found.step:
-            raise CheckpointError(f"{where} is at step {found.step} but the optimizer state of {name} at step "
-                                  f"{value!r}; {fix}")
+        _check_step(found, entry.get("step"), name, where, fix)
+
+
+def _check_step(found: Checkpoint, step, who: str, where: str, fix: str) -> None:
+    """An optimizer step count within the checkpoint's step."""
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if not isinstance(value, (int, float)) or not 0 <= value <= found.step:
+        raise CheckpointError(f"{where} is at step {found.step} but the optimizer state of {who} at step {value!r}; {fix}")
 
 
 def _few(names: list[str]) -> str:
