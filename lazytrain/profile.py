@@ -44,15 +44,15 @@ def _as_rank() -> None:
     """Under torchrun with several ranks on this host: this rank's own GPU (LOCAL_RANK), and its share
     of the host's cores where the launcher left it one thread, as `lazytrain train --nproc-per-node`
     gives it (NOTE: [Launching] in train/distributed.py): the rates are those a rank trains at."""
-    from lazytrain.train.distributed import host_cores
+    from lazytrain.train.distributed import thread_share
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if local_world < 2:
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if torch.get_num_threads() == 1:
-        torch.set_num_threads(max(1, host_cores() // local_world))
+    if share := thread_share(local_world):
+        torch.set_num_threads(share)
 
 
 def profile(output: str | Path, quick: bool = False) -> Hardware:

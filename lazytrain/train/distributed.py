@@ -85,8 +85,8 @@ def from_env(nproc_per_node: int | None, device: str, timeout_s: float) -> Ranks
         torch.cuda.set_device(local)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NOTE: [Launching]
         backend = "nccl"
-    share = host_cores() // local_world
-    if rank == 0 and torch.get_num_threads() == 1 and share > 1:  # NOTE: [Launching]
+    share = thread_share(local_world)
+    if rank == 0 and share:  # NOTE: [Launching]
         print(f"lazytrain: warning: each rank uses one CPU thread (torchrun sets OMP_NUM_THREADS=1 for several ranks), "
               f"so optimizer steps on the host run far slower than planned; set OMP_NUM_THREADS={share} "
               f"(this host's cores over its {local_world} ranks) before torchrun, or use lazytrain train "
@@ -120,6 +120,13 @@ def relaunch(nproc: int, argv: list[str]) -> None:
         rank, failure = exc.get_first_failure()
         raise DistributedError(f"rank {rank} of {nproc} exited with code {failure.exitcode}, and the launcher stopped "
                                "the others; its own output is above") from None
+
+
+def thread_share(local_world: int) -> int:
+    """This rank's share of the host's cores where the launcher left it one thread (torchrun's default
+    for several ranks) and the host has more to give; else 0 (NOTE: [Launching])."""
+    share = host_cores() // local_world
+    return share if torch.get_num_threads() == 1 and share > 1 else 0
 
 
 def host_cores() -> int:
