@@ -63,14 +63,10 @@ def _split(shape: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
 
 def fit(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     """Least squares of seconds = numel / rate + tensors * per_tensor: (rate, per_tensor)."""
-    n = len(points)
-    xs, ys, zs = [p[0] for p in points], [p[1] for p in points], [p[2] for p in points]
-    sxx, syy = sum(x * x for x in xs), sum(y * y for y in ys)
-    sxy, sxz, syz = sum(x * y for x, y in zip(xs, ys)), sum(x * z for x, z in zip(xs, zs)), sum(y * z for y, z in zip(ys, zs))
-    det = sxx * syy - sxy * sxy
-    a = (sxz * syy - syz * sxy) / det  # seconds per parameter
-    b = (syz * sxx - sxz * sxy) / det  # seconds per tensor
-    return (1 / a if a > 0 else float("inf")), b if n else 0.0
+    a = torch.tensor([[float(n), float(t)] for n, t, _ in points], dtype=torch.float64)
+    b = torch.tensor([[s] for _, _, s in points], dtype=torch.float64)
+    per_param, per_tensor = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+    return (1 / per_param if per_param > 0 else float("inf")), per_tensor
 
 
 def main() -> None:
