@@ -70,22 +70,37 @@ def cmd_worker(args) -> None:
     model = build(args.model, args.seq, "cpu", torch.bfloat16 if args.master == "bf16" else torch.float32)
     module = load_schedule(CASES / f"{_name(args, world)}.py")
     trainer = module.bind(model, device="cuda", lr=1e-5)
+    del model  # the trainer holds what it needs (the masters)
     times, losses = [], []
     for _ in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
+    # every rank's peak resident host memory: the ranks share one host
+    hosts = [_vm_hwm_bytes()] * world
+    if world > 1:
+        dist.all_gather_object(hosts, hosts[0])
     if rank == 0:
         step = statistics.median(times[args.warmup:])
         tokens = world * args.batch * args.seq
         Path(args.result).write_text(json.dumps({
             "world": world, "step_s": step, "step_times_s": times[args.warmup:], "tokens_per_s": tokens / step,
             "predicted_step_s": module.PREDICTED_STEP_S, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "host_peak_gib": [h / 2**30 for h in hosts],
+            "predicted_host_gib": module.PREDICTED["host_bytes"] / 2**30,
             "losses": losses, "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
             "commit": os.environ.get("LAZYTRAIN_COMMIT", "unknown")}) + "\n")
     if world > 1:
         dist.destroy_process_group()
+
+
+def _vm_hwm_bytes() -> float:
+    """This process's peak resident host memory (the kernel's VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024.0
+    return float("nan")
 
 
 def cmd_run(args) -> None:
@@ -105,10 +120,12 @@ def cmd_run(args) -> None:
             continue
         rows.append(json.loads(result.read_text()))
     base = rows[0]["tokens_per_s"] if rows else None
-    print(f"{'world':>5}{'step s':>9}{'pred s':>8}{'tokens/s':>11}{'speed-up':>10}{'GPU GiB':>9}")
+    print(f"{'world':>5}{'step s':>9}{'pred s':>8}{'tokens/s':>11}{'speed-up':>10}{'GPU GiB':>9}"
+          f"  host GiB a rank (pred.)")
     for r in rows:
+        hosts = "/".join(f"{h:.1f}" for h in r.get("host_peak_gib", []))
         print(f"{r['world']:>5}{r['step_s']:>9.3f}{r['predicted_step_s']:>8.3f}{r['tokens_per_s']:>11.0f}"
-              f"{r['tokens_per_s'] / base:>10.2f}{r['peak_gpu_gib']:>9.1f}")
+              f"{r['tokens_per_s'] / base:>10.2f}{r['peak_gpu_gib']:>9.1f}  {hosts} ({r.get('predicted_host_gib', 0):.1f})")
 
 
 def _shape_args(args) -> list[str]:
