@@ -136,7 +136,7 @@ def cmd_train(args) -> int:
 def cmd_profile(args) -> int:
     from lazytrain.profile import profile
 
-    hw = profile(args.output, quick=args.quick)
+    hw = profile(args.output, quick=args.quick, offload_dir=args.offload_dir)
     print(f"wrote {args.output}: {hw.description}")
     return 0
 
@@ -238,6 +238,9 @@ def parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="measure this machine into a hardware profile")
     pr.add_argument("-o", "--output", required=True)
     pr.add_argument("--quick", action="store_true", help="smaller measurements (seconds instead of a minute)")
+    pr.add_argument("--offload-dir", default=None, metavar="DIR",
+                    help="directory on the disk the offload tier will use: its read and write rates and free space "
+                         "are measured there (default: the system temp directory)")
     pr.set_defaults(fn=cmd_profile)
     return p
 

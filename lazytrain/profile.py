@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lazytrain.files import free_bytes
 from lazytrain.hardware import Hardware
 
 
@@ -55,11 +56,16 @@ def _as_rank() -> None:
         torch.set_num_threads(share)
 
 
-def profile(output: str | Path, quick: bool = False) -> Hardware:
+def profile(output: str | Path, quick: bool = False, offload_dir: str | Path | None = None) -> Hardware:
+    """Measure this machine and write its profile to `output`; the disk rates and free space are
+    those of `offload_dir` (default: the system temp directory), where the offload tier will write."""
     _as_rank()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    offload_dir = Path(offload_dir if offload_dir is not None else tempfile.gettempdir())
+    probe = (256 if quick else 1024) * 2**20 if cuda else (32 if quick else 256) * 2**20
+    disk_w, disk_r, direct = _disk_rates(offload_dir, probe)  # first: a bad --offload-dir fails at once
     n = (2048 if quick else 4096) if cuda else (512 if quick else 1024)
     flops = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -110,19 +116,20 @@ def profile(output: str | Path, quick: bool = False) -> Hardware:
 
     cpu_adamw = adamw_rate(torch.device("cpu"))
     gpu_adamw = adamw_rate(dev)
-    disk_w, disk_r = _disk(nbytes // 4)
     hw = Hardware(
         name=f"measured-{dev.type}", device=dev.type,
-        description=f"measured by `lazytrain profile` on {time.strftime('%Y-%m-%d')} ({torch.cuda.get_device_name() if cuda else 'CPU only'})",
+        description=f"measured by `lazytrain profile` on {time.strftime('%Y-%m-%d')} ({torch.cuda.get_device_name() if cuda else 'CPU only'}"
+        + (")" if direct else f"; disk rates through the page cache of {offload_dir}, upper bounds)"),
         gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else _total_host_memory(),
-        host_memory_bytes=_total_host_memory(), disk_bytes=_disk_free(), flops=flops, achieved_fraction=1.0,
+        host_memory_bytes=_total_host_memory(), disk_bytes=free_bytes(offload_dir) or 0, flops=flops, achieved_fraction=1.0,
         mem_bandwidth=mem_bw, op_overhead_s=5e-6 if cuda else 2e-6, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
         duplex_bandwidth=duplex, pageable_h2d_bandwidth=pageable, host_memcpy_bandwidth=memcpy,
         cpu_adamw_params_per_s=cpu_adamw, gpu_adamw_params_per_s=gpu_adamw,
         cpu_adamw8bit_params_per_s=cpu_adamw / 50, gpu_adamw8bit_params_per_s=gpu_adamw / 3,
         cpu_round_params_per_s=round_rate(),
         disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
-        estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s", "disk_read_bandwidth")
+        estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s")
+        + (() if direct else ("disk_write_bandwidth", "disk_read_bandwidth"))
         + (("allocator_reserve_bytes", "gpu_round_params_per_s", "gpu_round_tensor_s") if cuda else ("duplex_bandwidth",)),
         runtime_bytes=runtime, allocator_reserve_bytes=reserve, link_bandwidth=_link_bandwidth(quick) if cuda else 0.0,
         # NOTE: [Device steps of bf16 masters]: the H200's ratios (bench/gpu_step.py measures them)
@@ -176,21 +183,16 @@ def _library_workspaces() -> int:
     return max(0, torch.cuda.memory_allocated() - before - held)
 
 
-def _disk_free() -> int:
-    st = os.statvfs(tempfile.gettempdir())
-    return st.f_bavail * st.f_frsize
+def _disk_rates(directory: Path, nbytes: int, repeat: int = 5) -> tuple[float, float, bool]:
+    """Sequential write and read rates (bytes/s) of `nbytes` through the offload tier's file in
+    `directory`, and whether they bypassed the page cache (NOTE: [Offload files] in runtime/disk.py:
+    without O_DIRECT both are the page cache's, upper bounds). The buffer is page-aligned, and
+    page-locked on a GPU machine, as the tier's buffers are."""
+    from lazytrain.runtime.disk import OffloadFile, aligned_empty
 
-
-def _disk(nbytes: int) -> tuple[float, float]:
-    data = os.urandom(min(nbytes, 64 * 2**20))
-    with tempfile.NamedTemporaryFile() as f:
-        start = time.perf_counter()
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-        write = len(data) / (time.perf_counter() - start)
-        f.seek(0)
-        start = time.perf_counter()
-        f.read()
-        read = len(data) / (time.perf_counter() - start)  # likely from the page cache: an upper bound
-    return write, read
+    buf = aligned_empty(nbytes, pin=torch.cuda.is_available())
+    buf.fill_(1)
+    with OffloadFile(directory, {"probe": nbytes}) as disk:
+        write = nbytes / _median_time(lambda: disk.write("probe", buf).result(), repeat)
+        read = nbytes / _median_time(lambda: disk.read("probe", buf).result(), repeat)
+        return write, read, disk.direct
