@@ -144,3 +144,18 @@ def test_rounding_noise_of_a_piece_is_the_whole_tensors(world):
     assert torch.equal(torch.cat(pieces), whole)
     again = round_stochastic_(torch.empty(n, dtype=torch.bfloat16), src, seed=8)
     assert not torch.equal(again, whole)
+
+
+def test_replicated_all_reduce_is_counted_on_the_compute_stream():
+    """Without sharded state each stage's gradients are all-reduced as its backward ends, on the compute
+    stream (NOTE: [Replicated all-reduce]): the same decisions take that much longer a step, in B(s)."""
+    hw = hardware.load("cpu")
+    one, two = _stages(world=1, sharded=False), _stages(world=2, sharded=False)
+    resident = decisions(["-rk"] * len(one))
+    alone, replicated = (evaluate(st, hw, GiB, resident) for st in (one, two))
+    reduced = sum(2 * g.param_bytes for g in one) + 2 * one.shared_bytes
+    assert replicated.step_s - alone.step_s == pytest.approx(reduced / hw.link_bandwidth, rel=1e-6)
+    seconds = lambda plan: {label: s for label, _, s in plan.windows}  # noqa: E731
+    last = f"B{len(one) - 1}"
+    assert seconds(replicated)[last] - seconds(alone)[last] == pytest.approx(
+        2 * one[-1].param_bytes / hw.link_bandwidth, rel=1e-6)

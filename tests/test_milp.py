@@ -249,6 +249,13 @@ def _host_work(jobs, caps, costs, *, split: bool, deadlines: bool = False) -> fl
     return r.objective
 
 
+def _solver_slack(jobs) -> float:
+    """How far two optima of `_host_work` may differ from the solver's feasibility tolerance alone
+    (1e-7 a unit of work moved, at costs of magnitude at most 1): a draw of costs near 1e-7 otherwise
+    tells the formulations apart by rounding (0.5000001788 against 0.5000001192)."""
+    return 1e-7 * (1.0 + sum(amount for *_, amount in jobs))
+
+
 @settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_host_step_backlog_places_work_as_a_split_does(data):
@@ -263,7 +270,7 @@ def test_host_step_backlog_places_work_as_a_split_does(data):
     jobs = [(w, n - 1, a) for w, a in enumerate(released) if a]
     a = _host_work(jobs, caps, costs, split=False)
     b = _host_work(jobs, caps, costs, split=True)
-    assert a == pytest.approx(b, rel=1e-7, abs=1e-9)
+    assert a == pytest.approx(b, rel=1e-7, abs=_solver_slack(jobs))
 
 
 @settings(max_examples=examples(60), deadline=None)
@@ -285,7 +292,7 @@ def test_host_step_deadlines_place_work_as_a_split_does(data):
     jobs = list(zip(releases, dues, amounts))
     a = _host_work(jobs, caps, costs, split=False, deadlines=True)
     b = _host_work(jobs, caps, costs, split=True)
-    assert a == pytest.approx(b, rel=1e-7, abs=1e-9)
+    assert a == pytest.approx(b, rel=1e-7, abs=_solver_slack(jobs))
 
 
 def test_host_steps_take_two_columns_per_window():

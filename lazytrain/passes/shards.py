@@ -41,6 +41,13 @@ def comm_s(param_bytes: int, hw: Hardware, n: int) -> float:
     return param_bytes / hw.link_bandwidth if n > 1 else 0.0
 
 
+def allreduce_s(param_bytes: int, hw: Hardware, world: int) -> float:
+    """A replicated run's all-reduce of a stage's gradients (its bytes in the compute dtype): a
+    reduce-scatter and an all-gather on the link; 0 where the profile has no measured link (NOTE:
+    [Replicated all-reduce] in step_model.py)."""
+    return 2 * param_bytes / hw.link_bandwidth if world > 1 and hw.link_bandwidth > 0 else 0.0
+
+
 def resident_sharded_bytes(param_bytes: int, numel: int, params: int, state_bytes: float, master: int, n: int) -> int:
     """A sharded resident stage on the GPU: the full compute-dtype weights, and its shard of the
     optimizer states and (in mixed precision) the master weights."""

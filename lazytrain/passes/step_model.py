@@ -32,6 +32,7 @@ from lazytrain.passes.footprint import (
     step_bytes,
 )
 from lazytrain.passes.shards import (
+    allreduce_s,
     comm_s,
     comm_workspace,
     host_shard_bytes,
@@ -102,6 +103,10 @@ class StepModel:
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
+            if stages.world_size > 1 and n == 1:  # NOTE: [Replicated all-reduce]
+                reduce_s = allreduce_s(g.param_bytes + (stages.shared_bytes if s == 0 else 0), hw, stages.world_size)
+                cap[L.bw(s)] += reduce_s
+                self.compute += reduce_s
             # weights: resident (weights, grads, states) or a streamed buffer
             res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
             rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
@@ -265,6 +270,13 @@ class StepModel:
             table[w] = table[w] + p * self.unit
 
 
+# NOTE: [Replicated all-reduce]
+# Without sharded state (8-bit states, `--replicate-state`) each stage's gradients are all-reduced
+# in place as its backward ends, on the compute stream (NOTE: [Data parallel] in
+# runtime/data_parallel.py; the shared weights' with stage 0's): the window B(s) runs that long
+# longer, in series with compute, and counts it as compute. An all-reduce is a reduce-scatter and
+# an all-gather, so it takes twice `comm_s`. Left out before, the plan was 11 % optimistic on the
+# 2-GPU H200 box for the 32B shape (64 all-reduces of 0.98 GB at 388 GB/s: 0.32 s of 9.73).
 # NOTE: [Host step backlog]
 # A host-stepped stage's AdamW may run in any window from B(s-2) (its gradient has landed) to the
 # tail. Splitting each stage's seconds over its own windows took one variable per (stage, window):
