@@ -38,7 +38,8 @@ FIXED_POLICY = "stream every block, checkpoint every block"
 def case_name(args) -> str:
     states = "" if getattr(args, "states", "32bit") == "32bit" else f"_{args.states}"
     master = "" if getattr(args, "master", "fp32") == "fp32" else f"_{args.master}master"
-    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}{states}{master}"
+    disk = "_disk" if getattr(args, "disk", False) else ""
+    return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}{states}{master}{disk}"
 
 
 def cmd_compile(args):
@@ -60,7 +61,8 @@ def cmd_compile(args):
     budget = hw.max_budget if args.budget == "max" else parse_size(args.budget)
     CASES.mkdir(exist_ok=True)
     compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit,
-                             optimizer_states=args.states, master_weights=args.master, clipping="off")  # runs do not clip
+                             optimizer_states=args.states, master_weights=args.master, clipping="off",  # runs do not clip
+                             disk=args.disk)
     (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
     print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
     if args.states != "32bit" or args.master != "fp32":
@@ -241,6 +243,7 @@ def main(argv=None):
         s.add_argument("--budget", default="24GiB", help="a size in GiB (e.g. 24GiB) or max")
         s.add_argument("--states", choices=["32bit", "8bit"], default="32bit", help="lazytrain's optimizer states")
         s.add_argument("--master", choices=["fp32", "bf16"], default="fp32", help="lazytrain's master weights")
+        s.add_argument("--disk", action="store_true", help="lazytrain may keep host-stepped states on disk (in the temp directory)")
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)

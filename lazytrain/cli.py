@@ -92,7 +92,8 @@ def cmd_compile(args) -> int:
                             dtype=getattr(torch, args.dtype) if args.dtype else None,
                             optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                             loss_chunk_bytes=chunk_bytes, world_size=args.world_size,
-                            shard_state=False if args.replicate_state else None, clipping=args.clipping)
+                            shard_state=False if args.replicate_state else None, clipping=args.clipping,
+                            disk=args.disk)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -175,6 +176,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the gradient clipping planned for (bind's max_grad_norm): exact (default; optimizer steps on "
                         "the host wait for the end of backward), previous-norm (clip by the previous step's norm; "
                         "steps run during backward), or off (no clipping)")
+    c.add_argument("--disk", action="store_true",
+                   help="let the plan keep host-stepped stages' optimizer states on disk where host memory runs short "
+                        "(the profile's disk_bytes and disk rates; bind's offload_dir holds them)")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")
@@ -205,6 +209,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--clipping", choices=["exact", "previous-norm"], default="exact",
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
+    t.add_argument("--disk", action="store_true",
+                   help="when compiling on the fly: let the plan keep host-stepped stages' optimizer states on disk "
+                        "where host memory runs short")
+    t.add_argument("--offload-dir", default=None,
+                   help="an existing directory for optimizer states a schedule keeps on disk (default: the run "
+                        "directory's offload/); the file is preallocated before training and removed at the end")
     t.add_argument("--steps", type=_at_least(1), default=None,
                    help="steps the run ends at (default 200; on --resume, the run's own)")
     t.add_argument("--lr", type=_number(0), default=None, help="peak learning rate (default 3e-3; on --resume, the run's own)")

@@ -13,7 +13,8 @@ from lazytrain.pipeline import Compiled, compile_model
 
 def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.0, dump_dir=None,
                  time_passes=False, dtype=None, optimizer_states="32bit", master_weights="fp32",
-                 loss_chunk_bytes=LOSS_CHUNK_BYTES, world_size=1, shard_state=None, clipping="exact") -> Compiled:
+                 loss_chunk_bytes=LOSS_CHUNK_BYTES, world_size=1, shard_state=None, clipping="exact",
+                 disk=False) -> Compiled:
     """Compile `model_path` for `budget` (bytes, "min" or "max") and write the schedule to `output`."""
     build_model, example_batch = load_model_file(model_path)
     batch = check_batch(example_batch())
@@ -26,7 +27,7 @@ def compile_file(model_path, output, budget="max", hardware=None, time_limit=60.
     compiled = compile_model(model, batch, budget, hw, source=str(model_path), time_limit=time_limit,
                              dump_dir=dump_dir, time_passes=time_passes, optimizer_states=optimizer_states,
                              master_weights=master_weights, loss_chunk_bytes=loss_chunk_bytes, world_size=world_size,
-                             shard_state=shard_state, clipping=clipping)
+                             shard_state=shard_state, clipping=clipping, disk=disk)
     if compiled.plan.solver.message:
         print(f"lazytrain: note: {compiled.plan.solver.message}")
     output = Path(output)

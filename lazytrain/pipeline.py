@@ -117,7 +117,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
                   source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1,
-                  shard_state: bool | None = None, clipping: str = "exact") -> Compiled:
+                  shard_state: bool | None = None, clipping: str = "exact", disk: bool = False) -> Compiled:
     """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory;
     "min": the smallest feasible one).
     `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
@@ -130,7 +130,9 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
     the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank.
     `clipping` is the gradient clipping the schedule runs with (NOTE: [Gradient clipping] in
     runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
-    previous step's) or "off" (bind then refuses `max_grad_norm`)."""
+    previous step's) or "off" (bind then refuses `max_grad_norm`). `disk` lets the plan keep host-stepped
+    stages' optimizer states on disk where host memory runs short (NOTE: [Disk-resident states] in
+    passes/step_model.py); the runtime keeps them under bind's `offload_dir`."""
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)
@@ -139,7 +141,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
     stages = data_parallel(stages, hw, world_size, shard_state, optimizer_states)
     if clipping not in CLIPPING_MODES:
         raise PlanError(f"clipping {clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
-    stages = dataclasses.replace(stages, clipping=clipping)
+    stages = dataclasses.replace(stages, clipping=clipping, disk=bool(disk))
     if budget == "min":  # the smallest feasible budget of these stages: no second capture
         budget = hook.run("minimum", smallest_budget, stages, hw)
     budget = hw.max_budget if budget is None else int(budget)
@@ -199,8 +201,9 @@ def stages_text(stages: Stages) -> str:
 def plan_text(stages: Stages, plan: Plan) -> str:
     data = {
         "budget": plan.budget, "peak_bytes": plan.peak_bytes, "host_bytes": plan.host_bytes,
-        "decisions": [{"stage": s.name, "stream": d.stream, "recompute": d.recompute, "outputs": d.outputs.value}
-                      for s, d in zip(stages, plan.decisions)],
+        "decisions": [{"stage": s.name, "stream": d.stream, "recompute": d.recompute, "outputs": d.outputs.value,
+                       "gpu_step": d.gpu_step, "disk": d.disk} for s, d in zip(stages, plan.decisions)],
+        "disk_bytes": plan.disk_bytes,
         "windows": [list(w[:2]) for w in plan.windows],
     }
     return json.dumps(data, indent=1) + "\n"

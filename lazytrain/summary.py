@@ -24,6 +24,12 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
 
 
+def _disk_text(predicted: dict) -> str:
+    """The disk tier's bytes: held there, and read and written each step (NOTE: [Disk-resident states])."""
+    nbytes = predicted.get("disk_bytes", 0)
+    return f"; disk {format_size(nbytes)} (read and written each step)" if nbytes else ""
+
+
 def summary(schedule: ModuleType) -> str:
     m = schedule
     p = m.PREDICTED
@@ -31,7 +37,7 @@ def summary(schedule: ModuleType) -> str:
         f"schedule for {m.SOURCE or '<in-memory model>'} (fingerprint {m.FINGERPRINT}), hardware {m.HARDWARE}",
         f"batch: {', '.join(f'{k}={d}{list(s)}' for k, (s, d) in m.BATCH.items())}",
         f"budget {format_size(m.BUDGET)}; predicted peak {format_size(m.PREDICTED_PEAK)} "
-        f"({m.PREDICTED_PEAK / m.BUDGET:.0%} of budget); host {format_size(p['host_bytes'])}",
+        f"({m.PREDICTED_PEAK / m.BUDGET:.0%} of budget); host {format_size(p['host_bytes'])}" + _disk_text(p),
         f"predicted step {_ms(m.PREDICTED_STEP_S)} = compute {_ms(p['compute_s'])} + recompute {_ms(p['recompute_s'])}"
         f" + exposed transfer {_ms(p['exposed_s'])} + optimizer {_ms(p['optimizer_s'])}",
         f"solver: {m.SOLVER['status']}, gap {m.SOLVER['gap']:.2%}" + (f" ({m.SOLVER['message']})" if m.SOLVER["message"] else ""),
@@ -45,7 +51,8 @@ def summary(schedule: ModuleType) -> str:
         lines.append(
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
-            f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}")
+            f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}"
+            + (", states on disk" if getattr(s, "disk", False) else ""))
     limited = [s for s in m.STAGES if s.limits]
     if limited:  # pass `limits`: decisions a stage can never take
         lines.append("what no plan can change:")

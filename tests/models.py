@@ -159,11 +159,16 @@ def check_adamw_steps(source_text: str, real: nn.Module, batch: dict, steps: int
     trainer, model = bind_source(source_text, real, **hp)
     losses = [trainer.step(batch) for _ in range(steps)]
     trainer.synchronize()
+    assert_adamw_weights(model, real, batch, steps, **hp)
+    return losses
+
+
+def assert_adamw_weights(model: nn.Module, real: nn.Module, batch: dict, steps: int, **hp) -> None:
+    """`model`'s weights are those `steps` eager torch.optim.AdamW steps from `real` give (1e-6)."""
     ref = adamw_reference(real, batch, steps, **hp)
     for (name, got), want in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), \
             f"{name} differs from torch.optim.AdamW by {(got - want).abs().max().item():.3g}"
-    return losses
 
 
 def bind_source(source_text: str, real: nn.Module, **optimizer_args):
@@ -246,14 +251,15 @@ def repair(stages, raw) -> list[StageDecision]:
 
 def decisions(spec) -> list[StageDecision]:
     """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
-    (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead),
+    (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; D:
+    streamed, stepped on the host with its states on disk),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SGE", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
-                                 stream in "GE", 2 if stream == "E" else 1))
+        out.append(StageDecision(stream in "SGED", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+                                 stream in "GE", 2 if stream == "E" else 1, stream == "D"))
     return out
 
 

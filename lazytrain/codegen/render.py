@@ -168,7 +168,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "") + (f", skips={s.skips!r}" if s.skips else "")
+        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "") + (", disk=True" if d.disk else "") + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"
         for s, d, lim in zip(stages, plan.decisions, closed)
@@ -189,7 +189,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         placeholders=placeholders, shared=repr(stages.shared_params),
         functions=[stage_function(graph, s) for s in stages], stage_lines=stage_lines, buffer_lines=buffer_lines,
         predicted=repr({"compute_s": plan.compute_s, "recompute_s": plan.recompute_s, "exposed_s": plan.exposed_s,
-                        "optimizer_s": plan.optimizer_s, "host_bytes": plan.host_bytes}),
+                        "optimizer_s": plan.optimizer_s, "host_bytes": plan.host_bytes,
+                        "disk_bytes": plan.disk_bytes}),
         solver=repr({"status": info.status, "gap": info.gap, "message": info.message}),
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",

@@ -25,6 +25,9 @@ class StageDecision:
     # GPU-stepped only: the prefetch that brings master, states and gradient in starts this many
     # forward windows ahead (1, or 2 to give the transfer two windows)
     lookahead: int = 1
+    # Host-stepped only: its AdamW moments live on disk between steps, read in before its host step
+    # and written back after it (NOTE: [Disk-resident states] in passes/step_model.py)
+    disk: bool = False
 
     @property
     def optimizer(self) -> str:
@@ -62,3 +65,4 @@ class Plan:
     optimizer_s: float
     windows: tuple[tuple[str, int, float], ...]  # (label, predicted GPU bytes, seconds) in time order
     solver: SolverInfo
+    disk_bytes: int = 0  # optimizer states on disk, each read and written once a step

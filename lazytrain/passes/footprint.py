@@ -72,6 +72,18 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
+def disk_state_bytes(numel: int) -> int:
+    """A host-stepped stage's AdamW moments, which the disk tier may hold (NOTE: [Disk-resident
+    states] in step_model.py): fp32, as a host step keeps them."""
+    return int(CPU_STATE_BYTES * numel)
+
+
+def disk_step_s(numel: int, hw: Hardware) -> float:
+    """Reading a disk-resident stage's moments before its host step and writing them back after."""
+    nbytes = disk_state_bytes(numel)
+    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth
+
+
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
     """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
     buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts

@@ -31,6 +31,7 @@ from lazytrain.passes.footprint import (
     backward_workspace,
     chunk_workspace,
     cpu_step_s,
+    disk_step_s,
     gpu_step_s,
     deferred_step_bytes,
     fixed_bytes,
@@ -125,7 +126,8 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
             if g is not None and plan.decisions[stage].stream and not plan.decisions[stage].gpu_step:
-                return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes)
+                disk = disk_step_s(g.param_numel, hw) if plan.decisions[stage].disk else 0.0  # NOTE: [Disk-resident states]
+                return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes) + disk
             if g is None:
                 return gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes)
             return gpu_step_s(g.param_numel, len(g.params), hw, stages.master_bytes)

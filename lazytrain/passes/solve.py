@@ -79,6 +79,7 @@ from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
     deferred_step_bytes,
+    disk_state_bytes,
     fixed_bytes,
     resident_bytes,
     resident_grad_bytes,
@@ -90,10 +91,13 @@ from lazytrain.passes.step_model import StepModel, byte_unit
 from lazytrain.units import format_size
 
 
+# the binaries per stage
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk")
+
+
 def _vars(m: mip.Model, stages: Stages):
     S = len(stages)
-    v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)]
-         for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
+    v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)] for k in KEYS}
     closed = limits(stages)  # the decisions a stage can never take (pass `limits`)
     v["R"] = [m.add_var(f"R{c}", lb=0.0) for c in range(S)]  # in `byte_unit` bytes (NOTE: [MIP scaling])
     unit = byte_unit(stages)
@@ -102,6 +106,7 @@ def _vars(m: mip.Model, stages: Stages):
         m += off + drop <= 1
         m += v["gstep"][s] <= sig
         m += v["ahead"][s] <= v["gstep"][s]
+        m += v["disk"][s] <= sig - v["gstep"][s]  # host-stepped stages only
         if s < 2:
             m += v["ahead"][s] == 0
         if closed[s].stream:
@@ -173,10 +178,12 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["drop"][s] == int(d.outputs is OutMode.DROP)
             m += v["gstep"][s] == int(d.gpu_step)
             m += v["ahead"][s] == int(d.lookahead == 2)
+            m += v["disk"][s] == int(d.disk)
     model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
     u = 1.0 / model.unit
     m += model.host * u <= hw.host_capacity * u
+    m += model.disk * u <= hw.disk_bytes * u
     step = (model.compute + model.recompute + model.optimizer + mip.xsum(exposed)) * (1.0 / model.unit_s)
     if minimise_memory:
         peak = m.add_var("peak", lb=0.0)
@@ -200,9 +207,9 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
 def _decisions(v, S, val) -> list[StageDecision]:
     out = []
     for s in range(S):
-        on = {k: val(v[k][s]) > 0.5 for k in ("stream", "recompute", "off", "drop", "gstep", "ahead")}
+        on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
-        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"], 2 if on["ahead"] else 1))
+        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"], 2 if on["ahead"] else 1, on["disk"]))
     return out
 
 
@@ -237,7 +244,7 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 def _start(v, decisions: list[StageDecision]) -> dict:
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2))}
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2), ("disk", d.disk))}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
@@ -253,6 +260,7 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
         step_s=val(model.compute + model.recompute + model.optimizer + mip.xsum(exposed)),
         compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=sum(val(e) for e in exposed),
         optimizer_s=val(model.optimizer), windows=tuple(edges), solver=info,
+        disk_bytes=int(sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, dec) if d.disk)),
     )
 
 

@@ -18,6 +18,8 @@ from lazytrain.passes.footprint import (
     chunk_workspace,
     cpu_step_s,
     deferred_step_bytes,
+    disk_state_bytes,
+    disk_step_s,
     fixed_bytes,
     gpu_step_bytes,
     gpu_step_s,
@@ -96,6 +98,7 @@ class StepModel:
             comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
         PK = max((s.peak_bytes for s in stages), default=0)
+        disk_ok = stages.disk and n == 1 and hw.disk_bytes > 0 and hw.disk_read_bandwidth > 0 and hw.disk_write_bandwidth > 0
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
             P = len(g.params)
@@ -103,7 +106,19 @@ class StepModel:
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
-            if stages.world_size > 1 and n == 1:  # NOTE: [Replicated all-reduce]
+            if stages.world_size > 1 and n == 1:  # NOTE: [Disk-resident states]
+# The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
+# stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file
+# (runtime/disk.py) instead of host memory. Its host step reads them into one page-aligned staging
+# buffer, steps, and writes them back before the next host step starts (runtime/disk_states.py), so
+# host memory holds the largest such stage's moments once (`disk_staging`) and the disk holds the
+# rest, within the profile's `disk_bytes`. The reads and writes run in series with the step, on the
+# host worker: the job's seconds grow by the moments over the disk's read and write rates, and so
+# enter the host backlog and its windows like the step itself. (Measured on the H200 box: 1.68 GB/s
+# read, 1.17 GB/s write against 4.5 G params/s of AdamW, so a 7B layer's moments take 2.7 s each
+# way together against its step's 0.05 s: the solver keeps them on disk only where host memory binds.)
+# Sharded data parallel keeps them in host memory (each rank's share is already 1/N).
+# NOTE: [Replicated all-reduce]
                 reduce_s = allreduce_s(g.param_bytes + (stages.shared_bytes if s == 0 else 0), hw, stages.world_size)
                 cap[L.bw(s)] += reduce_s
                 self.compute += reduce_s
@@ -137,6 +152,10 @@ class StepModel:
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
             host_s = (sig[s] - gst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
+            if disk_ok:  # NOTE: [Disk-resident states]
+                host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw)
+            else:
+                m += vars_["disk"][s] == 0
             released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s
             if exact:
                 due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += host_s
@@ -210,6 +229,16 @@ class StepModel:
                 - gst[s] * M * g.param_numel + off[s] * g.out_bytes
                 + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
+        # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
+        disk = vars_["disk"]
+        self.disk = mip.xsum(disk[s] * (disk_state_bytes(g.param_numel) / self.unit) for s, g in enumerate(stages)) * self.unit
+        if disk_ok:
+            self.floors.append(self.disk * (1.0 / self.unit))  # among equally fast plans, the least on disk
+            staging = m.add_var("disk_staging", lb=0.0)  # in units of `unit` bytes
+            self.floors.append(staging)
+            for s, g in enumerate(stages):
+                m += staging >= (disk_state_bytes(g.param_numel) / self.unit) * disk[s]
+            self.host = self.host + staging * self.unit - self.disk
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
             buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
             self.floors.append(buffers)
@@ -270,6 +299,18 @@ class StepModel:
             table[w] = table[w] + p * self.unit
 
 
+# NOTE: [Disk-resident states]
+# The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
+# stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file
+# (runtime/disk.py) instead of host memory. Its host step reads them into one page-aligned staging
+# buffer, steps, and writes them back before the next host step starts (runtime/disk_states.py), so
+# host memory holds the largest such stage's moments once (`disk_staging`) and the disk holds the
+# rest, within the profile's `disk_bytes`. The reads and writes run in series with the step, on the
+# host worker: the job's seconds grow by the moments over the disk's read and write rates, and so
+# enter the host backlog and its windows like the step itself. (Measured on the H200 box: 1.68 GB/s
+# read, 1.17 GB/s write against 4.5 G params/s of AdamW, so a 7B layer's moments take 2.7 s each
+# way together against its step's 0.05 s: the solver keeps them on disk only where host memory binds.)
+# Sharded data parallel keeps them in host memory (each rank's share is already 1/N).
 # NOTE: [Replicated all-reduce]
 # Without sharded state (8-bit states, `--replicate-state`) each stage's gradients are all-reduced
 # in place as its backward ends, on the compute stream (NOTE: [Data parallel] in

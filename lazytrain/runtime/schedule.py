@@ -37,8 +37,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # stages cut along tokens with their whole part (`Stage.chunk_len`, `tokens`, `whole_fn`); 5: `WORLD_SIZE`, the
 # data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
 # stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py); 7: `CLIPPING`,
-# the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py)
-FORMAT_VERSION = 7
+# the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py); 8: `Stage.disk`, optimizer
+# states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py)
+FORMAT_VERSION = 8
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -78,6 +79,7 @@ class Stage:
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
+    disk: bool = False  # host-stepped: its optimizer states live in the offload file between steps (runtime/disk_states.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

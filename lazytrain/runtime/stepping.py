@@ -150,7 +150,12 @@ class Stepping:
 
         if e.device == "cpu":
             def host_step():
-                step()
+                if self.disk_states is not None and s in self.disk_states.homes:  # NOTE: [Disk-resident states]
+                    self.disk_states.load(s)
+                    step()
+                    self.disk_states.store(s)
+                else:
+                    step()
                 self.store.refresh_source(names)
                 for p in names:  # consumed: the next step starts from fresh gradients
                     self.store.home[p].grad = None

@@ -21,6 +21,7 @@ allocator's reserved peak went 6-8 MiB past a cap at the budget on the H200 (202
 
 from __future__ import annotations
 
+import tempfile
 from concurrent.futures import Future
 from types import ModuleType
 
@@ -31,6 +32,7 @@ from lazytrain.ir.events import Event
 from lazytrain.runtime import model_sync
 from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.gpu_step import GpuStepper
+from lazytrain.runtime.disk_states import DiskStates
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
@@ -64,7 +66,8 @@ class Trainer(Replay, Stepping, ShardedState):
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
-                 serial_optimizer: bool = False, cap_memory: bool = True, process_group=None):
+                 serial_optimizer: bool = False, cap_memory: bool = True, process_group=None,
+                 offload_dir: str | None = None):
         self.m = module
         self.model = model
         self.stages = module.STAGES
@@ -112,6 +115,9 @@ class Trainer(Replay, Stepping, ShardedState):
             groups.append(group)
         self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
+        # NOTE: [Disk-resident states] in passes/step_model.py: under `offload_dir` (default: the temp directory)
+        on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
+        self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir()) if on_disk else None
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
@@ -273,7 +279,10 @@ class Trainer(Replay, Stepping, ShardedState):
 
     def state_dict(self) -> dict:
         self.synchronize()
-        return self.optimizer.state_dict()
+        if self.disk_states is None:
+            return self.optimizer.state_dict()
+        with self.disk_states.materialized():  # the moments on disk, read whole for the checkpoint
+            return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.synchronize()
@@ -291,6 +300,8 @@ class Trainer(Replay, Stepping, ShardedState):
                     if not torch.is_tensor(buf) or buf.shape != v.shape or buf.dtype != v.dtype:
                         buf = self.pinned.empty(v.shape, v.dtype)
                     loaded[k] = buf.copy_(v)
+        if self.disk_states is not None:
+            self.disk_states.absorb()
         self.synchronize()
 
     def memory_report(self) -> dict:

@@ -75,7 +75,7 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
-                             clipping=clipping, **opts)
+                             clipping=clipping, disk=args.disk, **opts)
     return compiled.source_text, True
 
 
@@ -190,7 +190,8 @@ def _train(args, ranks: Ranks | None) -> dict:
     if found is not None:  # weights first: binding copies them to the GPU
         _restore_weights(found, model)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                            device=schedule.DEVICE)  # where its stages were captured for; over the default group
+                            device=schedule.DEVICE,  # where its stages were captured for; over the default group
+                            offload_dir=_offload_dir(args, run_dir, schedule))
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(lr.warmup_steps, lr.steps, lr.min_lr_ratio))
     start = 0
     if found is not None:
@@ -255,6 +256,17 @@ def _train(args, ranks: Ranks | None) -> dict:
                 export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
         print(f"exported to {args.export_hf}")
     return record
+
+
+def _offload_dir(args, run_dir, schedule) -> str | None:
+    """Where a schedule with optimizer states on disk keeps them (NOTE: [Disk-resident states] in
+    passes/step_model.py): --offload-dir, else the run directory's `offload/`, else the temp directory."""
+    if args.offload_dir is not None or not any(getattr(s, "disk", False) for s in schedule.STAGES):
+        return args.offload_dir
+    if run_dir is None:
+        return None
+    (run_dir / "offload").mkdir(parents=True, exist_ok=True)
+    return str(run_dir / "offload")
 
 
 def _save(run_dir, step, model, trainer, scheduler, data, fingerprint, lr: LrSchedule, prep: Prepared,

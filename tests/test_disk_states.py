@@ -1,0 +1,142 @@
+"""The disk tier (NOTE: [Disk-resident states] in passes/step_model.py): host-stepped stages' AdamW
+moments kept in the offload file between steps. The plan counts them off the host and on the disk,
+with one staging buffer and the disk's time in the host step; the runtime's steps equal
+torch.optim.AdamW's, a resumed run is bit-identical, and a bad offload directory or a small disk
+is refused at bind."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+from lazytrain import hardware
+from lazytrain.errors import PlanError, ResourceError
+from lazytrain.ir.events import Kind
+from lazytrain.passes.footprint import disk_state_bytes, disk_step_s
+from lazytrain.passes.solve import evaluate, solve
+from lazytrain.pipeline import analyse
+from lazytrain.runtime import disk as disk_io
+from models import assert_adamw_weights, bind_source, check_replay, decisions, forced, tiny_gpt_pair
+
+HW = hardware.load("cpu")
+HP = dict(lr=1e-3, eps=1e-6)
+# blocks.0 and blocks.2 with their states on disk; blocks.1 host-stepped in memory
+SPEC = ["-rk", "DRk", "SRk", "DRk", "-rk"]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    meta, real, batch = tiny_gpt_pair()
+    graph, stages = analyse(meta, batch, HW)
+    return graph, dataclasses.replace(stages, disk=True), batch, real
+
+
+def _files(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_the_plan_counts_disk_states_off_the_host(gpt):
+    """Each disk stage's moments leave the host and land on the disk; one staging buffer of the
+    largest stays; its host step takes the disk's read and write on top."""
+    graph, stages, batch, _ = gpt
+    in_memory = evaluate(stages, HW, 1 << 40, decisions(["-rk", "SRk", "SRk", "SRk", "-rk"]))
+    on_disk = evaluate(stages, HW, 1 << 40, decisions(SPEC))
+    moved = [disk_state_bytes(stages[s].param_numel) for s in (1, 3)]
+    assert on_disk.disk_bytes == sum(moved)
+    assert in_memory.host_bytes - on_disk.host_bytes == sum(moved) - max(moved)
+    schedule = forced(graph, stages, batch, decisions(SPEC), HW).schedule
+    steps = {e.stage: e.duration_s for e in schedule.events if e.kind is Kind.OPT_STEP}
+    plain = {e.stage: e.duration_s for e in forced(graph, stages, batch, decisions(["-rk", "SRk", "SRk", "SRk", "-rk"]),
+                                                    HW).schedule.events if e.kind is Kind.OPT_STEP}
+    assert steps[1] - plain[1] == pytest.approx(disk_step_s(stages[1].param_numel, HW))
+    assert steps[2] == plain[2]
+
+
+def test_disk_states_need_the_option_and_the_space(gpt):
+    _, stages, _, _ = gpt
+    with pytest.raises(PlanError):  # compiled without --disk
+        evaluate(dataclasses.replace(stages, disk=False), HW, 1 << 40, decisions(SPEC))
+    need = sum(disk_state_bytes(stages[s].param_numel) for s in (1, 3))
+    with pytest.raises(PlanError):
+        evaluate(stages, dataclasses.replace(HW, disk_bytes=need - 1), 1 << 40, decisions(SPEC))
+    assert evaluate(stages, dataclasses.replace(HW, disk_bytes=need), 1 << 40, decisions(SPEC)).disk_bytes == need
+
+
+def test_the_solver_uses_the_disk_where_the_host_runs_short(gpt):
+    """A host too small for every stage's states in memory: refused without the disk tier, planned with it."""
+    _, stages, _, _ = gpt
+    streamed = decisions(["-rk", "SRk", "SRk", "SRk", "-rk"])
+    budget = evaluate(stages, HW, 1 << 40, streamed).peak_bytes
+    host = evaluate(stages, HW, 1 << 40, decisions(SPEC)).host_bytes
+    small = dataclasses.replace(HW, host_memory_bytes=host)
+    with pytest.raises(PlanError):
+        solve(dataclasses.replace(stages, disk=False), small, budget, time_limit=20)
+    plan = solve(stages, small, budget, time_limit=20)
+    assert any(d.disk for d in plan.decisions) and plan.host_bytes <= host
+    assert plan.disk_bytes == sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, plan.decisions) if d.disk)
+
+
+def test_replay_and_adamw_steps_with_states_on_disk(gpt, tmp_path):
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    check_replay(text, real, batch)
+    trainer, model = bind_source(text, real, offload_dir=str(tmp_path), **HP)
+    [name] = _files(tmp_path)
+    assert name.startswith("lazytrain-offload-")
+    for _ in range(3):
+        trainer.step(batch)
+    trainer.synchronize()
+    assert_adamw_weights(model, real, batch, 3, **HP)
+    # between steps the disk stages' moments are on disk only
+    homes = trainer.disk_states.homes
+    assert homes and all("exp_avg" not in trainer.optimizer.state[p] for ps in homes.values() for p in ps)
+    del trainer
+    gc.collect()
+    assert _files(tmp_path) == []  # the offload file goes with the trainer
+
+
+def test_resume_with_states_on_disk_is_bit_identical(gpt, tmp_path):
+    """2 steps, a checkpoint (model weights and optimizer state), a new trainer loading it, 1 step:
+    the same weights as 3 uninterrupted steps, to the bit."""
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    whole, model = bind_source(text, real, offload_dir=str(tmp_path / "a"), **HP)
+    for _ in range(3):
+        whole.step(batch)
+    whole.synchronize()
+
+    first, half = bind_source(text, real, offload_dir=str(tmp_path / "b"), **HP)
+    for _ in range(2):
+        first.step(batch)
+    first.synchronize()
+    saved = copy.deepcopy(first.state_dict())
+    assert all("exp_avg" in v for v in saved["state"].values())  # the disk stages' moments are in it
+    weights = copy.deepcopy(half)
+    resumed, again = bind_source(text, weights, offload_dir=str(tmp_path / "c"), **HP)
+    resumed.load_state_dict(saved)
+    resumed.step(batch)
+    resumed.synchronize()
+    for (n, got), want in zip(again.named_parameters(), model.parameters()):
+        assert torch.equal(got, want), n
+
+
+def test_bind_refuses_a_bad_offload_dir(gpt, tmp_path):
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    with pytest.raises(ResourceError, match="offload-dir"):
+        bind_source(text, real, offload_dir=str(tmp_path / "missing"), **HP)
+
+
+def test_bind_refuses_a_disk_too_small(gpt, tmp_path, monkeypatch):
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    monkeypatch.setattr(disk_io.files, "free_bytes", lambda path: 4096)
+    with pytest.raises(ResourceError, match="needs about"):
+        bind_source(text, real, offload_dir=str(tmp_path), **HP)
+    assert _files(tmp_path) == []
