@@ -191,7 +191,7 @@ def cmd_run(args):
     for system in args.systems.split(","):
         cmd = [sys.executable, str(HERE / "bench.py"), "run-one", "--system", system, "--model", args.model,
                "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--states", args.states,
-               "--master", args.master, *(["--no-cap"] if args.no_cap else []),
+               "--master", args.master, *(["--no-cap"] if args.no_cap else []), *(["--disk"] if args.disk else []),
                "--steps", str(args.steps),
                "--warmup", str(args.warmup)] + (["--out", args.out] if args.out else [])
         start = time.perf_counter()
