@@ -4,5 +4,6 @@ on each rank (NOTE: [Launching] in train/distributed.py)."""
 import sys
 
 from lazytrain.cli import main
+from lazytrain.train.distributed import leave
 
-sys.exit(main())
+leave(main())

@@ -87,8 +87,8 @@ def _ranks_line(m: ModuleType) -> list[str]:
         return [f"data parallel over {n} ranks, state sharded: each runs this plan on its own batch, keeps 1/{n} of the "
                 "master weights and optimizer states (the host and state figures above are one rank's), reduce-scatters "
                 "the gradients and all-gathers the weights (in the predicted step)"]
-    return [f"data parallel over {n} ranks: each runs this plan on its own batch; gradients are averaged over the "
-            "ranks (not in the predicted step)"]
+    return [f"data parallel over {n} ranks: each runs this plan on its own batch; gradients are all-reduced over the "
+            "ranks as each stage's backward ends (in the predicted step, where the profile has a link_bandwidth)"]
 
 
 def internals(chunks: int, recompute: bool) -> str:
