@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+from pathlib import Path
 
 import pytest
 import torch
 
+import lazytrain.examples
 from lazytrain import hardware
 from lazytrain.errors import PlanError, ResourceError
 from lazytrain.ir.events import Kind
@@ -140,3 +142,61 @@ def test_bind_refuses_a_disk_too_small(gpt, tmp_path, monkeypatch):
     with pytest.raises(ResourceError, match="needs about"):
         bind_source(text, real, offload_dir=str(tmp_path), **HP)
     assert _files(tmp_path) == []
+
+
+# ---- lazytrain train ------------------------------------------------------------------------------
+
+def _disk_schedule(tmp_path):
+    """The built-in model's schedule with every block host-stepped and its states on disk."""
+    from lazytrain.codegen.render import render
+    from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+    from lazytrain.passes.lower import lower
+
+    path = Path(lazytrain.examples.__file__).parent / "tiny_qwen.py"
+    build, example = load_model_file(path)
+    batch = check_batch(example())
+    graph, stages = analyse(build_on_meta(build), batch, HW, str(path))
+    stages = dataclasses.replace(stages, disk=True, clipping="off")
+    decs = decisions(["-rk"] + ["DRk"] * (len(stages) - 2) + ["-rk"])
+    plan = evaluate(stages, HW, 1 << 40, decs)
+    schedule = tmp_path / "s.py"
+    schedule.write_text(render(graph, stages, plan, lower(stages, plan, HW), batch, HW.name))
+    return schedule
+
+
+def test_train_resumes_states_on_disk_bit_identically(tmp_path, capsys):
+    """`lazytrain train` keeps the states under --offload-dir while it runs and in its checkpoints. A run
+    killed after its step-2 checkpoint (its later checkpoint removed) and resumed ends with the
+    uninterrupted run's weights, to the bit."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from lazytrain.cli import main
+
+    schedule, offload = _disk_schedule(tmp_path), tmp_path / "offload"
+    offload.mkdir()
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+
+    def train(run_dir, *extra):
+        argv = ["train", "--schedule", schedule, "--steps", 4, "--checkpoint-dir", run_dir, "--checkpoint-every", 2,
+                "--offload-dir", offload, "--no-progress", *extra]
+        assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+        assert _files(offload) == []  # preallocated for the run, removed at its end
+
+    train(whole)
+    shutil.copytree(whole, killed)
+    shutil.rmtree(killed / "checkpoints" / "step-00000004")
+    (killed / "checkpoints" / "LATEST").write_text("step-00000002\n")
+    train(killed, "--resume")
+    capsys.readouterr()
+    a, b = (load_file(str(r / "checkpoints" / "step-00000004" / "model.safetensors")) for r in (whole, killed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_refuses_a_missing_offload_dir_before_compiling(tmp_path, capsys):
+    from lazytrain.cli import main
+
+    code = main(["train", "--steps", "1", "--offload-dir", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert code == 2 and "offload directory" in err and "does not exist" in err and err.count("\n") == 1, err

@@ -66,6 +66,20 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     return buf
 
 
+def check_directory(directory: str | Path) -> Path:
+    """`directory` as a Path, if it is an existing directory this process may write in; else
+    `ResourceError` naming the fix (`lazytrain train` checks `--offload-dir` before it compiles)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise ResourceError(f"the offload directory {directory} {what}; pass --offload-dir an existing "
+                            "writable directory on a local disk")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ResourceError(f"the offload directory {directory} is not writable; pass --offload-dir an existing "
+                            "writable directory on a local disk")
+    return directory
+
+
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -151,11 +165,7 @@ class OffloadFile:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, not {chunk_bytes}")
         if threads < 1:
             raise ValueError(f"threads must be at least 1, not {threads}")
-        directory = Path(directory)
-        if not directory.is_dir():
-            what = "is not a directory" if directory.exists() else "does not exist"
-            raise ResourceError(f"the offload directory {directory} {what}; pass --offload-dir an existing "
-                                "writable directory on a local disk")
+        directory = check_directory(directory)
         self.chunk_bytes = chunk_bytes
         self._regions: dict[str, tuple[int, int]] = {}
         offset = 0

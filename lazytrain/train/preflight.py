@@ -22,6 +22,7 @@ from lazytrain import examples
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError
 from lazytrain.ir.capture import build_on_meta
+from lazytrain.runtime.disk import check_directory
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.checkpoint_load import holds_checkpoints, load_latest
 from lazytrain.train.data import CORPUS_PATH, PackedBatches, builtin_tokenizer, load_tokenizer
@@ -52,6 +53,8 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
     run_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if run_dir is not None:
         _check_run_dir(run_dir, args.resume)
+    if args.offload_dir is not None:  # NOTE: [Disk-resident states] in passes/step_model.py
+        check_directory(args.offload_dir)
     if args.schedule and not Path(args.schedule).is_file():
         raise DataError(f"schedule {args.schedule} does not exist; pass a file written by `lazytrain compile`, "
                         "or drop --schedule to compile on the fly")
