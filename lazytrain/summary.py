@@ -27,7 +27,9 @@ def _ms(s: float) -> str:
 def _disk_text(predicted: dict) -> str:
     """The disk tier's bytes: held there, and read and written each step (NOTE: [Disk-resident states])."""
     nbytes = predicted.get("disk_bytes", 0)
-    return f"; disk {format_size(nbytes)} (read and written each step)" if nbytes else ""
+    if not nbytes:
+        return ""
+    return f"; disk {format_size(nbytes)} (read and written each step: {_ms(predicted.get('disk_s', 0.0))} of host work)"
 
 
 def summary(schedule: ModuleType) -> str:

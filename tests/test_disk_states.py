@@ -22,7 +22,9 @@ from lazytrain.passes.footprint import disk_state_bytes, disk_step_s
 from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
 from lazytrain.runtime import disk as disk_io
-from models import assert_adamw_weights, bind_source, check_replay, decisions, forced, tiny_gpt_pair
+from lazytrain.runtime.schedule import load_source
+from lazytrain.summary import summary
+from models import assert_adamw_weights, bind_source, check_replay, decisions, forced, tiny_gpt_pair, unique_name
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -56,6 +58,9 @@ def test_the_plan_counts_disk_states_off_the_host(gpt):
                                                     HW).schedule.events if e.kind is Kind.OPT_STEP}
     assert steps[1] - plain[1] == pytest.approx(disk_step_s(stages[1].param_numel, HW))
     assert steps[2] == plain[2]
+    assert on_disk.disk_s == pytest.approx(sum(disk_step_s(stages[s].param_numel, HW) for s in (1, 3)))
+    text = summary(load_source(forced(graph, stages, batch, decisions(SPEC), HW).source_text, unique_name()))
+    assert "; disk " in text and "read and written each step" in text and "states on disk" in text
 
 
 def test_disk_states_need_the_option_and_the_space(gpt):

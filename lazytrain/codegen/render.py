@@ -190,7 +190,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         functions=[stage_function(graph, s) for s in stages], stage_lines=stage_lines, buffer_lines=buffer_lines,
         predicted=repr({"compute_s": plan.compute_s, "recompute_s": plan.recompute_s, "exposed_s": plan.exposed_s,
                         "optimizer_s": plan.optimizer_s, "host_bytes": plan.host_bytes,
-                        "disk_bytes": plan.disk_bytes}),
+                        "disk_bytes": plan.disk_bytes, "disk_s": plan.disk_s}),
         solver=repr({"status": info.status, "gap": info.gap, "message": info.message}),
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",

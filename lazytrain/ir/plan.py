@@ -66,3 +66,4 @@ class Plan:
     windows: tuple[tuple[str, int, float], ...]  # (label, predicted GPU bytes, seconds) in time order
     solver: SolverInfo
     disk_bytes: int = 0  # optimizer states on disk, each read and written once a step
+    disk_s: float = 0.0  # seconds of host work reading and writing them (NOTE: [Disk-resident states])

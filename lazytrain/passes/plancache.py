@@ -92,7 +92,7 @@ def _from_json(data: dict) -> Plan:
         compute_s=data["compute_s"], recompute_s=data["recompute_s"], exposed_s=data["exposed_s"],
         optimizer_s=data["optimizer_s"], windows=tuple(tuple(w) for w in data["windows"]),
         solver=SolverInfo(**dict(info, times=tuple(tuple(t) for t in info["times"]))),
-        disk_bytes=data.get("disk_bytes", 0),
+        disk_bytes=data.get("disk_bytes", 0), disk_s=data.get("disk_s", 0.0),
     )
 
 

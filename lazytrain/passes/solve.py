@@ -80,6 +80,7 @@ from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
     deferred_step_bytes,
     disk_state_bytes,
+    disk_step_s,
     fixed_bytes,
     resident_bytes,
     resident_grad_bytes,
@@ -261,6 +262,7 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
         compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=sum(val(e) for e in exposed),
         optimizer_s=val(model.optimizer), windows=tuple(edges), solver=info,
         disk_bytes=int(sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, dec) if d.disk)),
+        disk_s=sum(disk_step_s(g.param_numel, hw) for g, d in zip(stages, dec) if d.disk),
     )
 
 
