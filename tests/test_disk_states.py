@@ -16,14 +16,15 @@ import torch
 
 import lazytrain.examples
 from lazytrain import hardware
-from lazytrain.errors import PlanError, ResourceError
+from lazytrain.errors import InfeasibleBudget, PlanError, ResourceError
 from lazytrain.ir.events import Kind
 from lazytrain.passes.footprint import disk_state_bytes, disk_step_s
-from lazytrain.passes.solve import evaluate, solve
+from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
 from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
+from lazytrain.units import format_size
 from models import assert_adamw_weights, bind_source, check_replay, decisions, forced, tiny_gpt_pair, unique_name
 
 HW = hardware.load("cpu")
@@ -205,3 +206,21 @@ def test_train_refuses_a_missing_offload_dir_before_compiling(tmp_path, capsys):
     code = main(["train", "--steps", "1", "--offload-dir", str(tmp_path / "missing")])
     err = capsys.readouterr().err
     assert code == 2 and "offload directory" in err and "does not exist" in err and err.count("\n") == 1, err
+
+
+def test_a_refused_budget_names_the_disk_where_it_would_fit(gpt):
+    """Host memory binds: without the tier the budget is refused, and the message gives the smaller
+    budget the disk tier reaches; with the tier on, the message has no such hint."""
+    _, stages, _, _ = gpt
+    plain = dataclasses.replace(stages, disk=False)
+    streamed = evaluate(plain, HW, 1 << 40, decisions(["-rk", "SRk", "SRk", "SRk", "-rk"]))
+    small = dataclasses.replace(HW, host_memory_bytes=evaluate(stages, HW, 1 << 40, decisions(
+        ["-rk", "DRk", "DRk", "DRk", "-rk"])).host_bytes)
+    with_disk = smallest_budget(stages, small)
+    assert with_disk < smallest_budget(plain, small)
+    with pytest.raises(InfeasibleBudget, match=r"--disk\), where the smallest feasible budget is") as refused:
+        solve(plain, small, with_disk, time_limit=20)
+    assert format_size(with_disk, round_up=True) in str(refused.value)
+    with pytest.raises(InfeasibleBudget) as plain_refusal:
+        solve(stages, small, with_disk - 4096, time_limit=20)
+    assert "--disk" not in str(plain_refusal.value)

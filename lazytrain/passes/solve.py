@@ -297,6 +297,22 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     return max(int(round(milp.value(t, r))) for t in model.mem + [model.tail]) + hw.allocator_reserve_bytes
 
 
+def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
+    """Where the disk tier is off and would lower the smallest budget (host memory binds: with
+    optimizer states on disk more blocks can stream), by how much (NOTE: [Disk-resident states])."""
+    if stages.disk or sharding(stages) > 1 or not (hw.disk_bytes > 0 and hw.disk_read_bandwidth > 0
+                                                    and hw.disk_write_bandwidth > 0):
+        return ""
+    try:
+        with_disk = smallest_budget(dataclasses.replace(stages, disk=True), hw, time_limit=10.0)
+    except PlanError:
+        return ""
+    if with_disk >= need:
+        return ""
+    return (f", or let the plan keep optimizer states on disk (--disk), where the smallest feasible budget is "
+            f"{format_size(with_disk, round_up=True)}")
+
+
 FLOOR_WEIGHT = 1e-7  # per `unit` of bytes: under 1e-4 of a step for any plan (NOTE: [Floor variables])
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
 
@@ -328,7 +344,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
             have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
         raise InfeasibleBudget(
             f"no plan fits a GPU budget of {have}; smallest feasible budget: {want}. "
-            "Raise --budget, or shrink the batch",
+            f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}",
             need,
         )
     # Time-out without a solution: use the best heuristic policy that fits.
