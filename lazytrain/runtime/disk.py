@@ -43,6 +43,7 @@ import torch
 
 from lazytrain import files
 from lazytrain.errors import ResourceError
+from lazytrain.runtime.carve import aligned
 
 ALIGN = 4096
 # NOTE: [Offload chunks] A transfer is cut into chunks of CHUNK_BYTES run on `threads` threads, so
@@ -78,10 +79,6 @@ def check_directory(directory: str | Path) -> Path:
         raise ResourceError(f"the offload directory {directory} is not writable; pass --offload-dir an existing "
                             "writable directory on a local disk")
     return directory
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class _Handles:
@@ -173,7 +170,7 @@ class OffloadFile:
             if size < 0:
                 raise ValueError(f"region {name!r} has a negative size ({size})")
             self._regions[name] = (offset, size)
-            offset += _round_up(size)
+            offset += aligned(size, ALIGN)
         self._nbytes = offset
         path = directory / f"lazytrain-offload-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin"
         free = files.free_bytes(directory)
