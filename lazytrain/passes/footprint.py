@@ -72,6 +72,11 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
+def disk_available(hw: Hardware) -> bool:
+    """Whether the profile measured a disk the tier can plan with: space, and both rates."""
+    return hw.disk_bytes > 0 and hw.disk_read_bandwidth > 0 and hw.disk_write_bandwidth > 0
+
+
 def disk_state_bytes(numel: int) -> int:
     """A host-stepped stage's AdamW moments, which the disk tier may hold (NOTE: [Disk-resident
     states] in step_model.py): fp32, as a host step keeps them."""

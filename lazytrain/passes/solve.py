@@ -79,6 +79,7 @@ from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
     deferred_step_bytes,
+    disk_available,
     disk_state_bytes,
     disk_step_s,
     fixed_bytes,
@@ -300,8 +301,7 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
 def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
     """Where the disk tier is off and would lower the smallest budget (host memory binds: with
     optimizer states on disk more blocks can stream), by how much (NOTE: [Disk-resident states])."""
-    if stages.disk or sharding(stages) > 1 or not (hw.disk_bytes > 0 and hw.disk_read_bandwidth > 0
-                                                    and hw.disk_write_bandwidth > 0):
+    if stages.disk or sharding(stages) > 1 or not disk_available(hw):
         return ""
     try:
         with_disk = smallest_budget(dataclasses.replace(stages, disk=True), hw, time_limit=10.0)

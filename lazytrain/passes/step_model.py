@@ -18,6 +18,7 @@ from lazytrain.passes.footprint import (
     chunk_workspace,
     cpu_step_s,
     deferred_step_bytes,
+    disk_available,
     disk_state_bytes,
     disk_step_s,
     fixed_bytes,
@@ -98,7 +99,7 @@ class StepModel:
             comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
         PK = max((s.peak_bytes for s in stages), default=0)
-        disk_ok = stages.disk and n == 1 and hw.disk_bytes > 0 and hw.disk_read_bandwidth > 0 and hw.disk_write_bandwidth > 0
+        disk_ok = stages.disk and n == 1 and disk_available(hw)
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
             P = len(g.params)
