@@ -50,9 +50,7 @@ class DiskStates:
         for i, p in enumerate(self.homes[stage]):
             state = self.optimizer.state[p]
             if (stage, i) in self.on_disk:
-                for k in self.keys:
-                    state[k] = carver.take(p.shape, torch.float32)
-                    reads.append(self.file.read(self._region(stage, i, k), state[k]))
+                reads += self._read(stage, i, lambda: carver.take(p.shape, torch.float32))
             elif p.grad is not None:  # a first step: zeroed moments, in the staging buffer
                 fresh = self.optimizer.fresh_state(stage, p, carver.take)
                 for k, v in fresh.items():
@@ -74,16 +72,24 @@ class DiskStates:
             for k in self.keys:
                 self.optimizer.state.get(p, {}).pop(k, None)
 
+    def _read(self, stage: int, index: int, make) -> list:
+        """Parameter `index` of `stage`: its moments read from the file into tensors `make()` gives,
+        which its optimizer state then holds; the reads' futures."""
+        state = self.optimizer.state[self.homes[stage][index]]
+        reads = []
+        for k in self.keys:
+            state[k] = make()
+            reads.append(self.file.read(self._region(stage, index, k), state[k]))
+        return reads
+
     @contextlib.contextmanager
     def materialized(self):
         """Every moment on disk read into the optimizer's state (fresh tensors) while the block runs,
         and dropped again after: for `state_dict()`, whose result keeps them."""
         reads = []
         for s, i in sorted(self.on_disk):
-            p = self.homes[s][i]
-            for k in self.keys:
-                self.optimizer.state[p][k] = torch.empty(p.shape, dtype=torch.float32)
-                reads.append(self.file.read(self._region(s, i, k), self.optimizer.state[p][k]))
+            shape = self.homes[s][i].shape
+            reads += self._read(s, i, lambda: torch.empty(shape, dtype=torch.float32))
         for r in reads:
             r.result()
         try:
@@ -98,6 +104,3 @@ class DiskStates:
         self.on_disk.clear()
         for s in self.homes:
             self.store(s)
-
-    def close(self) -> None:
-        self.file.close()
