@@ -154,19 +154,16 @@ def test_bind_refuses_a_disk_too_small(gpt, tmp_path, monkeypatch):
 
 def _disk_schedule(tmp_path):
     """The built-in model's schedule with every block host-stepped and its states on disk."""
-    from lazytrain.codegen.render import render
     from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
-    from lazytrain.passes.lower import lower
 
     path = Path(lazytrain.examples.__file__).parent / "tiny_qwen.py"
     build, example = load_model_file(path)
     batch = check_batch(example())
     graph, stages = analyse(build_on_meta(build), batch, HW, str(path))
     stages = dataclasses.replace(stages, disk=True, clipping="off")
-    decs = decisions(["-rk"] + ["DRk"] * (len(stages) - 2) + ["-rk"])
-    plan = evaluate(stages, HW, 1 << 40, decs)
     schedule = tmp_path / "s.py"
-    schedule.write_text(render(graph, stages, plan, lower(stages, plan, HW), batch, HW.name))
+    schedule.write_text(forced(graph, stages, batch, decisions(["-rk"] + ["DRk"] * (len(stages) - 2) + ["-rk"]),
+                               HW).source_text)
     return schedule
 
 
