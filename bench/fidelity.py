@@ -209,6 +209,10 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     # the allocator freed its cache and retried (a device-wide sync): a plan at its cap stalls there
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     windows = _windows(module, trainer.timeline)
+    kinds = {e.id: e for e in module.EVENTS}
+    events = [{"id": i, "kind": kinds[i].kind.value, "stream": kinds[i].stream.value, "stage": kinds[i].stage,
+               "device": kinds[i].device, "start_s": a, "end_s": b, "predicted_start_s": kinds[i].start_s,
+               "predicted_s": kinds[i].duration_s} for i, a, b in trainer.timeline] if args.events else None
     # one more step, untimed, with the allocator read as each event is issued
     from bench.trace import event_memory
 
@@ -238,7 +242,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "step_s": step_s, "step_times_s": times[args.warmup:], "losses": losses, "bind_s": bind_s,
         "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved, "host_peak_bytes": host_peak,
         "alloc_retries": retries,
-        "windows": windows, "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "windows": windows, **({"events": events} if events is not None else {}), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "commit": _commit(),
     }
 
@@ -360,6 +364,8 @@ def main(argv=None):
             s.add_argument("--steps", type=int, default=3)
             s.add_argument("--warmup", type=int, default=2)
             s.add_argument("--out", default=None)
+            s.add_argument("--events", action="store_true", help="also keep the timed step's events (every stream, "
+                           "the optimizer's too) in the row")
             s.add_argument("--trace", action="store_true", help="also write <case>.trace.json: per-event memory and "
                            "times, and what is live at the peak (bench/trace.py)")
     args = p.parse_args(argv)
