@@ -4,6 +4,7 @@ smaller masters."""
 
 import copy
 
+import pytest
 import torch
 from models import bind_source, decisions, tiny_gpt_pair, unique_name
 
@@ -220,3 +221,40 @@ def test_bf16_rounding_noise_lives_in_the_opt_slot():
     trainer.step(batch)
     trainer.step(batch)
     assert len(seen) == 3 and all(seen)
+
+
+@pytest.mark.parametrize("states", ["32bit", "8bit"])
+def test_large_tensors_step_in_pieces_as_one_step_would(states, monkeypatch):
+    """A bf16 master larger than `TWIN_CHUNK` steps through twins of one piece at a time (NOTE:
+    [Twin chunks] in runtime/optim.py): three steps (the first makes the state) leave the same
+    weights and the same optimizer state, bit for bit, as whole-tensor steps."""
+    from lazytrain.runtime import optim
+
+    if states == "8bit":
+        pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    shapes = [(4096, 96), (1000, 37), (300,)]
+    start = [(torch.randn(s) * 0.02).to(torch.bfloat16) for s in shapes]
+    grads = [[(torch.randn(s) * 1e-2).to(torch.bfloat16) for s in shapes] for _ in range(3)]
+    results = []
+    for chunk in (optim.TWIN_CHUNK, 1024):
+        monkeypatch.setattr(optim, "TWIN_CHUNK", chunk)
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        fused = {"fused": True} if states == "32bit" else {}
+        opt = optim.staged_optimizer(states, [{"params": params, "states": states, **fused}], lr=1e-2, weight_decay=0.1)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step_group(0)
+        pieces = len(optim._twin_pieces(opt.state[params[0]], params[0].numel()))
+        results.append((pieces, [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()["state"])))
+    (one, whole, whole_state), (many, cut, cut_state) = results
+    assert one == 1 and many == 4096 * 96 // 1024
+    assert all(torch.equal(a, b) for a, b in zip(whole, cut))
+    assert whole_state.keys() == cut_state.keys()
+    def same(a, b):  # bitsandbytes nests its quantised state in a dict
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return torch.equal(a, b) if torch.is_tensor(a) else a == b
+    for i in whole_state:
+        assert same(whole_state[i], cut_state[i]), i

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from lazytrain.hardware import Hardware
 from lazytrain.passes.blocks import STATE_BYTES, Stages
+from lazytrain.runtime.optim import TWIN_CHUNK
 
 LOSS_BYTES = 4
 
@@ -43,9 +44,10 @@ def resident_step_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES
     """What a resident parameter set's GPU step holds beyond its gradients while it runs (NOTE:
     [Resident steps]): in mixed precision the compute-dtype gradients beside the master-dtype ones
     they become; for a bf16 master also the fp32 twin, fp32 gradient and rounding noise of its largest
-    tensor (`TWIN_BYTES`); for fp32 alone nothing (the fused step)."""
+    tensor, or of `TWIN_CHUNK` elements of it (`TWIN_BYTES`, NOTE: [Twin chunks] in runtime/optim.py);
+    for fp32 alone nothing (the fused step)."""
     ws = param_bytes if param_bytes != master * numel else 0
-    return ws + (TWIN_BYTES * largest_numel if master != MASTER_BYTES else 0)
+    return ws + (TWIN_BYTES * min(largest_numel, TWIN_CHUNK) if master != MASTER_BYTES else 0)
 
 
 def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_BYTES) -> float:
@@ -120,8 +122,10 @@ NOISE_BYTES = 4
 # step reads them there, or, with gradient clipping, after backward ends). Its step itself holds:
 #   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, 12 bytes
 #     per parameter of the largest tensor (measured on the H200: 12 for Qwen2.5-14B's 778 M-parameter
-#     lm_head). Each tensor's twin dies before the next one's is made: held one tensor longer, the
-#     7B's equal 67.9 M-parameter MLP weights stepped at 16 (1.01 GiB over the gradients);
+#     lm_head), or of `TWIN_CHUNK` (16.8 M) elements of a larger one, which steps in pieces (NOTE:
+#     [Twin chunks] in runtime/optim.py). Each tensor's twin dies before the next one's is made:
+#     held one tensor longer, the 7B's equal 67.9 M-parameter MLP weights stepped at 16 (1.01 GiB
+#     over the gradients);
 #   - fp32 masters of bf16 weights: each fp32 gradient made beside the bf16 one it replaces.
 # Counting the twins and the gradients from the step's start put every window of a 7B plan at
 # 24 GiB 2.4 GiB over the measured one (the fidelity trace, 2026-11-30).

@@ -180,17 +180,32 @@ class _Staged:
                 self._step_twin(view, index, i, p, offsets[i])
 
     def _step_twin(self, view, index: int, i: int, p: torch.Tensor, offset: int) -> None:
-        """Parameter `p` (bf16) stepped through an fp32 twin, then rounded back. A function of its
-        own so the twin and its gradient die on return, before the next parameter's are made
-        (NOTE: [Resident steps] in passes/footprint.py). `offset`: where `p` starts in its whole
-        parameter (NOTE: [Sharded state] in sharding.py)."""
-        twin = _fp32(p.detach(), "master")
-        twin.grad = _fp32(p.grad, "grad")
-        state = defaultdict(dict, {twin: view.state[p]})
-        self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
-        view.state[p] = state[twin]
-        with torch.no_grad():
-            round_stochastic_(p.detach(), twin, self.sr_seed(index, i, view.state[p]), offset=offset)
+        """Parameter `p` (bf16) stepped through an fp32 twin, then rounded back, `TWIN_CHUNK`
+        elements at a time (NOTE: [Twin chunks]). A function of its own so the twins and their
+        gradients die on return, before the next parameter's are made (NOTE: [Resident steps] in
+        passes/footprint.py). `offset`: where `p` starts in its whole parameter (NOTE: [Sharded
+        state] in sharding.py)."""
+        pieces = _twin_pieces(view.state[p], p.numel())
+        if len(pieces) > 1 and not view.state[p]:  # the first step: the whole state, as a one-piece step makes it
+            widen = lambda shape, dtype: torch.zeros(shape, dtype=torch.float32 if dtype.is_floating_point else dtype,
+                                                     device=p.device)
+            view.state[p] = self.fresh_state(index, p.detach(), widen)
+        whole, seed, stepped = view.state[p], None, None
+        # one piece keeps the tensor's shape (its state's shape); pieces are flat slices
+        flat, grad = (p.detach(), p.grad) if len(pieces) == 1 else (p.detach().view(-1), p.grad.view(-1))
+        for lo, hi in pieces:
+            twin = _fp32(flat if len(pieces) == 1 else flat[lo:hi], "master")
+            twin.grad = _fp32(grad if len(pieces) == 1 else grad[lo:hi], "grad")
+            state = defaultdict(dict, {twin: whole if len(pieces) == 1 else _state_piece(whole, lo, hi, p.numel())})
+            self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
+            stepped = state[twin]
+            if len(pieces) == 1:
+                view.state[p] = stepped
+            seed = self.sr_seed(index, i, stepped) if seed is None else seed  # its step count, once
+            with torch.no_grad():
+                round_stochastic_(flat if len(pieces) == 1 else flat[lo:hi], twin, seed, offset=offset + lo)
+        if len(pieces) > 1:
+            whole["step"] = stepped["step"]  # every piece stepped the count it started from once
 
     def _step(self, view) -> None:
         view.step()
@@ -209,6 +224,55 @@ class _Staged:
                         self.state[p][k] = v.to(device, copy=True)
         self._views = self._make_views()
         self._sr_steps = {}
+
+
+# NOTE: [Twin chunks] A bf16 master's fp32 twin, its fp32 gradient and its rounding noise take 12
+# bytes a parameter while its step runs. Made for a whole tensor, that is 2.8 GB for Qwen2.5-1.5B's
+# tied embedding and 9.3 GB for the 14B's lm_head, allocated after backward when memory is fullest:
+# on the H200 a 1.5B plan at 40 GiB spent 116 ms in the embedding's step (11 ms with room), the
+# allocator at its cap freeing its cache and mapping pages again. So a large tensor steps in pieces
+# of `TWIN_CHUNK` elements: AdamW and the 8-bit update are elementwise, and a piece's 8-bit states
+# are whole quantisation blocks, so the pieces compute what one step of the whole tensor would; the
+# rounding noise of an element depends on its index alone (NOTE: [Host rounding noise]).
+TWIN_CHUNK = 1 << 24
+
+
+def _twin_pieces(state: dict, numel: int) -> list[tuple[int, int]]:
+    """[lo, hi) element ranges a bf16 master steps in: one piece up to `TWIN_CHUNK`, else pieces of
+    `TWIN_CHUNK` when its state can be cut there (NOTE: [Twin chunks])."""
+    if numel <= TWIN_CHUNK or not _cuttable(state, numel):
+        return [(0, numel)]
+    return [(lo, min(lo + TWIN_CHUNK, numel)) for lo in range(0, numel, TWIN_CHUNK)]
+
+
+def _cuttable(state: dict, numel: int) -> bool:
+    """Whether every tensor of `state` is per element, or per quantisation block of a size that
+    divides `TWIN_CHUNK` (bitsandbytes' absmax), so a piece's state is a slice of each."""
+    for key, v in state.items():
+        if not torch.is_tensor(v) or v.dim() == 0 or key.startswith("qmap"):
+            continue
+        if v.numel() != numel:
+            block = -(-numel // v.numel())
+            if TWIN_CHUNK % block or -(-numel // block) != v.numel():
+                return False
+    return True
+
+
+def _state_piece(state: dict, lo: int, hi: int, numel: int) -> dict:
+    """Elements [lo, hi) of a parameter's optimizer state: views of its per-element and per-block
+    tensors, a copy of its step count (each piece counts the step once), the rest shared."""
+    piece = {}
+    for key, v in state.items():
+        if key == "step":
+            piece[key] = v.clone() if torch.is_tensor(v) else v
+        elif not torch.is_tensor(v) or v.dim() == 0 or key.startswith("qmap"):
+            piece[key] = v
+        elif v.numel() == numel:
+            piece[key] = v.view(-1)[lo:hi]
+        else:  # one value per quantisation block of `block` elements
+            block = -(-numel // v.numel())
+            piece[key] = v.view(-1)[lo // block:-(-hi // block)]
+    return piece
 
 
 def _adamw_fresh_state(group: dict, param: torch.Tensor, take) -> dict:
