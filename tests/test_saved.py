@@ -72,3 +72,42 @@ def test_attention_with_a_boolean_mask_counts_its_bias():
     _, plain = analyse(*hf_pair("qwen2", layers=2, batch=2, seq=16)[::2], hardware.load("cpu"))
     for s, p in zip(layers, [s for s in plain if s.name.startswith("model.layers.")]):
         assert s.internal_bytes >= bias and s.saved_bytes >= p.saved_bytes + bias
+
+
+def test_grouped_query_attention_at_the_bench_shape_saves_what_the_plan_counts():
+    """A Qwen2.5-1.5B layer's attention (12 heads over 2 KV heads, head size 128, bf16) as the
+    schedule runs it, fused on the CPU as on the GPU: the captured graph repeats k and v into copies
+    that attention keeps, and the `contiguous` of its transposed output copies nothing (NOTE:
+    [Layouts that decide a copy] in passes/costs.py). Counted the other way the plan was 2 KiB a
+    token short per layer, which ran a 7B plan out of memory on the H200."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lazytrain.pipeline import compile_model
+    from lazytrain.runtime.schedule import load_source
+    from models import model_pair, token_batch, unique_name
+
+    cfg = Qwen2Config(vocab_size=128, hidden_size=1536, intermediate_size=512, num_hidden_layers=1, num_attention_heads=12,
+                      num_key_value_heads=2, max_position_embeddings=256, use_cache=False, attn_implementation="sdpa")
+    meta, _ = model_pair(lambda: Qwen2ForCausalLM(cfg).to(torch.bfloat16))
+    batch = token_batch(2, 256, 128)
+    hw = hardware.load("cpu")
+    graph, stages = analyse(meta, batch, hw)
+    module = load_source(compile_model(meta, batch, 1 << 34, hw).source_text, unique_name())
+    layer = next(s for s in stages if s.name == "model.layers.0")
+    stage = module.STAGES[layer.index]
+    torch.manual_seed(0)
+    args = [torch.nn.Parameter(torch.randn(module.PLACEHOLDERS[p][2], dtype=torch.bfloat16) * 0.02)
+            for p in stage.placeholders]
+    args += [torch.randn(graph[x].spec.shape, dtype=getattr(torch, graph[x].spec.dtype)).requires_grad_(x in stage.grad_inputs)
+             for x in stage.inputs]
+    known = {a.untyped_storage().data_ptr() for a in args}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in known:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage.fn("cpu", *args)
+    truth = sum(saved.values())
+    assert truth <= layer.saved_bytes <= 1.01 * truth, (truth, layer.saved_bytes)
