@@ -85,6 +85,17 @@ class Hardware:
     # 3x the tensors: 7.7e10 params/s and 0.14 ms a tensor. 0: not counted.
     gpu_round_params_per_s: float = 0.0
     gpu_round_tensor_s: float = 0.0
+    # NOTE: [Device steps beside compute] Device optimizer steps run on a stream of their own (NOTE:
+    # [Optimizer stream] in runtime/stepping.py) beside backward's compute. Memory-bound, they take
+    # SMs and memory bandwidth from it: compute runs `gpu_step_lost` times the step's alone time
+    # longer, while the step advances at `gpu_step_pace` of its alone speed. On the H200
+    # (`bench/step_overlap.py`, a Qwen2.5-1.5B layer's forward and backward at 16 x 1024 beside its
+    # 8-bit bf16-master step, 2026-12-01) compute lost 0.34-0.37 of the step; the fidelity trace of
+    # the 1.5B at 40 GiB showed backward windows of 9.4 ms against 8.1 beside 3.5 ms steps (0.37),
+    # each step done in the 8.7-11 ms after its release (a pace of 0.3-0.4). Without a measurement
+    # (1.0, 0.0) every step runs alone after backward, in series with compute.
+    gpu_step_lost: float = 1.0
+    gpu_step_pace: float = 0.0
 
     @property
     def max_budget(self) -> int:

@@ -158,6 +158,8 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
         m += e >= d * (k / hw.d2h_bandwidth) - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
         m += e >= c * k - cap * k
+        if isinstance(model.beside[t], mip.LinExpr):  # NOTE: [Device steps beside compute]
+            m += e >= model.beside[t] * k
         if cuts:  # NOTE: [Exposure cuts] in cuts.py
             for load in (h * (k / hw.h2d_bandwidth) + lag * k, d * (k / hw.d2h_bandwidth),
                          (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k):
@@ -186,7 +188,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     u = 1.0 / model.unit
     m += model.host * u <= hw.host_capacity * u
     m += model.disk * u <= hw.disk_bytes * u
-    step = (model.compute + model.recompute + model.optimizer + mip.xsum(exposed)) * (1.0 / model.unit_s)
+    step = (model.compute + model.recompute + model.serial + mip.xsum(exposed)) * (1.0 / model.unit_s)
     if minimise_memory:
         peak = m.add_var("peak", lb=0.0)
         for t in model.mem + [model.tail]:
@@ -255,13 +257,16 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
     dec = _decisions(v, len(stages), val)
     mem = [int(round(val(t))) for t in model.mem]
     secs = [val(model.cap[t]) + val(exposed[t]) for t in range(len(mem))]
+    beside = min(sum(val(b) for b in model.beside), sum(val(e) for e in exposed))
     tail = tail_bytes(stages, dec, hw)  # exact: the solver may leave its `deferred_steps` above their least
     edges = [("pre", 0, val(exposed[-2]))] + list(zip(model.L.labels(), mem, secs)) + [("tail", tail, val(exposed[-1]))]
     return Plan(
         decisions=tuple(dec), budget=budget, peak_bytes=max(mem + [tail]), host_bytes=int(round(val(model.host))),
-        step_s=val(model.compute + model.recompute + model.optimizer + mip.xsum(exposed)),
-        compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=sum(val(e) for e in exposed),
-        optimizer_s=val(model.optimizer), windows=tuple(edges), solver=info,
+        step_s=val(model.compute + model.recompute + model.serial + mip.xsum(exposed)),
+        # the optimizer stream's share of the windows' exposure is the optimizer's, not the transfers'
+        # (NOTE: [Device steps beside compute])
+        compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=max(0.0, sum(val(e) for e in exposed) - beside),
+        optimizer_s=val(model.serial) + beside, windows=tuple(edges), solver=info,
         disk_bytes=int(sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, dec) if d.disk)),
         disk_s=sum(disk_step_s(g.param_numel, hw) for g, d in zip(stages, dec) if d.disk),
     )

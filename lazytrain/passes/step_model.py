@@ -93,8 +93,15 @@ class StepModel:
         cap = [0.0] * (T + 2)
         self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
         self.recompute = 0.0
+        # device steps: `optimizer` all of them; `serial` those in series with compute; the rest run
+        # on the optimizer stream beside backward (NOTE: [Device steps beside compute])
+        beside = n == 1 and not exact and hw.gpu_step_pace > 0
+        stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
         self.optimizer = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
                                     len(stages.shared_params), hw, M)
+        if beside:
+            stepped[TAIL] += self.optimizer
+        self.serial = 0.0 if beside else self.optimizer
         if stages.shared_numel:  # the shared weights' reduce-scatter and all-gather after backward
             comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
@@ -116,6 +123,10 @@ class StepModel:
             rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
             step_s = gpu_step_s(numel, P, hw, M)
             self.optimizer = self.optimizer + (1 - sig[s]) * step_s
+            if beside:  # released as its backward ends
+                stepped[L.bw(s - 1) if s > 0 else TAIL] += (1 - sig[s]) * step_s
+            else:
+                self.serial = self.serial + (1 - sig[s]) * step_s
             if n > 1:
                 self._sharded(s, g, mem, comm, h2d, d2h, sig, gst)
             else:
@@ -162,6 +173,7 @@ class StepModel:
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
                 mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
             self.optimizer = self.optimizer + gst[s] * step_s
+            self.serial = self.serial + gst[s] * step_s
             # the step runs once its fetch has landed, and the forward waits for it: fetched one
             # window ahead, the step trails the fetch inside that window; two ahead, a window later
             # (NOTE: [GPU-step lag])
@@ -198,6 +210,19 @@ class StepModel:
         hosted = list(range(S, T)) + [TAIL] if not exact else [TAIL, PRE] + [L.fw(j) for j in range(S - 2)]
         for w, done in backlog(m, released, hosted, self.unit_s, due if exact else None).items():
             cpu[w] = cpu[w] + done
+        # NOTE: [Device steps beside compute] in hardware/__init__.py: the optimizer stream runs its
+        # steps in the order released, at `gpu_step_pace` beside compute, and finishes after backward
+        # (the next forward's first stage waits for the last step); compute loses `gpu_step_lost` of
+        # what runs beside it, and what is left after backward runs alone
+        self.beside = [0.0] * (T + 2)  # seconds a window runs longer for the steps beside or after it
+        if beside:
+            windows = [L.bw(w) for w in range(S - 2, -1, -1)] + [TAIL]
+            for w, done in backlog(m, stepped, windows, self.unit_s).items():
+                if w == TAIL:
+                    self.beside[w] = done
+                else:
+                    m += done * (1.0 / self.unit_s) <= cap[w] * (hw.gpu_step_pace / self.unit_s)
+                    self.beside[w] = done * hw.gpu_step_lost
         # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
         R = vars_["R"]
         self.floors.extend(R)
