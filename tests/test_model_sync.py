@@ -171,3 +171,21 @@ def test_save_pretrained_sees_pending_updates(tmp_path):
     assert saved.keys() <= want.keys() and saved
     for name, t in saved.items():
         assert torch.allclose(t, want[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_the_plan_leaves_room_to_apply_a_pending_update_between_steps():
+    """`sync_model()` (and a checkpoint, or `model.state_dict()`) applies a pending GPU update between
+    steps, beside the resident weights, states and gradients: a weight slot and an `opt:S` buffer
+    (NOTE: [Flushed updates] in passes/footprint.py). The plan's tail, and so its peak, counts the
+    largest."""
+    from lazytrain.passes.footprint import flush_bytes
+    from lazytrain.passes.solve import evaluate, tail_bytes
+
+    meta, _, batch = tiny_gpt_pair()
+    _, stages = analyse(meta, batch, HW)
+    decs = decisions(PLAN)
+    flush = max(flush_bytes(stages, s) for s, d in enumerate(decs) if d.gpu_step)
+    no_gpu_steps = [d if not d.gpu_step else decisions(["SRk"])[0] for d in decs]
+    assert flush > 0 and tail_bytes(stages, decs, HW) == tail_bytes(stages, no_gpu_steps, HW) + flush
+    plan = evaluate(stages, HW, 1 << 40, decs)
+    assert plan.peak_bytes >= tail_bytes(stages, decs, HW)

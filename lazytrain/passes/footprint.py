@@ -141,6 +141,18 @@ def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int
     return gpu_step_state_bytes(numel, state_bytes, master) + param_bytes + MASTER_BYTES * numel + twin
 
 
+# NOTE: [Flushed updates] A GPU-stepped streamed stage's update waits for its next prefetch; anything
+# that needs the weights before then (`sync_model`, a checkpoint, `model.state_dict()`) applies it at
+# once, between steps, while the resident weights, states and gradients are held: a weight slot and
+# an `opt:S` buffer beside the tail. Uncounted, calling `sync_model()` after a step of a 14B plan at
+# 40 GiB asked for 3.86 GiB with 3 GiB free and ran out of memory on the H200 (2026-12-01).
+def flush_bytes(stages: Stages, s: int) -> int:
+    """What applying stage `s`'s pending GPU update between steps holds on the device."""
+    g = stages[s]
+    return g.param_bytes + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes,
+                                          g.largest_numel)
+
+
 def backward_workspace(g) -> int:
     """What a stage's backward holds beyond what it saved (pass `backward`, NOTE: [Backward memory]):
     the gradients of its intermediates and its operators' workspace. A chunked stage's working set

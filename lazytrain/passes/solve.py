@@ -83,6 +83,7 @@ from lazytrain.passes.footprint import (
     disk_state_bytes,
     disk_step_s,
     fixed_bytes,
+    flush_bytes,
     resident_bytes,
     resident_grad_bytes,
     shared_grad_bytes,
@@ -280,7 +281,8 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     n = sharding(stages)
     if n > 1:
         return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
-    return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + sum(
+    flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.gpu_step), default=0)  # NOTE: [Flushed updates]
+    return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + sum(
         resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)
         for g, r in zip(stages, resident) if r)
 

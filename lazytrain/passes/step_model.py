@@ -22,6 +22,7 @@ from lazytrain.passes.footprint import (
     disk_state_bytes,
     disk_step_s,
     fixed_bytes,
+    flush_bytes,
     gpu_step_bytes,
     gpu_step_s,
     gpu_step_out_bytes,
@@ -229,6 +230,13 @@ class StepModel:
         for c in range(1, S):
             mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
         self.mem = mem
+        # NOTE: [Flushed updates] in footprint.py: one GPU-stepped stage's update applied between steps
+        if n == 1:
+            flush = m.add_var("flush", lb=0.0)  # in units of `unit` bytes
+            self.floors.append(flush)
+            for s in range(S):
+                m += flush >= (flush_bytes(stages, s) / self.unit) * gst[s]
+            tail = tail + flush * self.unit
         self.tail = tail
         if n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
             self.host = sum(g.param_bytes for g in stages) + stages.shared_bytes + sum(
