@@ -111,3 +111,25 @@ def test_grouped_query_attention_at_the_bench_shape_saves_what_the_plan_counts()
         stage.fn("cpu", *args)
     truth = sum(saved.values())
     assert truth <= layer.saved_bytes <= 1.01 * truth, (truth, layer.saved_bytes)
+
+
+def test_attention_reaches_more_of_the_matmul_rate_as_its_keys_grow():
+    """NOTE: [Attention at length] in passes/costs.py: with `attention_tokens`, the profile's share
+    for fused attention is fraction * T / (T + tokens) over T keys, so a 64x longer sequence's
+    attention costs less than 64^2 times a short one's; without it, one share for every length."""
+    import dataclasses
+
+    from lazytrain.passes.costs import ATTENTION, costs
+
+    def attention_s(hw, seq):
+        meta, _, batch = hf_pair("qwen2", layers=1, batch=1, seq=seq)
+        graph, _ = analyse(meta, batch, hw)
+        table = costs(graph, hw)
+        return sum(table[n.name].time_s for n in graph if n.target in ATTENTION)
+    flat = dataclasses.replace(hardware.load("cpu"), attention_fraction=0.5, attention_tokens=0.0, op_overhead_s=0.0,
+                               mem_bandwidth=1e30)  # compute-bound: time is FLOPs over the rate
+    grows = dataclasses.replace(flat, attention_fraction=0.8, attention_tokens=16.0)
+    assert grows.attention_share(16) == pytest.approx(0.4) and grows.attention_share(48) == pytest.approx(0.6)
+    assert flat.attention_share(16) == flat.attention_share(48) == 0.5
+    assert attention_s(flat, 48) / attention_s(flat, 16) == pytest.approx(9.0, rel=0.05)  # causal: T^2
+    assert attention_s(grows, 48) / attention_s(grows, 16) == pytest.approx(9.0 * 0.4 / 0.6, rel=0.05)

@@ -63,8 +63,10 @@ class Hardware:
     # bf16-master plans allocated up to 1.2 GiB beyond its model there, not yet explained. Plans
     # whose buffers filled the budget ran out of memory with 0.4-1.2 GiB still unallocated.
     allocator_reserve_bytes: int = 0
-    # share of the matmul rate fused attention reaches (NOTE: [Measured operator rates] in passes/costs.py)
+    # share of the matmul rate fused attention reaches (NOTE: [Measured operator rates] in passes/costs.py);
+    # with `attention_tokens`, the share it approaches as the keys grow (NOTE: [Attention at length])
     attention_fraction: float = 1.0
+    attention_tokens: float = 0.0
     # NOTE: [Host steps in a running step] The share of the host optimizer's rates (`cpu_adamw`,
     # `cpu_round`, `host_memcpy`, each measured alone) a host step reaches while the step runs:
     # the copy engines read and write the same host memory, and the main thread issues work beside
@@ -107,6 +109,13 @@ class Hardware:
     def host_capacity(self) -> int:
         """The host memory a plan may use: all of it less the process's own (NOTE: [Host reserve])."""
         return self.host_memory_bytes - (HOST_RESERVE if self.device == "cuda" else 0)
+
+    def attention_share(self, keys: int) -> float:
+        """The share of the matmul rate fused attention over `keys` keys reaches (NOTE: [Attention at
+        length] in passes/costs.py)."""
+        if self.attention_tokens <= 0:
+            return self.attention_fraction
+        return self.attention_fraction * keys / (keys + self.attention_tokens)
 
     def flops_for(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction

@@ -105,6 +105,18 @@ ATTENTION = ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_prod
              "aten._scaled_dot_product_efficient_attention.default")
 
 
+# NOTE: [Attention at length] Fused attention's share of the matmul rate grows with the keys each
+# query reads: its tiles fill and the softmax's fixed costs spread. On the H200, `bench/opcost.py`
+# measured 0.41 at 1024 keys (Qwen2.5 1.5B-14B layers, 2026-11-30), and the 7B at 1 x 65536 ran its
+# layers' forward in 108 ms and backward with recompute in 360 ms (the fidelity trace, 2026-12-01)
+# where one share of 0.41 predicted 164 and 530. The profile's rate is fraction * T / (T + tokens):
+# 0.77 and 900 tokens fit both (0.41 at 1024, 0.76 at 65536). Two lengths only: lengths between them
+# are interpolated, not measured.
+def _keys(node, graph) -> int:
+    k = _in(node, graph, 1)
+    return k.shape[-2] if len(k.shape) >= 2 else 1
+
+
 @rule(*ATTENTION, bwd_factor=2.5)
 def _sdpa(node, graph):
     q, k = _in(node, graph, 0), _in(node, graph, 1)
@@ -240,7 +252,7 @@ def costs(graph: Graph, hw: Hardware) -> dict[str, NodeCost]:
         flops = r.flops(node, graph)
         nbytes = 0.0 if alias else float(value_bytes(node.value) + sum(value_bytes(graph[i].value) for i in set(node.inputs())))
         dtype = next((s.dtype for s in _specs(node)), "float32")
-        rate = hw.flops_for(dtype) * (hw.attention_fraction if node.target in ATTENTION else 1.0)
+        rate = hw.flops_for(dtype) * (hw.attention_share(_keys(node, graph)) if node.target in ATTENTION else 1.0)
         t = 0.0 if alias else max(flops / rate, r.passes * nbytes / hw.bytes_per_s) + hw.op_overhead_s
         bwd = t * (r.bwd_factor if r.alias == alias else 1.0)
         table[node.name] = NodeCost(flops, nbytes, t, bwd + _gradient_sums_s(node, users[node.name], rg, hw), alias)
