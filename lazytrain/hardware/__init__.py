@@ -59,9 +59,10 @@ class Hardware:
     runtime_bytes: int = 0
     # NOTE: [Allocator reserve] GPU memory a plan leaves free inside its budget: the caching
     # allocator's budget counts what it reserved, and at the cap it could not give back 0.35-0.47
-    # GiB of partly used 2 MiB pages (expandable segments, H200, 2026-11-30); and the chunked loss of
-    # bf16-master plans allocated up to 1.2 GiB beyond its model there, not yet explained. Plans
-    # whose buffers filled the budget ran out of memory with 0.4-1.2 GiB still unallocated.
+    # GiB of partly used 2 MiB pages (expandable segments, H200, 2026-11-30); and bf16-master plans
+    # allocated up to 1.2 GiB beyond their model by the chunked loss (what each layer's attention
+    # saved, counted short until NOTE: [Layouts that decide a copy]). Plans whose buffers filled
+    # the budget ran out of memory with 0.4-1.2 GiB still unallocated.
     allocator_reserve_bytes: int = 0
     # share of the matmul rate fused attention reaches (NOTE: [Measured operator rates] in passes/costs.py);
     # with `attention_tokens`, the share it approaches as the keys grow (NOTE: [Attention at length])

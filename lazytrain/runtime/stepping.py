@@ -38,6 +38,8 @@ gradient norm's read) runs in `streams.compute_context()`. Then:
   - gradients a step reads are `record_stream`ed on that stream: the next step drops them while
     the step may still run.
 Without clipping, resident steps overlap the rest of backward; with it, they overlap the next forward.
+The plan counts what a step beside backward costs compute and how fast it advances there (NOTE:
+[Device steps beside compute] in hardware/__init__.py).
 """
 
 from __future__ import annotations
