@@ -29,13 +29,15 @@ FORMAT = 1  # bump when the plan's fields change meaning
 
 
 def code_digest() -> str:
-    """A hash of the step model's code: every pass and the hardware module (its reserves). A plan
-    cached by other code may count memory another way (the bf16 rounding noise, say, added after
-    plans were cached without it), so a change anywhere there is a new key: no hand bump to forget."""
+    """A hash of the step model's code: every pass, the hardware module (its reserves) and the
+    optimizer (its twins' piece size). A plan cached by other code may count memory another way (the
+    bf16 rounding noise, say, added after plans were cached without it), so a change anywhere there
+    is a new key: no hand bump to forget."""
     if _DIGEST:
         return _DIGEST[0]
     root = Path(__file__).resolve().parents[1]
-    files = sorted((root / "passes").glob("*.py")) + [root / "hardware" / "__init__.py"]
+    # runtime/optim.py: the twins' piece size the memory model counts (NOTE: [Twin chunks])
+    files = sorted((root / "passes").glob("*.py")) + [root / "hardware" / "__init__.py", root / "runtime" / "optim.py"]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
