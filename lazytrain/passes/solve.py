@@ -42,7 +42,7 @@ run one after the other. With the fetch one window ahead (F(s-1)) both must fit 
 the step's time is charged there after the window's transfers (`lag`). Measured on the 7B bench at
 24 GiB: the forward waited about 10 ms per block for this chain when the window model alone saw
 the transfers hidden. Fetched two windows ahead (`ahead`), the step runs in the next window, beside
-that window's compute. The step's time still counts once in `optimizer`: the device shares its SMs
+that window's compute. The step's time still counts once, in series (`serial`): the device shares its SMs
 and memory bandwidth between the two streams.
 
 NOTE: [State precision per stage]

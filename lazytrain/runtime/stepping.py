@@ -38,6 +38,15 @@ gradient norm's read) runs in `streams.compute_context()`. Then:
   - gradients a step reads are `record_stream`ed on that stream: the next step drops them while
     the step may still run.
 Without clipping, resident steps overlap the rest of backward; with it, they overlap the next forward.
+
+NOTE: [Step allocations] The caching allocator reuses a freed block only for the stream it was
+allocated on, and at its cap it frees every cached block (a device-wide sync) and maps pages again.
+The plan counts one pool. So the large tensors a device step makes come from the compute stream's
+pool, where backward has just freed as much: the fp32 gradients of fp32 masters are converted there
+before the step is issued (the step's stream keeps them with `record_stream`), and bf16 masters'
+twins are made in pieces (NOTE: [Twin chunks] in optim.py). Made on the optimizer stream at a
+tight budget, the 1.5B's 0.93 GB fp32 embedding gradient took 69 ms against the plan's 2 ms and the
+forward after it paged memory in again (H200, 40 GiB, 9 cache flushes in 5 steps, 2026-12-01).
 The plan counts what a step beside backward costs compute and how fast it advances there (NOTE:
 [Device steps beside compute] in hardware/__init__.py).
 """
@@ -142,8 +151,9 @@ class Stepping:
         names = self._names(s)
         hyper = self.optimizer.hyperparameters(self._group(s))  # a later LR scheduler step must not reach it
 
-        def step():
-            self._absorb_grads(stage=s)
+        def step(absorb: bool = True):
+            if absorb:
+                self._absorb_grads(stage=s)
             if coef != 1.0:
                 for p in names:
                     if self.store.home[p].grad is not None:
@@ -165,9 +175,12 @@ class Stepping:
             if self.sharded:  # gathered at its next prefetch, or by synchronize()
                 self.pending_gather.add(s)
         else:
+            with self.streams.compute_context():  # NOTE: [Step allocations]
+                self._absorb_grads(stage=s)
+
             def device_step():
                 grads = [t.grad for p in names for t in (self.store.work[p], self.store.home[p]) if t.grad is not None]
-                step()
+                step(absorb=False)
                 self.store.refresh_work(names)
                 if self.cuda:  # the next step drops these gradients while this stream may still read them
                     for g in grads:
