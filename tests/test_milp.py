@@ -303,3 +303,33 @@ def test_host_steps_take_two_columns_per_window():
     m, *_ = _build(stages, HW, int(smallest_budget(stages, HW) * 1.5), minimise_memory=False)
     host = [var for var in m.vars if var.name.startswith(("cpu", "backlog"))]
     assert 0 < len(host) <= 2 * (len(stages) + 1)
+
+
+def test_a_search_that_never_returns_is_killed_and_solved_again_without_presolve(monkeypatch):
+    """NOTE: [Presolve watchdog] in passes/milp.py: HiGHS's presolve can loop past its time limit.
+    Here the first search (with presolve) never returns; the compile kills it after the time limit
+    and its grace, and a second search without presolve answers."""
+    import time
+
+    pytest.importorskip("highspy")
+    monkeypatch.setattr(milp, "solver_name", lambda: "highs")
+    monkeypatch.setattr(milp, "WATCHDOG_GRACE_S", 0.5)
+    run = milp._highs_run
+    tries = []
+
+    def hangs_with_presolve(m, time_limit, gap, start, presolve):
+        tries.append(presolve)
+        if presolve:
+            time.sleep(3600)
+        return run(m, time_limit, gap, start, presolve)
+    monkeypatch.setattr(milp, "_highs_run", hangs_with_presolve)
+    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    m.verbose = 0
+    x = [m.add_var(var_type=mip.BINARY) for _ in range(4)]
+    m += mip.xsum(x) >= 2
+    m.objective = mip.minimize(mip.xsum((i + 1) * v for i, v in enumerate(x)))
+    began = time.perf_counter()
+    r = milp.optimize(m, 1.0, 1e-4)
+    assert time.perf_counter() - began < 30
+    assert r.found and r.solver == "highs" and r.objective == pytest.approx(3.0)
+    assert tries == [False]  # the hanging try ran in the killed child, not here

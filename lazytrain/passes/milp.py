@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import mip
@@ -102,13 +103,58 @@ def _cbc(m, time_limit, gap, start) -> Result:
                   t1 - t0, t2 - t1)
 
 
+# NOTE: [Presolve watchdog] HiGHS's MIP presolve can loop without end and does not look at its time
+# limit there (`HPresolve::strengthenInequalities`: the 72B shape at 24 GiB, 2026-12-01, after the
+# saved-bytes rules changed its coefficients; a known class of HiGHS bugs). So the search runs in a
+# forked child that the compile waits for until the time limit (plus a grace); a child still running
+# then is killed, and HiGHS runs again here without presolve, which that model solved in 0.4 s. Not
+# always so: without presolve the 72B shape at the full device took 44 s against 13-17 s with it, so
+# presolve stays the first try. A fork keeps the plan deterministic: the same solver and options
+# whenever the child answers in time.
+WATCHDOG_GRACE_S = 5.0
+
+
 def _highs(m, time_limit, gap, start) -> Result:
+    import multiprocessing
+
+    if os.name != "posix" or os.environ.get("LAZYTRAIN_NO_WATCHDOG"):
+        return _highs_run(m, time_limit, gap, start, presolve=True)
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(_highs_run(m, time_limit, gap, start, presolve=True))
+        finally:
+            send.close()
+    t0 = time.perf_counter()
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if recv.poll(time_limit + WATCHDOG_GRACE_S):
+            return recv.recv()
+    except EOFError:  # the child died without an answer
+        pass
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()
+    spent = time.perf_counter() - t0
+    r = _highs_run(m, time_limit, gap, start, presolve=False)
+    return dataclasses.replace(r, search_s=r.search_s + spent)
+
+
+def _highs_run(m, time_limit, gap, start, presolve: bool) -> Result:
     import highspy
     import numpy as np
 
     t0 = time.perf_counter()
     h = getattr(highspy, "_Highs", highspy.Highs)()  # the bare solver: the `Highs` wrapper prints a banner to stdout
     h.setOptionValue("output_flag", False)
+    if not presolve:
+        h.setOptionValue("presolve", "off")
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("time_limit", float(time_limit))
