@@ -225,18 +225,17 @@ def _copying_reshape(node: Node, graph: Graph, table: dict) -> bool:
 
 def _free_contiguous(node: Node, graph: Graph, table: dict) -> bool:
     """`contiguous` of fused attention's output transposed back to [B, T, H, D] (NOTE: [Layouts that
-    decide a copy])."""
-    if node.target != "aten.contiguous.default":
-        return False
+    decide a copy]): through views, reshapes and one transpose of dimensions 1 and 2."""
     src = next(node.inputs(), None)
-    chain = _through_views(src, graph, table) if src is not None else []
-    return (len(chain) >= 2 and chain[-1].target in ATTENTION and all(v.target in ("aten.transpose.int", "aten.reshape.default",
-            "aten.view.default") for v in chain[:-1]) and sum(v.target == "aten.transpose.int" for v in chain[:-1]) == 1
-            and _swaps_heads_and_tokens(chain[:-1]))
+    if node.target != "aten.contiguous.default" or src is None:
+        return False
+    *views, base = _through_views(src, graph, table)
+    transposes = [v for v in views if v.target == "aten.transpose.int"]
+    return (base.target in ATTENTION and len(transposes) == 1 and _swaps_heads_and_tokens(transposes[0])
+            and all(v.target in ("aten.transpose.int", "aten.reshape.default", "aten.view.default") for v in views))
 
 
-def _swaps_heads_and_tokens(views: list[Node]) -> bool:
-    t = next(v for v in views if v.target == "aten.transpose.int")
+def _swaps_heads_and_tokens(t: Node) -> bool:
     dims = {a for a in t.args[1:3] if isinstance(a, int)} if len(t.args) >= 3 else set()
     return dims in ({1, 2}, {-3, -2})
 

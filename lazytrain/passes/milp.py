@@ -24,9 +24,9 @@ the root closes (7B, 72B at 24 and 48 GiB) do not branch and are unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import mip

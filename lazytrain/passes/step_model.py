@@ -96,13 +96,13 @@ class StepModel:
         self.recompute = 0.0
         # device steps: `optimizer` all of them; `serial` those in series with compute; the rest run
         # on the optimizer stream beside backward (NOTE: [Device steps beside compute])
-        beside = n == 1 and not exact and hw.gpu_step_pace > 0
+        on_stream = n == 1 and not exact and hw.gpu_step_pace > 0
         stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
         self.optimizer = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
                                     len(stages.shared_params), hw, M)
-        if beside:
+        if on_stream:
             stepped[TAIL] += self.optimizer
-        self.serial = 0.0 if beside else self.optimizer
+        self.serial = 0.0 if on_stream else self.optimizer
         if stages.shared_numel:  # the shared weights' reduce-scatter and all-gather after backward
             comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
@@ -124,7 +124,7 @@ class StepModel:
             rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
             step_s = gpu_step_s(numel, P, hw, M)
             self.optimizer = self.optimizer + (1 - sig[s]) * step_s
-            if beside:  # released as its backward ends
+            if on_stream:  # released as its backward ends
                 stepped[L.bw(s - 1) if s > 0 else TAIL] += (1 - sig[s]) * step_s
             else:
                 self.serial = self.serial + (1 - sig[s]) * step_s
@@ -216,7 +216,7 @@ class StepModel:
         # (the next forward's first stage waits for the last step); compute loses `gpu_step_lost` of
         # what runs beside it, and what is left after backward runs alone
         self.beside = [0.0] * (T + 2)  # seconds a window runs longer for the steps beside or after it
-        if beside:
+        if on_stream:
             windows = [L.bw(w) for w in range(S - 2, -1, -1)] + [TAIL]
             for w, done in backlog(m, stepped, windows, self.unit_s).items():
                 if w == TAIL:

@@ -185,27 +185,34 @@ class _Staged:
         gradients die on return, before the next parameter's are made (NOTE: [Resident steps] in
         passes/footprint.py). `offset`: where `p` starts in its whole parameter (NOTE: [Sharded
         state] in sharding.py)."""
-        pieces = _twin_pieces(view.state[p], p.numel())
-        if len(pieces) > 1 and not view.state[p]:  # the first step: the whole state, as a one-piece step makes it
+        numel = p.numel()
+        pieces = _twin_pieces(view.state[p], numel)
+        if len(pieces) == 1:  # the tensor whole, in its shape (its state's shape)
+            view.state[p], _ = self._step_piece(view, index, i, p.detach(), p.grad, view.state[p], offset)
+            return
+        if not view.state[p]:  # the first step: the whole state, as a one-piece step makes it
             widen = lambda shape, dtype: torch.zeros(shape, dtype=torch.float32 if dtype.is_floating_point else dtype,
                                                      device=p.device)
             view.state[p] = self.fresh_state(index, p.detach(), widen)
-        whole, seed, stepped = view.state[p], None, None
-        # one piece keeps the tensor's shape (its state's shape); pieces are flat slices
-        flat, grad = (p.detach(), p.grad) if len(pieces) == 1 else (p.detach().view(-1), p.grad.view(-1))
+        whole, flat, grad, seed = view.state[p], p.detach().view(-1), p.grad.view(-1), None
         for lo, hi in pieces:
-            twin = _fp32(flat if len(pieces) == 1 else flat[lo:hi], "master")
-            twin.grad = _fp32(grad if len(pieces) == 1 else grad[lo:hi], "grad")
-            state = defaultdict(dict, {twin: whole if len(pieces) == 1 else _state_piece(whole, lo, hi, p.numel())})
-            self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], state))
-            stepped = state[twin]
-            if len(pieces) == 1:
-                view.state[p] = stepped
-            seed = self.sr_seed(index, i, stepped) if seed is None else seed  # its step count, once
-            with torch.no_grad():
-                round_stochastic_(flat if len(pieces) == 1 else flat[lo:hi], twin, seed, offset=offset + lo)
-        if len(pieces) > 1:
-            whole["step"] = stepped["step"]  # every piece stepped the count it started from once
+            stepped, seed = self._step_piece(view, index, i, flat[lo:hi], grad[lo:hi], _state_piece(whole, lo, hi, numel),
+                                             offset + lo, seed)
+        whole["step"] = stepped["step"]  # every piece stepped the count it started from once
+
+    def _step_piece(self, view, index: int, i: int, weights: torch.Tensor, grad: torch.Tensor, state: dict,
+                    offset: int, seed: int | None = None) -> tuple[dict, int]:
+        """`weights` (bf16, a view of parameter `i` of group `index` or all of it) stepped through an
+        fp32 twin with `state`, then rounded back with `seed` (None: the parameter's next, drawn once
+        per step); the state after the step, and the seed."""
+        twin = _fp32(weights, "master")
+        twin.grad = _fp32(grad, "grad")
+        states = defaultdict(dict, {twin: state})
+        self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], states))
+        seed = self.sr_seed(index, i, states[twin]) if seed is None else seed
+        with torch.no_grad():
+            round_stochastic_(weights, twin, seed, offset=offset)
+        return states[twin], seed
 
     def _step(self, view) -> None:
         view.step()
@@ -245,17 +252,22 @@ def _twin_pieces(state: dict, numel: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + TWIN_CHUNK, numel)) for lo in range(0, numel, TWIN_CHUNK)]
 
 
+def _sliced(key: str, v) -> bool:
+    """Whether state entry `key` holds values per element or per quantisation block (not a scalar,
+    nor bitsandbytes' shared quantisation map)."""
+    return torch.is_tensor(v) and v.dim() > 0 and not key.startswith("qmap")
+
+
+def _block(v: torch.Tensor, numel: int) -> int:
+    """Elements per value of a state tensor over a `numel`-element parameter (1: per element)."""
+    return -(-numel // v.numel())
+
+
 def _cuttable(state: dict, numel: int) -> bool:
     """Whether every tensor of `state` is per element, or per quantisation block of a size that
     divides `TWIN_CHUNK` (bitsandbytes' absmax), so a piece's state is a slice of each."""
-    for key, v in state.items():
-        if not torch.is_tensor(v) or v.dim() == 0 or key.startswith("qmap"):
-            continue
-        if v.numel() != numel:
-            block = -(-numel // v.numel())
-            if TWIN_CHUNK % block or -(-numel // block) != v.numel():
-                return False
-    return True
+    return all(TWIN_CHUNK % _block(v, numel) == 0 and -(-numel // _block(v, numel)) == v.numel()
+               for key, v in state.items() if _sliced(key, v) and v.numel() != numel)
 
 
 def _state_piece(state: dict, lo: int, hi: int, numel: int) -> dict:
@@ -265,13 +277,11 @@ def _state_piece(state: dict, lo: int, hi: int, numel: int) -> dict:
     for key, v in state.items():
         if key == "step":
             piece[key] = v.clone() if torch.is_tensor(v) else v
-        elif not torch.is_tensor(v) or v.dim() == 0 or key.startswith("qmap"):
-            piece[key] = v
-        elif v.numel() == numel:
-            piece[key] = v.view(-1)[lo:hi]
-        else:  # one value per quantisation block of `block` elements
-            block = -(-numel // v.numel())
+        elif _sliced(key, v):
+            block = _block(v, numel)
             piece[key] = v.view(-1)[lo // block:-(-hi // block)]
+        else:
+            piece[key] = v
     return piece
 
 
