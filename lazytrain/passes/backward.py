@@ -14,11 +14,20 @@ through without a copy. The step model used to bound this by everything saved pl
 live peak; on the H200, for a Qwen2.5-7B layer at 32 x 1024 tokens recomputed in its backward,
 that bound was 11.2 GiB where the allocator saw 9.25 GiB, and every backward window of a 24 GiB
 plan stood 2 GiB over the measured one (the fidelity trace, 2026-11-30).
+
+NOTE: [Gradients handed through]
+Autograd does not copy every gradient. `add` hands the gradient of its result to both inputs as
+the same tensor when neither is broadcast or cast, so a residual stream's gradient is the layer
+output's own (the runtime's `grad:S`) until a second gradient reaches it; a second gradient is
+then summed in place into a gradient the value owns, or, where the first is shared, into a tensor
+of its own, and at that node both parts exist. Counting a copy at each `add`, a Qwen2.5-7B layer's
+backward stood 7168 bytes a token over what the allocator held (82944 against 75776 beside its
+weights' gradients, bench/stage_memory.py on the H200, 2026-12-01, at 32 x 1024 and 1 x 65536).
 """
 
 from __future__ import annotations
 
-from lazytrain.ir.graph import Graph, OpKind, value_bytes
+from lazytrain.ir.graph import Graph, OpKind, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
 from lazytrain.passes.memory import backward_internal_bytes
 from lazytrain.passes.saved import saved_internal
@@ -42,22 +51,46 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
     readers = {v: set(kept.get(v, ())) & inside for v in saved_values}
     internal = {n: saved_internal(graph[n], graph) for n in names}
     held = sum(saved.values()) + sum(internal.values())
-    grads: dict[str, int] = {}  # base value -> bytes of its gradient
+    # NOTE: [Gradients handed through]: base value -> the tensor holding its gradient, by id; a
+    # stage output's gradient is a buffer of its own (`grad:S`), here a tensor of 0 bytes
+    grads: dict[str, int] = {}
+    sizes: dict[int, int] = {}
+
+    def tensor(nbytes: int) -> int:
+        sizes[len(sizes)] = nbytes
+        return len(sizes) - 1
+
+    def live() -> int:
+        return sum(sizes[k] for k in set(grads.values()))
+
     ours = {base(n) for n in names} - {base(o) for o in outputs}
     peak = held
     for n in reversed(names):
         node = graph[n]
         if node.op is not OpKind.CALL or n not in rg or costs[n].alias:
             continue
-        new = {}
-        for i in node.inputs():
+        through = handed_through(node, graph)
+        out = grads.get(base(n))
+        new: dict[str, int] = {}
+        made = 0  # bytes of gradients this node makes beside the ones it ends up in
+        for i in dict.fromkeys(node.inputs()):
             b = base(i)
-            if i in rg and b in inside and b in ours and b not in grads and graph[b].op is not OpKind.PARAM:
-                new[b] = value_bytes(graph[b].value)
+            if not (i in rg and b in inside and b in ours and graph[b].op is not OpKind.PARAM) or b in new:
+                continue
+            if b not in grads:
+                new[b] = (out if out is not None else tensor(0)) if i in through else tensor(value_bytes(graph[b].value))
+                made += 0 if i in through else sizes[new[b]]
+                continue
+            # a second gradient for `b`, summed into the first: in place where the first is its
+            # own, else into a tensor of its own (the first is another value's too)
+            part = value_bytes(graph[b].value)
+            made += part
+            if sum(1 for k in grads.values() if k == grads[b]) > 1 or sizes[grads[b]] == 0:
+                new[b] = tensor(part)
         # a parameter whose gradient exists already (a tied weight a later stage read) gets this
         # node's part as a tensor of its own, added in after
         adding = sum(graph[i].spec.nbytes for i in set(node.inputs()) & accumulating)
-        peak = max(peak, held + sum(grads.values()) + sum(new.values()) + backward_internal_bytes(node, graph) + adding)
+        peak = max(peak, held + live() + made + backward_internal_bytes(node, graph) + adding)
         grads.update(new)
         grads.pop(base(n), None)
         held -= internal.pop(n, 0)
@@ -67,3 +100,16 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
                 held -= saved.pop(v)
                 del readers[v]
     return peak
+
+
+def handed_through(node, graph: Graph) -> set[str]:
+    """The inputs whose gradient autograd hands over as the node's output gradient itself, with
+    no copy: both sides of an `add` of the output's shape and dtype (NOTE: [Gradients handed
+    through])."""
+    if node.target != "aten.add.Tensor" or dict(node.kwargs).get("alpha", 1) != 1 or not isinstance(node.value, TensorSpec):
+        return set()
+    ins = list(node.inputs())
+    if len(set(ins)) != len(ins):
+        return set()
+    return {i for i in ins if isinstance(graph[i].value, TensorSpec)
+            and graph[i].spec.shape == node.value.shape and graph[i].spec.dtype == node.value.dtype}

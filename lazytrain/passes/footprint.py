@@ -172,6 +172,16 @@ def chunk_workspace(stages: Stages, s: int) -> int:
     return max(g.peak_bytes, stages.weight_bytes(s) + g.peak_bytes // 4)
 
 
+def forward_workspace(g) -> int:
+    """A forward without autograd's working set beside its outputs, which `act:S` holds: its
+    liveness peak counts them from the node that makes them. Counted beside them, every forward
+    window of a 7B plan at 1 x 65536 stood one layer output (448 MiB) over the measured one (H200,
+    2026-12-01); the peak comes in the MLP, before the output exists."""
+    if g.chunks > 1:
+        return 0
+    return max(0, g.peak_bytes - (g.out_bytes if g.consumers else 0))
+
+
 def saving_workspace(g) -> int:
     """A saving forward's own working set beside what it saves and outputs: the values on their way
     to what autograd keeps, and its operators' workspace (NOTE: [Operator workspace] in memory.py)."""

@@ -35,6 +35,7 @@ from lazytrain.passes.footprint import (
     gpu_step_s,
     deferred_step_bytes,
     fixed_bytes,
+    forward_workspace,
     gpu_step_bytes,
     gpu_step_out_bytes,
     gpu_step_state_bytes,
@@ -290,7 +291,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
         # a saving forward holds its operators' own workspace beside what it saves (NOTE: [Operator workspace])
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
-               allocs=allocs, workspace=saving_workspace(g) if save else 0 if g.chunks > 1 else g.peak_bytes)
+               allocs=allocs, workspace=saving_workspace(g) if save else forward_workspace(g))
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late
@@ -319,11 +320,11 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 j -= 1
             for i in range(j, s):  # regenerate the dropped segment bottom-up
                 b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + weights(i) + acts_in(i),
-                       allocs=(f"act:{i}",), workspace=stages[i].peak_bytes)
+                       allocs=(f"act:{i}",), workspace=forward_workspace(stages[i]))
         save = not dec[s].recompute and g.chunks == 1
         reads = ("fixed",) + weights(s) + acts_in(s) + ((f"saved:{s}",) if save else ()) + \
             ((f"grad:{s}",) if g.grad_outputs else ())
-        allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].consumers[-1] == s) + \
+        allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].grad_outputs and stages.grad_maker(p) == s) + \
             ((f"g:{s}",) if dec[s].stream else (rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in rgrads else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,

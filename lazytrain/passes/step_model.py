@@ -23,6 +23,7 @@ from lazytrain.passes.footprint import (
     disk_step_s,
     fixed_bytes,
     flush_bytes,
+    forward_workspace,
     gpu_step_bytes,
     gpu_step_s,
     gpu_step_out_bytes,
@@ -182,7 +183,7 @@ class StepModel:
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
-            mem[L.fw(s)] = mem[L.fw(s)] + g.peak_bytes * rec[s] + saving_workspace(g) * (1 - rec[s])
+            mem[L.fw(s)] = mem[L.fw(s)] + forward_workspace(g) * rec[s] + saving_workspace(g) * (1 - rec[s])
             mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + recompute_workspace(g) * rec[s]
             if chunked:  # one chunk's forward and backward
                 mem[L.bw(s)] = mem[L.bw(s)] + chunk_workspace(stages, s)
@@ -200,7 +201,7 @@ class StepModel:
                     mem[t] = mem[t] + g.out_bytes * off[s]
                 for t in (L.fw(s), L.fw(s + 1)):
                     mem[t] = mem[t] + g.out_bytes * drop[s]
-                for t in range(L.bw(cmax), L.bw(s) + 1):
+                for t in range(L.bw(stages.grad_maker(s)), L.bw(s) + 1):
                     mem[t] = mem[t] + g.grad_out_bytes
                 if cmax < S - 1:
                     self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
