@@ -305,31 +305,56 @@ def test_host_steps_take_two_columns_per_window():
     assert 0 < len(host) <= 2 * (len(stages) + 1)
 
 
-def test_a_search_that_never_returns_is_killed_and_solved_again_without_presolve(monkeypatch):
-    """NOTE: [Presolve watchdog] in passes/milp.py: HiGHS's presolve can loop past its time limit.
-    Here the first search (with presolve) never returns; the compile kills it after the time limit
-    and its grace, and a second search without presolve answers."""
-    import time
-
-    pytest.importorskip("highspy")
-    monkeypatch.setattr(milp, "solver_name", lambda: "highs")
-    monkeypatch.setattr(milp, "WATCHDOG_GRACE_S", 0.5)
-    run = milp._highs_run
-    tries = []
-
-    def hangs_with_presolve(m, time_limit, gap, start, presolve):
-        tries.append(presolve)
-        if presolve:
-            time.sleep(3600)
-        return run(m, time_limit, gap, start, presolve)
-    monkeypatch.setattr(milp, "_highs_run", hangs_with_presolve)
+def _tiny_mip():
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0
     x = [m.add_var(var_type=mip.BINARY) for _ in range(4)]
     m += mip.xsum(x) >= 2
     m.objective = mip.minimize(mip.xsum((i + 1) * v for i, v in enumerate(x)))
+    return m
+
+
+@pytest.mark.parametrize("says_presolved", [False, True])
+def test_a_search_that_never_returns_is_killed_and_solved_again_without_presolve(monkeypatch, says_presolved):
+    """NOTE: [Presolve watchdog] in passes/milp.py: HiGHS's presolve can loop past its time limit.
+    Here the first search (with presolve) never returns. Still in presolve, it is killed once
+    presolve has had its `PRESOLVE_LIMIT_S`, long before the 60 s time limit; past presolve, at the
+    time limit and its grace. Then a second search without presolve answers."""
+    import time
+
+    pytest.importorskip("highspy")
+    monkeypatch.setattr(milp, "solver_name", lambda: "highs")
+    monkeypatch.setattr(milp, "WATCHDOG_GRACE_S", 0.5)
+    monkeypatch.setattr(milp, "PRESOLVE_LIMIT_S", 0.5)
+    run = milp._highs_run
+    tries = []
+
+    def hangs_with_presolve(m, time_limit, gap, start, presolve, presolved=None):
+        tries.append(presolve)
+        if presolve:
+            if says_presolved:
+                presolved()
+            time.sleep(3600)
+        return run(m, time_limit, gap, start, presolve)
+    monkeypatch.setattr(milp, "_highs_run", hangs_with_presolve)
+    time_limit = 3.0 if says_presolved else 60.0
     began = time.perf_counter()
-    r = milp.optimize(m, 1.0, 1e-4)
-    assert time.perf_counter() - began < 30
+    r = milp.optimize(_tiny_mip(), time_limit, 1e-4)
+    spent = time.perf_counter() - began
+    assert (time_limit < spent < time_limit + 20) if says_presolved else spent < 20
     assert r.found and r.solver == "highs" and r.objective == pytest.approx(3.0)
     assert tries == [False]  # the hanging try ran in the killed child, not here
+
+
+def test_the_search_says_when_its_presolve_has_ended():
+    """The child's signal: HiGHS's first MIP interrupt callback, once, on a model it branches on."""
+    pytest.importorskip("highspy")
+    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    m.verbose = 0
+    x = [m.add_var(var_type=mip.INTEGER, ub=9) for _ in range(12)]
+    for k in range(3):
+        m += mip.xsum(((7 * i + 3 * k) % 11 + 1) * v for i, v in enumerate(x)) >= 23 + 5 * k
+    m.objective = mip.minimize(mip.xsum(((5 * i) % 13 + 2) * v for i, v in enumerate(x)))
+    calls = []
+    r = milp._highs_run(m, 10.0, 0.0, None, presolve=True, presolved=lambda: calls.append(1))
+    assert r.found and calls == [1]

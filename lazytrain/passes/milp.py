@@ -106,12 +106,17 @@ def _cbc(m, time_limit, gap, start) -> Result:
 # NOTE: [Presolve watchdog] HiGHS's MIP presolve can loop without end and does not look at its time
 # limit there (`HPresolve::strengthenInequalities`: the 72B shape at 24 GiB, 2026-12-01, after the
 # saved-bytes rules changed its coefficients; a known class of HiGHS bugs). So the search runs in a
-# forked child that the compile waits for until the time limit (plus a grace); a child still running
-# then is killed, and HiGHS runs again here without presolve, which that model solved in 0.4 s. Not
-# always so: without presolve the 72B shape at the full device took 44 s against 13-17 s with it, so
-# presolve stays the first try. A fork keeps the plan deterministic: the same solver and options
-# whenever the child answers in time.
+# forked child, which says when presolve has ended (HiGHS's first MIP interrupt callback comes from
+# the search after it). A child that has not said so within `PRESOLVE_LIMIT_S`, or not answered
+# within the time limit (plus a grace), is killed, and HiGHS runs again here without presolve, which
+# that model solved in 0.4 s. Not always so: without presolve the 72B shape at the full device took
+# 44 s against 13-17 s with it, so presolve stays the first try. Presolve took at most PRESOLVE_SEEN_S
+# on the bench's models (the 72B shape, 2-core machine, 2026-12-01); waiting the whole time limit
+# for a hung one cost that compile 65 s. A fork keeps the plan deterministic: the same solver and
+# options whenever the child answers in time.
 WATCHDOG_GRACE_S = 5.0
+PRESOLVE_LIMIT_S = 10.0
+_PRESOLVED = "presolved"
 
 
 def _highs(m, time_limit, gap, start) -> Result:
@@ -124,7 +129,7 @@ def _highs(m, time_limit, gap, start) -> Result:
 
     def child():
         try:
-            send.send(_highs_run(m, time_limit, gap, start, presolve=True))
+            send.send(_highs_run(m, time_limit, gap, start, presolve=True, presolved=lambda: send.send(_PRESOLVED)))
         finally:
             send.close()
     t0 = time.perf_counter()
@@ -132,8 +137,12 @@ def _highs(m, time_limit, gap, start) -> Result:
     proc.start()
     send.close()
     try:
-        if recv.poll(time_limit + WATCHDOG_GRACE_S):
-            return recv.recv()
+        if recv.poll(min(PRESOLVE_LIMIT_S, time_limit + WATCHDOG_GRACE_S)):
+            answer = recv.recv()
+            if answer != _PRESOLVED:
+                return answer
+            if recv.poll(max(0.0, time_limit + WATCHDOG_GRACE_S - (time.perf_counter() - t0))):
+                return recv.recv()
     except EOFError:  # the child died without an answer
         pass
     finally:
@@ -146,7 +155,8 @@ def _highs(m, time_limit, gap, start) -> Result:
     return dataclasses.replace(r, search_s=r.search_s + spent)
 
 
-def _highs_run(m, time_limit, gap, start, presolve: bool) -> Result:
+def _highs_run(m, time_limit, gap, start, presolve: bool, presolved=None) -> Result:
+    """HiGHS on `m`; `presolved()` is called once, when the search after presolve begins."""
     import highspy
     import numpy as np
 
@@ -202,6 +212,12 @@ def _highs_run(m, time_limit, gap, start, presolve: bool) -> Result:
         sol.col_value = x
         sol.value_valid = True
         h.setSolution(sol)
+    if presolved is not None:
+        def interrupt(*_):
+            h.stopCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+            presolved()
+        h.setCallback(interrupt, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
     t1 = time.perf_counter()
     h.run()
     t2 = time.perf_counter()
