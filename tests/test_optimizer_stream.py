@@ -59,3 +59,28 @@ def test_profiles_without_a_measurement_keep_steps_in_series():
     assert (hw.gpu_step_lost, hw.gpu_step_pace) == (1.0, 0.0)
     plan, base, steps, shared = _resident("off", lost=1.0, pace=0.0)
     assert plan.step_s == pytest.approx(base + sum(steps) + shared, rel=1e-6)
+
+
+def test_a_streamed_step_runs_beside_its_windows_transfers():
+    """NOTE: [GPU-step lag] in passes/solve.py: a GPU-stepped streamed stage's step is compute-stream
+    work of F(s-1), beside which that window's transfers run. With every window bound by its
+    transfers, a slower step costs only where it trails its fetch (stages 0 and 1, fetched one
+    window ahead) and for the tied weights, stepped after backward; fetched two ahead, the
+    transfers hide it. Charged beside the transfers too, the
+    14B plan at 24 GiB was predicted 11 % slow on the H200."""
+    meta, _, batch = tiny_gpt_pair()
+    slow_link = dict(h2d_bandwidth=1e5, d2h_bandwidth=1e5, duplex_bandwidth=1e5)  # seconds a window
+    hw = dataclasses.replace(hardware.load("cpu"), gpu_adamw_params_per_s=1e5, **slow_link)  # 0.13 s a block
+    _, stages = analyse(meta, batch, hw)
+    stages = dataclasses.replace(stages, clipping="off")  # GPU steps in the forward cannot know the global norm
+    S = len(stages)  # streamed stages recompute, but the last, whose weights stay from F to B
+    decisions = [StageDecision(True, s < S - 1, OutMode.KEEP, gpu_step=True, lookahead=2 if s >= 2 else 1)
+                 for s in range(S)]
+    rate = hw.gpu_adamw_params_per_s
+    fast = evaluate(stages, hw, BUDGET, decisions)
+    slow = evaluate(stages, dataclasses.replace(hw, gpu_adamw_params_per_s=rate / 2), BUDGET, decisions)
+    M = stages.master_bytes
+    trailing = sum(gpu_step_s(stages[s].param_numel, len(stages[s].params), hw, M) for s in (0, 1))
+    shared = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, M)  # the tied head's, after backward
+    assert len(stages) > 3
+    assert slow.step_s - fast.step_s == pytest.approx(trailing + shared, rel=1e-2)  # the search's gap: 1e-4 of the step

@@ -43,6 +43,7 @@ class Result:
     solver: str  # "highs" or "cbc"
     setup_s: float  # handing the model over
     search_s: float
+    presolve_s: float = 0.0  # of `search_s`, HiGHS's presolve (NOTE: [Presolve watchdog])
 
     @property
     def found(self) -> bool:
@@ -212,22 +213,27 @@ def _highs_run(m, time_limit, gap, start, presolve: bool, presolved=None) -> Res
         sol.col_value = x
         sol.value_valid = True
         h.setSolution(sol)
-    if presolved is not None:
-        def interrupt(*_):
+    ended = []
+
+    def interrupt(*_):
+        if not ended:
+            ended.append(time.perf_counter())
             h.stopCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
-            presolved()
-        h.setCallback(interrupt, None)
-        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+            if presolved is not None:
+                presolved()
+    h.setCallback(interrupt, None)
+    h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
     t1 = time.perf_counter()
     h.run()
     t2 = time.perf_counter()
+    pre = (ended[0] if ended else t2) - t1
     status = h.getModelStatus()
     info = h.getInfo()
     M = highspy.HighsModelStatus
     if status in (M.kInfeasible, M.kUnboundedOrInfeasible):
-        return Result(INFEASIBLE, (), float("nan"), float("nan"), "highs", t1 - t0, t2 - t1)
+        return Result(INFEASIBLE, (), float("nan"), float("nan"), "highs", t1 - t0, t2 - t1, pre)
     if info.primal_solution_status != 2:  # kSolutionStatusFeasible
-        return Result(NO_SOLUTION, (), float("nan"), float("nan"), "highs", t1 - t0, t2 - t1)
+        return Result(NO_SOLUTION, (), float("nan"), float("nan"), "highs", t1 - t0, t2 - t1, pre)
     values = tuple(h.getSolution().col_value)
     return Result(OPTIMAL if status == M.kOptimal else FEASIBLE, values, info.objective_function_value,
-                  info.mip_dual_bound, "highs", t1 - t0, t2 - t1)
+                  info.mip_dual_bound, "highs", t1 - t0, t2 - t1, pre)

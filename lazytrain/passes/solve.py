@@ -41,9 +41,13 @@ A GPU-stepped stage's forward needs its step done, and the step needs its fetch 
 run one after the other. With the fetch one window ahead (F(s-1)) both must fit in that window, so
 the step's time is charged there after the window's transfers (`lag`). Measured on the 7B bench at
 24 GiB: the forward waited about 10 ms per block for this chain when the window model alone saw
-the transfers hidden. Fetched two windows ahead (`ahead`), the step runs in the next window, beside
-that window's compute. The step's time still counts once, in series (`serial`): the device shares its SMs
-and memory bandwidth between the two streams.
+the transfers hidden. Fetched two windows ahead (`ahead`), the fetch has landed when the step runs.
+Either way the step runs on the compute stream, before its forward, in F(s-1): it counts once, in
+series (`serial`), and it is compute-stream time of that window (`cap`), beside which the window's
+transfers run, so the window lasts max(compute + step, transfers + lag). Charged beside the window's
+transfers as well, a window bound by its transfers paid the step twice: the 14B at 24 GiB (8-bit,
+bf16 masters, 45 GPU-stepped blocks) was predicted at 3.37 s and ran in 3.04 (H200, 2026-12-01);
+its events' own timeline said 3.02.
 
 NOTE: [State precision per stage]
 With `--optimizer-states 8bit` a stage's states are 8-bit wherever its step runs on the GPU
@@ -337,6 +341,8 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
     took = time.perf_counter() - start
     times = ((("heuristics", t_warm - start),) if warm else ()) + (
         ("model", t_build - t_warm), ("handover", r.setup_s), ("search", r.search_s))
+    if r.presolve_s:
+        times += (("of which presolve", r.presolve_s),)
     if r.found:
         info = SolverInfo(r.status, r.gap, r.objective * model.unit_s, r.bound * model.unit_s, took,
                           solver=r.solver, times=times)

@@ -176,10 +176,11 @@ class StepModel:
                 mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
             self.optimizer = self.optimizer + gst[s] * step_s
             self.serial = self.serial + gst[s] * step_s
-            # the step runs once its fetch has landed, and the forward waits for it: fetched one
-            # window ahead, the step trails the fetch inside that window; two ahead, a window later
-            # (NOTE: [GPU-step lag])
+            # the step runs on the compute stream before its forward, once its fetch has landed:
+            # fetched one window ahead, it trails the fetch inside that window; two ahead, the
+            # fetch is in by then. Transfers run beside it as beside compute (NOTE: [GPU-step lag])
             lag[L.fw(s - 1) if s > 0 else PRE] += (gst[s] - ahead[s]) * step_s
+            cap[L.fw(s - 1) if s > 0 else PRE] += gst[s] * step_s
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
