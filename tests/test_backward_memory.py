@@ -1,6 +1,6 @@
 """What a stage's backward and a recomputed forward hold, against the allocations the device made.
 
-The H200 figures (bench/stage_memory.py, bench/results/stage_memory/, 2026-12-01): a Qwen2.5-7B layer's
+The H200 figures (bench/stage_memory.py, bench/results/stage_memory/qwen2.5-7b_layer.txt, 2026-12-01): a Qwen2.5-7B layer's
 backward holds 75776 bytes a token beyond what it saved and its weights' gradients (two of the MLP's
 intermediates' gradients); its forward without autograd peaks at 7.375 GiB at 1 x 65536 tokens,
 before its output exists.
