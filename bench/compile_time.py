@@ -2,7 +2,8 @@
 
     python bench/compile_time.py --model qwen2.5-7b --batch 32 --seq 1024 --states 8bit --master bf16 --budget 24GiB
 
-Each repeat captures the model alone (`torch.export`, the pass `capture`), then compiles it cold
+Each repeat captures the model alone (`torch.export`, the pass `capture`, for the profile's device
+as the compile does: NOTE: [Capture on the target device]), then compiles it cold
 (`LAZYTRAIN_NO_CACHE=1`: no plan cache) with `--time-passes`, in the same process, so a busy machine
 slows both alike; it prints compile/capture per repeat and their median, with the solver's status,
 gap and the predicted step time. The first capture in a process pays torch's warm-up: a warm-up
@@ -51,11 +52,11 @@ def main(argv=None):
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
     b = batch(args.model, args.batch, args.seq)
     budget = None if args.budget == "max" else parse_size(args.budget)
-    capture(meta, b, "")  # warm-up
+    capture(meta, b, "", hw.device)  # warm-up
     ratios = []
     for i in range(args.repeat):
         start = time.perf_counter()
-        capture(meta, b, "")
+        capture(meta, b, "", hw.device)  # the capture the compile runs: for the profile's device
         cap = time.perf_counter() - start
         start = time.perf_counter()
         c = compile_model(meta, b, budget, hw, time_limit=args.time_limit, time_passes=True,

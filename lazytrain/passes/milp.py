@@ -111,12 +111,13 @@ def _cbc(m, time_limit, gap, start) -> Result:
 # the search after it). A child that has not said so within `PRESOLVE_LIMIT_S`, or not answered
 # within the time limit (plus a grace), is killed, and HiGHS runs again here without presolve, which
 # that model solved in 0.4 s. Not always so: without presolve the 72B shape at the full device took
-# 44 s against 13-17 s with it, so presolve stays the first try. Presolve took at most PRESOLVE_SEEN_S
-# on the bench's models (the 72B shape, 2-core machine, 2026-12-01); waiting the whole time limit
-# for a hung one cost that compile 65 s. A fork keeps the plan deterministic: the same solver and
+# 44 s against 13-17 s with it, so presolve stays the first try. Presolve took 0.44 s on the 72B
+# shape at the full device and 0.07-0.11 s on the 7B at 24 GiB (2-core machine, 2026-12-01), so
+# `PRESOLVE_LIMIT_S` leaves it 7x; waiting the whole time limit for a hung one cost that compile
+# 65 s, the 10 s limit first tried 10.4 s. A fork keeps the plan deterministic: the same solver and
 # options whenever the child answers in time.
 WATCHDOG_GRACE_S = 5.0
-PRESOLVE_LIMIT_S = 10.0
+PRESOLVE_LIMIT_S = 3.0
 _PRESOLVED = "presolved"
 
 
