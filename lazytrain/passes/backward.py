@@ -77,9 +77,12 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
             b = base(i)
             if not (i in rg and b in inside and b in ours and graph[b].op is not OpKind.PARAM) or b in new:
                 continue
+            if b not in grads and i in through:  # the output's gradient itself
+                new[b] = out if out is not None else tensor(0)
+                continue
             if b not in grads:
-                new[b] = (out if out is not None else tensor(0)) if i in through else tensor(value_bytes(graph[b].value))
-                made += 0 if i in through else sizes[new[b]]
+                new[b] = tensor(value_bytes(graph[b].value))
+                made += sizes[new[b]]
                 continue
             # a second gradient for `b`, summed into the first: in place where the first is its
             # own, else into a tensor of its own (the first is another value's too)
