@@ -19,6 +19,7 @@ peak within the budget; predicted peak within 5% of the allocated peak; predicte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import fnmatch
 import gc
@@ -50,11 +51,13 @@ class Case:
     master: str  # "fp32" or "bf16"
     budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
     clipping: str = "off"  # the run clips at norm 1.0 unless "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
+    host: str = ""  # compiled for the profile with this much host memory, with the disk tier (`--disk`)
 
     @property
     def name(self) -> str:
         clip = "" if self.clipping == "off" else f"_clip-{self.clipping}"
-        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}{clip}"
+        host = f"_host{self.host}_disk" if self.host else ""
+        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}{clip}{host}"
 
 
 def _cases() -> list[Case]:
@@ -66,6 +69,9 @@ def _cases() -> list[Case]:
     out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "min"), Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "max")]
     for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32)):  # clipped runs: host steps after backward
         out += [Case(model, batch, 1024, "8bit", "bf16", "24GiB", clip) for clip in ("exact", "previous-norm")]
+    # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in passes/step_model.py)
+    out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="60GB"),
+            Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="100GB")]
     return out
 
 
@@ -91,6 +97,7 @@ def cmd_compile(args) -> None:
     CASE_DIR.mkdir(parents=True, exist_ok=True)
     for case in _selected(args.only):
         start = time.perf_counter()
+        hw_case = dataclasses.replace(hw, host_memory_bytes=parse_size(case.host)) if case.host else hw
         meta = meta_model(case.model, case.seq).to(torch.bfloat16)
         b = batch(case.model, case.batch, case.seq)
         opts = dict(optimizer_states=case.states, master_weights=case.master)
@@ -98,11 +105,11 @@ def cmd_compile(args) -> None:
         refused.unlink(missing_ok=True)
         try:
             if case.budget == "min":
-                budget = minimum_budget(meta, b, hw, **opts)
+                budget = minimum_budget(meta, b, hw_case, **opts)
             else:
-                budget = hw.max_budget if case.budget == "max" else parse_size(case.budget)
-            compiled = compile_model(meta, b, budget, hw, source=f"bench:{case.model}", time_limit=args.time_limit,
-                                     clipping=case.clipping, **opts)
+                budget = hw_case.max_budget if case.budget == "max" else parse_size(case.budget)
+            compiled = compile_model(meta, b, budget, hw_case, source=f"bench:{case.model}", time_limit=args.time_limit,
+                                     clipping=case.clipping, disk=bool(case.host), **opts)
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")

@@ -252,14 +252,15 @@ def repair(stages, raw) -> list[StageDecision]:
 def decisions(spec) -> list[StageDecision]:
     """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
     (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; D:
-    streamed, stepped on the host with its states on disk),
+    streamed, stepped on the host with its states on disk; X: streamed, stepped on the GPU by a job
+    that reads its states from disk),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SGED", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
-                                 stream in "GE", 2 if stream == "E" else 1, stream == "D"))
+        out.append(StageDecision(stream in "SGEDX", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+                                 stream in "GEX", 2 if stream == "E" else 1, stream in "DX"))
     return out
 
 

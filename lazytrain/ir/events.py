@@ -66,6 +66,6 @@ class Event:
     waits: tuple[int, ...] = ()
     writes: tuple[str, ...] = ()  # live buffers it overwrites in place (a GATHER fills the weights)
     workspace: int = 0  # transient bytes while the event runs
-    device: str = ""  # OPT_STEP: "gpu" or "cpu"
+    device: str = ""  # OPT_STEP: "gpu", "cpu", or "disk" (a disk-stepped stage's job on the host worker)
     start_s: float = 0.0  # predicted start within the step
     duration_s: float = 0.0  # predicted

@@ -25,9 +25,21 @@ class StageDecision:
     # GPU-stepped only: the prefetch that brings master, states and gradient in starts this many
     # forward windows ahead (1, or 2 to give the transfer two windows)
     lookahead: int = 1
-    # Host-stepped only: its AdamW moments live on disk between steps, read in before its host step
-    # and written back after it (NOTE: [Disk-resident states] in passes/step_model.py)
+    # Streamed only: its optimizer states live on disk between steps. Host-stepped: its AdamW moments,
+    # read in before its host step and written back after it (NOTE: [Disk-resident states] in
+    # passes/step_model.py); with `gpu_step`, its states, and its step is a job of its own that reads
+    # them, steps on the GPU and writes them back (NOTE: [Disk-stepped stages] there)
     disk: bool = False
+
+    @property
+    def at_prefetch(self) -> bool:
+        """GPU-stepped at its next forward prefetch (NOTE: [GPU-stepped streamed stages] in solve.py)."""
+        return self.gpu_step and not self.disk
+
+    @property
+    def disk_step(self) -> bool:
+        """Stepped on the GPU by a job that reads its states from disk and writes them back."""
+        return self.gpu_step and self.disk
 
     @property
     def optimizer(self) -> str:

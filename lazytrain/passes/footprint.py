@@ -91,6 +91,24 @@ def disk_step_s(numel: int, hw: Hardware) -> float:
     return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth
 
 
+def disk_gpu_state_bytes(numel: int, state_bytes: float) -> int:
+    """A disk-stepped stage's optimizer states, which live in the offload file between its steps
+    (NOTE: [Disk-stepped stages] in step_model.py): in the precision a GPU step keeps them."""
+    return int(state_bytes * numel)
+
+
+def disk_gpu_job_s(param_bytes: int, numel: int, tensors: int, hw: Hardware, state_bytes: float,
+                   master: int = MASTER_BYTES) -> float:
+    """One disk-stepped stage's job on the host worker, in series: its states read from disk, its
+    master, states and gradient to the GPU, the step, new weights, master and states back, and the
+    states written to disk (NOTE: [Disk-stepped stages] in step_model.py)."""
+    states = disk_gpu_state_bytes(numel, state_bytes)
+    fetch = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
+    out = gpu_step_out_bytes(param_bytes, numel, state_bytes, master)
+    return (states / hw.disk_read_bandwidth + fetch / hw.h2d_bandwidth + gpu_step_s(numel, tensors, hw, master)
+            + out / hw.d2h_bandwidth + states / hw.disk_write_bandwidth)
+
+
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
     """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
     buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts
@@ -151,6 +169,12 @@ def flush_bytes(stages: Stages, s: int) -> int:
     g = stages[s]
     return g.param_bytes + gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes,
                                           g.largest_numel)
+
+
+def disk_step_slot_bytes(stages: Stages, decisions) -> int:
+    """The GPU buffer disk-stepped stages' jobs take turns in, held for the whole step: the largest
+    one's optimizer slot and new weights (NOTE: [Disk-stepped stages] in step_model.py)."""
+    return max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.gpu_step and d.disk), default=0)
 
 
 def backward_workspace(g) -> int:

@@ -31,7 +31,9 @@ from lazytrain.passes.footprint import (
     backward_workspace,
     chunk_workspace,
     cpu_step_s,
+    disk_gpu_job_s,
     disk_step_s,
+    disk_step_slot_bytes,
     gpu_step_s,
     deferred_step_bytes,
     fixed_bytes,
@@ -126,6 +128,9 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
         if kind in (Kind.REDUCE, Kind.GATHER):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
+            if g is not None and plan.decisions[stage].disk_step:  # NOTE: [Disk-stepped stages]
+                return disk_gpu_job_s(g.param_bytes, g.param_numel, len(g.params), hw, stages.state_bytes,
+                                      stages.master_bytes)
             if g is not None and plan.decisions[stage].stream and not plan.decisions[stage].gpu_step:
                 disk = disk_step_s(g.param_numel, hw) if plan.decisions[stage].disk else 0.0  # NOTE: [Disk-resident states]
                 return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes) + disk
@@ -178,10 +183,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
-            b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].gpu_step)
+            b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].at_prefetch)
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
-            if dec[s].gpu_step:
+            if dec[s].at_prefetch:
                 b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
                                                                  g.largest_numel), g.param_numel, P, n))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
@@ -190,6 +195,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if dec[s].outputs is OutMode.OFFLOAD:
             b.buffer(f"host:act:{s}", "host", g.out_bytes)
 
+    if disk_step_slot_bytes(stages, dec):  # NOTE: [Disk-stepped stages] in step_model.py
+        b.buffer("dstep", "gpu", disk_step_slot_bytes(stages, dec), persistent=True)
     producers = {s: g.producers for s, g in enumerate(stages)}
 
     def held_to(p: int) -> int:
@@ -217,7 +224,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     def prefetch(s: int):
         g = stages[s]
-        if not dec[s].gpu_step:
+        if not dec[s].at_prefetch:
             # sharded: only this rank's shard of the new weights comes over; the rest from the other ranks
             b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(g.param_bytes, s))
             if n > 1:
@@ -228,14 +235,14 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
 
     def gpu_step(s: int):
-        if dec[s].gpu_step:
+        if dec[s].at_prefetch:
             stepped[s] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"opt:{s}", f"w:{s}"), device="gpu")
             if n > 1:
                 gather(s, f"w:{s}", after=(stepped[s],))
 
     def step_out(s: int):
         g = stages[s]
-        if dec[s].gpu_step:
+        if dec[s].at_prefetch:
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],))
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
@@ -243,6 +250,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                                - g.param_bytes, s))
         elif dec[s].stream and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
+
+    def host_step(s: int):
+        """A streamed stage's step on the host worker once its gradient has landed: AdamW on the CPU,
+        or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in step_model.py)."""
+        if not dec[s].at_prefetch:
+            b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="disk" if dec[s].disk_step else "cpu")
 
     def reduce(k: int):
         """Reduce-scatter of stage `k`'s gradients; a streamed stage's shard goes to the host."""
@@ -294,7 +307,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                allocs=allocs, workspace=saving_workspace(g) if save else forward_workspace(g))
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
-        if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late
+        if dec[s].at_prefetch:  # after this forward: compute waits here for the write-back, if late
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
         for p in producers[s]:
             mode = dec[p].outputs
@@ -345,8 +358,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             reduced(s + 1)
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
-            if not dec[s + 1].gpu_step:
-                b.emit(Stream.CPU, Kind.OPT_STEP, s + 1, reads=(f"host:grad:{s + 1}",), device="cpu")
+            host_step(s + 1)
         if not dec[s].stream and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
@@ -356,8 +368,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     if dec[0].stream:
         b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
         b.emit(Stream.COMPUTE, Kind.FREE, 0, frees=("g:0",))
-        if not dec[0].gpu_step:
-            b.emit(Stream.CPU, Kind.OPT_STEP, 0, reads=("host:grad:0",), device="cpu")
+        host_step(0)
     if stages.shared_params:
         b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared", "rgrad:shared"), device="gpu",
                workspace=shared_step_bytes(stages))

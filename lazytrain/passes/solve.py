@@ -84,8 +84,9 @@ from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
     deferred_step_bytes,
     disk_available,
+    disk_gpu_state_bytes,
+    disk_step_slot_bytes,
     disk_state_bytes,
-    disk_step_s,
     fixed_bytes,
     flush_bytes,
     resident_bytes,
@@ -99,7 +100,7 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep")
 
 
 def _vars(m: mip.Model, stages: Stages):
@@ -111,9 +112,9 @@ def _vars(m: mip.Model, stages: Stages):
     for s, g in enumerate(stages):
         sig, rec, off, drop = v["stream"][s], v["recompute"][s], v["off"][s], v["drop"][s]
         m += off + drop <= 1
-        m += v["gstep"][s] <= sig
+        m += v["gstep"][s] + v["dstep"][s] <= sig  # stepped on the GPU at its prefetch, or from disk
         m += v["ahead"][s] <= v["gstep"][s]
-        m += v["disk"][s] <= sig - v["gstep"][s]  # host-stepped stages only
+        m += v["disk"][s] <= sig - v["gstep"][s] - v["dstep"][s]  # host-stepped stages only
         if s < 2:
             m += v["ahead"][s] == 0
         if closed[s].stream:
@@ -185,9 +186,10 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["recompute"][s] == int(d.recompute)
             m += v["off"][s] == int(d.outputs is OutMode.OFFLOAD)
             m += v["drop"][s] == int(d.outputs is OutMode.DROP)
-            m += v["gstep"][s] == int(d.gpu_step)
+            m += v["gstep"][s] == int(d.gpu_step and not d.disk)
             m += v["ahead"][s] == int(d.lookahead == 2)
-            m += v["disk"][s] == int(d.disk)
+            m += v["disk"][s] == int(d.disk and not d.gpu_step)
+            m += v["dstep"][s] == int(d.gpu_step and d.disk)
     model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
     u = 1.0 / model.unit
@@ -218,7 +220,8 @@ def _decisions(v, S, val) -> list[StageDecision]:
     for s in range(S):
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
-        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"], 2 if on["ahead"] else 1, on["disk"]))
+        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
+                                 on["disk"] or on["dstep"]))
     return out
 
 
@@ -253,7 +256,8 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 def _start(v, decisions: list[StageDecision]) -> dict:
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2), ("disk", d.disk))}
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk), ("ahead", d.lookahead == 2),
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.gpu_step and d.disk))}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
@@ -272,9 +276,24 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
         # (NOTE: [Device steps beside compute])
         compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=max(0.0, sum(val(e) for e in exposed) - beside),
         optimizer_s=val(model.serial) + beside, windows=tuple(edges), solver=info,
-        disk_bytes=int(sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, dec) if d.disk)),
-        disk_s=sum(disk_step_s(g.param_numel, hw) for g, d in zip(stages, dec) if d.disk),
+        disk_bytes=int(sum(disk_bytes(stages, s, d) for s, d in enumerate(dec))),
+        disk_s=sum(disk_seconds(stages, s, d, hw) for s, d in enumerate(dec)),
     )
+
+
+def disk_bytes(stages: Stages, s: int, d: StageDecision) -> int:
+    """What stage `s` keeps on disk: a host-stepped stage's fp32 moments, a disk-stepped stage's
+    states (NOTE: [Disk-resident states], NOTE: [Disk-stepped stages] in step_model.py)."""
+    if not d.disk:
+        return 0
+    g = stages[s]
+    return disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step else disk_state_bytes(g.param_numel)
+
+
+def disk_seconds(stages: Stages, s: int, d: StageDecision, hw: Hardware) -> float:
+    """Seconds a step spends reading and writing stage `s`'s bytes on disk."""
+    nbytes = disk_bytes(stages, s, d)
+    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth if nbytes else 0.0
 
 
 def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
@@ -285,8 +304,9 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     n = sharding(stages)
     if n > 1:
         return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
-    flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.gpu_step), default=0)  # NOTE: [Flushed updates]
-    return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + sum(
+    flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.gpu_step and not d.disk), default=0)  # NOTE: [Flushed updates]
+    slot = disk_step_slot_bytes(stages, decisions)  # NOTE: [Disk-stepped stages] in step_model.py
+    return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + slot + sum(
         resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)
         for g, r in zip(stages, resident) if r)
 

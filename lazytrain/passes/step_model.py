@@ -19,6 +19,8 @@ from lazytrain.passes.footprint import (
     cpu_step_s,
     deferred_step_bytes,
     disk_available,
+    disk_gpu_job_s,
+    disk_gpu_state_bytes,
     disk_state_bytes,
     disk_step_s,
     fixed_bytes,
@@ -69,7 +71,7 @@ class StepModel:
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
-        ahead = vars_["ahead"]
+        ahead, dst = vars_["ahead"], vars_["dstep"]
         n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
         steps = self._deferred_steps(sig)
         fixed = fixed_bytes(stages) + hw.runtime_bytes
@@ -116,7 +118,29 @@ class StepModel:
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
-            if stages.world_size > 1 and n == 1:  # NOTE: [Replicated all-reduce]
+            if stages.world_size > 1 and n == 1:  # NOTE: [Disk-stepped stages]
+# The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a `StageDecision`
+# with both `gpu_step` and `disk`): their optimizer states (8-bit or 32-bit, as a GPU step keeps
+# them) live in the offload file. A GPU step at the next prefetch (`gstep`) cannot use the disk:
+# the prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
+# reading a layer's states takes far longer (1 GB at 2 GB/s), so every state would sit in host
+# memory from a read long before its window to a write long after it. Instead such a stage's step
+# is a job on the host worker, like a host step, with the same windows to run in (from its
+# gradient's landing, or after backward with exact clipping, to its next prefetch, which waits for
+# it): the job reads the states into the staging buffer (page-locked), sends master, states and
+# gradient to one GPU slot (`disk_step_slot`, the largest such stage's `flush_bytes`, held for
+# the whole step), steps there on the optimizer stream, brings the new weights (and a separate
+# master) back to the host copies the prefetches read and the states to the staging buffer, and
+# writes them to disk. All of it in series, so its seconds (`disk_gpu_job_s`, mostly the disk's)
+# enter the host backlog; the step itself runs beside compute, which loses `gpu_step_lost` of
+# it. The job's own PCIe copies (a 32B layer's 4 GB each way take 0.1 s against its disk's 1 s)
+# are not in the windows' link rows. The host keeps the master, the compute copy and the gradient
+# buffer; the disk the states.
+# Measured on the 1-GPU H200 box's disk (a virtio block device, bench/disk_engines.py, 2026-12-01:
+# 4.3 GB a pass of 256 MiB regions, direct, page-locked), 16 threads of 8 MiB chunks wrote 2.94 GB/s
+# and read 1.96, and the two at once moved 2.30 GB/s together: each byte of state read and written
+# back a step costs about 0.85 s per GB, so a step of P seconds hides about P / 0.85 GB of it.
+# NOTE: [Replicated all-reduce]
                 reduce_s = allreduce_s(g.param_bytes + (stages.shared_bytes if s == 0 else 0), hw, stages.world_size)
                 cap[L.bw(s)] += reduce_s
                 self.compute += reduce_s
@@ -153,11 +177,15 @@ class StepModel:
             d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
-            host_s = (sig[s] - gst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
-            if disk_ok:  # NOTE: [Disk-resident states]
-                host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw)
+            host_s = (sig[s] - gst[s] - dst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
+            if disk_ok:  # NOTE: [Disk-resident states], NOTE: [Disk-stepped stages]
+                host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw) + dst[s] * disk_gpu_job_s(
+                    g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
+                self.optimizer = self.optimizer + dst[s] * step_s
+                self.serial = self.serial + dst[s] * (step_s * hw.gpu_step_lost)  # beside compute
             else:
                 m += vars_["disk"][s] == 0
+                m += dst[s] == 0
             released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s
             if exact:
                 due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += host_s
@@ -250,24 +278,33 @@ class StepModel:
         else:
             self.host = sum(M * g.param_numel for g in stages) + sum(
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-                - gst[s] * M * g.param_numel + off[s] * g.out_bytes
-                + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
+                - (gst[s] + dst[s]) * M * g.param_numel + off[s] * g.out_bytes
+                + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
         # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
         disk = vars_["disk"]
-        self.disk = mip.xsum(disk[s] * (disk_state_bytes(g.param_numel) / self.unit) for s, g in enumerate(stages)) * self.unit
+        on_disk = [disk_state_bytes(g.param_numel) * disk[s] + disk_gpu_state_bytes(g.param_numel, stages.state_bytes) * dst[s]
+                   for s, g in enumerate(stages)]
+        self.disk = mip.xsum(x * (1.0 / self.unit) for x in on_disk) * self.unit
         if disk_ok:
             self.floors.append(self.disk * (1.0 / self.unit))  # among equally fast plans, the least on disk
             staging = m.add_var("disk_staging", lb=0.0)  # in units of `unit` bytes
             self.floors.append(staging)
-            for s, g in enumerate(stages):
-                m += staging >= (disk_state_bytes(g.param_numel) / self.unit) * disk[s]
+            for x in on_disk:
+                m += staging >= x * (1.0 / self.unit)
             self.host = self.host + staging * self.unit - self.disk
+            # NOTE: [Disk-stepped stages] one GPU slot the jobs take turns in, for the whole step
+            slot = m.add_var("disk_step_slot", lb=0.0)  # in units of `unit` bytes
+            self.floors.append(slot)
+            for s in range(S):
+                m += slot >= (flush_bytes(stages, s) / self.unit) * dst[s]
+            self.mem = [t + slot * self.unit for t in self.mem]
+            self.tail = self.tail + slot * self.unit
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
             buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
             self.floors.append(buffers)
             for s, g in enumerate(stages):
-                m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s])
+                m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s] - dst[s])
             self.host = self.host + buffers * self.unit
         self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
 

@@ -81,9 +81,10 @@ class GpuStepper:
                 u.state[p] = self.optimizer.fresh_state(stage, u.master[p], carve.take)
         self.live[stage] = u
 
-    def step(self, stage: int, group: int) -> bool:
+    def step(self, stage: int, group: int, into: dict[str, torch.Tensor] | None = None) -> bool:
         """AdamW on the twins, then the compute-dtype weights into the stage's weight slot (sharded:
-        into this rank's piece of it, which a GATHER completes). False: no update was fetched."""
+        into this rank's piece of it, which a GATHER completes), or into `into`'s tensors. False: no
+        update was fetched."""
         u = self.live.get(stage)
         if u is None:
             return False
@@ -102,7 +103,7 @@ class GpuStepper:
             for i, p in enumerate(names):
                 u.state[p] = state[u.master[p]]  # the first step creates the state
                 u.master[p].grad = None
-                weights = self.store.mine(p, self.store.work[p].data)
+                weights = into[p] if into is not None else self.store.mine(p, self.store.work[p].data)
                 if self.store.home[p].dtype == torch.float32:
                     weights.copy_(u.master[p].view(weights.shape))
                 else:  # NOTE: [bf16 master weights] in optim.py: the rounded master, then its compute copy
@@ -111,13 +112,27 @@ class GpuStepper:
                     weights.copy_(rounded.view(weights.shape))
         return True
 
-    def write_weights(self, stage: int) -> None:
-        """New compute-dtype weights to the host copy that prefetches read (on the current stream);
-        where that copy is the master, this is the master's write-back."""
+    def write_weights(self, stage: int, into: dict[str, torch.Tensor] | None = None) -> None:
+        """New compute-dtype weights (in the stage's weight slot, or in `into`'s tensors) to the host
+        copy that prefetches read (on the current stream); where that copy is the master, this is the
+        master's write-back."""
         if stage not in self.live:
             return
         for p in self.params[stage]:
-            self.store.source[p].copy_(self.store.work[p].data, non_blocking=True)
+            self.store.source[p].copy_(into[p] if into is not None else self.store.work[p].data, non_blocking=True)
+
+    def step_from_disk(self, stage: int, group: int, hyper: dict, coef: float, slot: torch.Tensor) -> None:
+        """A disk-stepped stage's whole update in `slot` (NOTE: [Disk-stepped stages] in
+        passes/step_model.py), its states already loaded into host memory: master, states and
+        gradient in, the step, new weights, master and states out, all on the current stream, which
+        the caller synchronizes before the states go back to disk."""
+        carve = Carver(slot)
+        into = {p: carve.take(self.store.master[p].shape, self.store.dtype[p]) for p in self.params[stage]}
+        self.record(stage, hyper, coef)
+        self.fetch(stage, slot[carve.offset:])
+        self.step(stage, group, into)
+        self.write_weights(stage, into)
+        self.write_back(stage)
 
     def write_back(self, stage: int) -> None:
         """Master and states to their host homes (on the current stream)."""

@@ -74,7 +74,7 @@ class Replay:
         coef = self._early_coefficient() if optimize and not self.serial_optimizer else None  # None: steps wait
         self.streams.begin(self.record_timeline)
         for event in self.events:
-            if event.kind is Kind.OPT_STEP and event.stage >= 0 and self.stages[event.stage].gpu_step:
+            if event.kind is Kind.OPT_STEP and event.stage >= 0 and event.device == "gpu" and self.stages[event.stage].gpu_step:
                 # last step's update of a GPU-stepped streamed stage, at its prefetch
                 self.streams.run_aside(event, lambda s=event.stage: self._gpu_step(s), after_compute=False)
                 continue

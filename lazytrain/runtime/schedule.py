@@ -38,8 +38,10 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
 # stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py); 7: `CLIPPING`,
 # the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py); 8: `Stage.disk`, optimizer
-# states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py)
-FORMAT_VERSION = 8
+# states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py); 9: `Stage.disk` with `gpu_step`,
+# a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
+# buffer; NOTE: [Disk-stepped stages] there)
+FORMAT_VERSION = 9
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -69,7 +71,7 @@ class Stage:
     kind: str = ""
     param_bytes: int = 0
     param_numel: int = 0
-    gpu_step: bool = False  # streamed, with its optimizer step on the GPU at the next prefetch
+    gpu_step: bool = False  # streamed, with its optimizer step on the GPU: at the next prefetch, or with `disk` in a job
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
     chunk_len: int = 0  # >0: the slices are pieces of one row, this many positions each (NOTE: [Chunked loss])
     tokens: tuple[int, ...] = ()  # with chunk_len: (rows, positions) of the batch the pieces cut
@@ -79,7 +81,7 @@ class Stage:
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
-    disk: bool = False  # host-stepped: its optimizer states live in the offload file between steps (runtime/disk_states.py)
+    disk: bool = False  # its optimizer states live in the offload file between steps (runtime/disk_states.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

@@ -53,6 +53,7 @@ The plan counts what a step beside backward costs compute and how fast it advanc
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -146,6 +147,17 @@ class Stepping:
                 if not streamed:
                     self.store.work[p].grad = None
 
+    def _disk_step(self, s: int, hyper: dict, coef: float) -> None:
+        """A disk-stepped stage's job, on the host worker: its states from disk, the step on the GPU
+        in the one slot such jobs share, the states back to disk. On a GPU the copies and the step
+        run on this thread's current stream, the device's default: the optimizer stream."""
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            self.disk_states.load(s)
+            self.disk_stepper.step_from_disk(s, self._group(s), hyper, coef, self.disk_step_slot)
+            if self.cuda:  # the states must be back in host memory before they are written
+                torch.cuda.current_stream(self.device).synchronize()
+            self.disk_states.store(s)
+
     def _opt_step(self, e: Event, coef: float):
         s = e.stage
         names = self._names(s)
@@ -160,7 +172,10 @@ class Stepping:
                         self.store.home[p].grad.mul_(coef)
             self.optimizer.step_group(self._group(s), hyper)
 
-        if e.device == "cpu":
+        if e.device == "disk":  # NOTE: [Disk-stepped stages] in passes/step_model.py
+            self.fresh.difference_update(names)  # its job consumes the gradients in the host buffers
+            self.cpu_jobs[s] = self.streams.host(e, lambda: self._disk_step(s, hyper, coef))
+        elif e.device == "cpu":
             def host_step():
                 if self.disk_states is not None and s in self.disk_states.homes:  # NOTE: [Disk-resident states]
                     self.disk_states.load(s)

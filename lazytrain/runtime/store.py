@@ -30,7 +30,7 @@ import torch
 from lazytrain.runtime.carve import aligned, itemsize
 from lazytrain.runtime.pinned import PinnedArena
 
-_OPT_SLACK = 16 << 10
+OPT_SLACK = 16 << 10
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -114,7 +114,7 @@ class ParamStore:
         # maps, absmax rounding)
         for b in module.BUFFERS:
             if b.name.startswith("opt:"):
-                self.slot_sizes[b.name] = b.bytes + _OPT_SLACK * len(module.STAGES[int(b.name[4:])].params)
+                self.slot_sizes[b.name] = b.bytes + OPT_SLACK * len(module.STAGES[int(b.name[4:])].params)
         self.slots: dict[str, torch.Tensor] = {}
         live = peak = 0  # the most slot memory the schedule has live at once
         for e in module.EVENTS:

@@ -38,7 +38,7 @@ from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
 from lazytrain.runtime.sharded_state import ShardedState
 from lazytrain.runtime.sharding import ShardLayout
-from lazytrain.runtime.store import ParamStore
+from lazytrain.runtime.store import OPT_SLACK, ParamStore
 from lazytrain.runtime.stepping import Stepping
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
@@ -115,16 +115,25 @@ class Trainer(Replay, Stepping, ShardedState):
             groups.append(group)
         self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
-        # NOTE: [Disk-resident states] in passes/step_model.py: under `offload_dir` (default: the temp directory)
+        # NOTE: [Disk-resident states] and [Disk-stepped stages] in passes/step_model.py: under
+        # `offload_dir` (default: the temp directory)
         on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
-        self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir()) if on_disk else None
+        disk_stepped = {s.index: s.params for s in self.stages if getattr(s, "disk", False) and s.gpu_step}
+        self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), pin=self.cuda,
+                                      always_fresh=frozenset(disk_stepped)) if on_disk else None
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
-        self.stepper = GpuStepper(self.store, self.optimizer,
-                                  {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad, self.pinned)
+        self.stepper = GpuStepper(self.store, self.optimizer, {s.index: s.params for s in self.stages
+                                                               if s.gpu_step and not getattr(s, "disk", False)},
+                                  self.host_grad, self.pinned)
+        # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
+        self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.host_grad, self.pinned)
+        dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if disk_stepped else []
+        slack = OPT_SLACK * 2 * max((len(names) for names in disk_stepped.values()), default=0)  # weights and opt slot
+        self.disk_step_slot = torch.empty(dstep[0] + slack, dtype=torch.uint8, device=self.device) if dstep else None
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
         self.skipped_steps = 0
