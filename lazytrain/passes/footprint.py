@@ -171,10 +171,19 @@ def flush_bytes(stages: Stages, s: int) -> int:
                                           g.largest_numel)
 
 
+def disk_step_slot(stages: Stages, s: int) -> int:
+    """What stage `s`'s disk job holds on the GPU: it steps one tensor at a time, so the optimizer
+    slot and new weights of its largest tensor (NOTE: [Disk-stepped stages] in step_model.py)."""
+    g = stages[s]
+    numel = g.largest_numel or g.param_numel
+    nbytes = -(-g.param_bytes * numel // max(1, g.param_numel))
+    return nbytes + gpu_step_bytes(nbytes, numel, stages.state_bytes, stages.master_bytes, numel)
+
+
 def disk_step_slot_bytes(stages: Stages, decisions) -> int:
     """The GPU buffer disk-stepped stages' jobs take turns in, held for the whole step: the largest
-    one's optimizer slot and new weights (NOTE: [Disk-stepped stages] in step_model.py)."""
-    return max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.gpu_step and d.disk), default=0)
+    `disk_step_slot` among them."""
+    return max((disk_step_slot(stages, s) for s, d in enumerate(decisions) if d.gpu_step and d.disk), default=0)
 
 
 def backward_workspace(g) -> int:

@@ -22,6 +22,7 @@ from lazytrain.passes.footprint import (
     disk_gpu_job_s,
     disk_gpu_state_bytes,
     disk_state_bytes,
+    disk_step_slot,
     disk_step_s,
     fixed_bytes,
     flush_bytes,
@@ -125,17 +126,18 @@ class StepModel:
 # the prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
 # reading a layer's states takes far longer (1 GB at 2 GB/s), so every state would sit in host
 # memory from a read long before its window to a write long after it. Instead such a stage's step
-# is a job on the host worker, like a host step, with the same windows to run in (from its
-# gradient's landing, or after backward with exact clipping, to its next prefetch, which waits for
-# it): the job reads the states into the staging buffer (page-locked), sends master, states and
-# gradient to one GPU slot (`disk_step_slot`, the largest such stage's `flush_bytes`, held for
-# the whole step), steps there on the optimizer stream, brings the new weights (and a separate
-# master) back to the host copies the prefetches read and the states to the staging buffer, and
-# writes them to disk. All of it in series, so its seconds (`disk_gpu_job_s`, mostly the disk's)
-# enter the host backlog; the step itself runs beside compute, which loses `gpu_step_lost` of
-# it. The job's own PCIe copies (a 32B layer's 4 GB each way take 0.1 s against its disk's 1 s)
-# are not in the windows' link rows. The host keeps the master, the compute copy and the gradient
-# buffer; the disk the states.
+# is a job on the host worker. It may start once its gradient has landed (after backward with exact
+# clipping) and must end before its next prefetch, which waits for it; unlike a host step it may
+# run on into the next forward whatever the clipping, as it is I/O and holds no CPU the launching
+# thread needs (NOTE: [Host step deadlines] in runtime/stepping.py). The job reads the states into
+# the staging buffer (page-locked), sends master, states and gradient to one GPU slot
+# (`disk_step_slot`, held for the whole step), one tensor at a time, steps it there on the
+# optimizer stream, brings the new weights (and a separate master) back to the host copies
+# the prefetches read and the states to the staging buffer, and writes them to disk. All of it in
+# series, so its seconds (`disk_gpu_job_s`, mostly the disk's) enter the host backlog; the step
+# itself runs beside compute, which loses `gpu_step_lost` of it. The job's own PCIe copies (a 32B
+# layer's 3 GB in and 2 GB out take 0.1 s against its disk's 1 s) are not in the windows' link
+# rows. The host keeps the master, the compute copy and the gradient buffer; the disk the states.
 # Measured on the 1-GPU H200 box's disk (a virtio block device, bench/disk_engines.py, 2026-12-01:
 # 4.3 GB a pass of 256 MiB regions, direct, page-locked), 16 threads of 8 MiB chunks wrote 2.94 GB/s
 # and read 1.96, and the two at once moved 2.30 GB/s together: each byte of state read and written
@@ -178,17 +180,19 @@ class StepModel:
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
             host_s = (sig[s] - gst[s] - dst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
-            if disk_ok:  # NOTE: [Disk-resident states], NOTE: [Disk-stepped stages]
-                host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw) + dst[s] * disk_gpu_job_s(
-                    g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
+            job_s = 0.0  # a disk-stepped stage's job: due only before its next prefetch (NOTE: [Disk-stepped stages])
+            if disk_ok:  # NOTE: [Disk-resident states]
+                host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw)
+                job_s = dst[s] * disk_gpu_job_s(g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
                 self.optimizer = self.optimizer + dst[s] * step_s
                 self.serial = self.serial + dst[s] * (step_s * hw.gpu_step_lost)  # beside compute
             else:
                 m += vars_["disk"][s] == 0
                 m += dst[s] == 0
-            released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s
-            if exact:
-                due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += host_s
+            released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s + job_s
+            prefetched = (TAIL, PRE)[s] if s < 2 else L.fw(s - 2)  # the end of the window before its prefetch
+            due[prefetched if exact else TAIL] += host_s
+            due[prefetched] += job_s
             # GPU-stepped streamed: state in at the prefetch, out one window later
             fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
             h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
@@ -237,9 +241,11 @@ class StepModel:
                     h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
         # NOTE: [Host step deadlines] in runtime/stepping.py's [Gradient clipping]: unclipped, host
         # steps end by the step's end (the runtime waits for them there); with exact clipping they
-        # start after backward and run on into the next step's forward, each done before its prefetch
-        hosted = list(range(S, T)) + [TAIL] if not exact else [TAIL, PRE] + [L.fw(j) for j in range(S - 2)]
-        for w, done in backlog(m, released, hosted, self.unit_s, due if exact else None).items():
+        # start after backward and run on into the next step's forward, each done before its prefetch;
+        # disk-stepped stages' jobs may always do so (NOTE: [Disk-stepped stages])
+        into_forward = [PRE] + [L.fw(j) for j in range(S - 2)]
+        hosted = [TAIL] + into_forward if exact else list(range(S, T)) + [TAIL] + (into_forward if disk_ok else [])
+        for w, done in backlog(m, released, hosted, self.unit_s, due if exact or disk_ok else None).items():
             cpu[w] = cpu[w] + done
         # NOTE: [Device steps beside compute] in hardware/__init__.py: the optimizer stream runs its
         # steps in the order released, at `gpu_step_pace` beside compute, and finishes after backward
@@ -297,7 +303,7 @@ class StepModel:
             slot = m.add_var("disk_step_slot", lb=0.0)  # in units of `unit` bytes
             self.floors.append(slot)
             for s in range(S):
-                m += slot >= (flush_bytes(stages, s) / self.unit) * dst[s]
+                m += slot >= (disk_step_slot(stages, s) / self.unit) * dst[s]
             self.mem = [t + slot * self.unit for t in self.mem]
             self.tail = self.tail + slot * self.unit
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)

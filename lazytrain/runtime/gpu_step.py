@@ -37,6 +37,7 @@ class _Update:
     arrived: dict[str, torch.Tensor] = field(default_factory=dict)  # bf16 masters as they arrived
     state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
     noise: torch.Tensor | None = None  # bf16 masters: int32 rounding noise of the largest tensor, from the slot
+    names: tuple[str, ...] = ()  # the parameters fetched: the stage's, or one of them (`step_from_disk`)
 
 
 # NOTE: [First step's states] A stage's first update on the device has no states on the host yet.
@@ -56,13 +57,15 @@ class GpuStepper:
     def record(self, stage: int, hyper: dict, coef: float) -> None:
         self.pending[stage] = _Update(hyper, coef)
 
-    def fetch(self, stage: int, slot: torch.Tensor) -> None:
-        """Copy master, gradient and states of `stage` into `slot` (on the current stream)."""
+    def fetch(self, stage: int, slot: torch.Tensor, names: tuple[str, ...] | None = None) -> None:
+        """Copy master, gradient and states of `stage` (of its parameters `names`) into `slot` (on the
+        current stream)."""
         u = self.pending.pop(stage)
+        u.names = tuple(names) if names is not None else self.params[stage]
         carve = Carver(slot)
-        if any(self.store.home[p].dtype != torch.float32 for p in self.params[stage]):  # planned: NOISE_BYTES in solve.py
-            u.noise = carve.take((max(self.store.home[p].numel() for p in self.params[stage]),), torch.int32)
-        for p in self.params[stage]:
+        if any(self.store.home[p].dtype != torch.float32 for p in u.names):  # planned: NOISE_BYTES in solve.py
+            u.noise = carve.take((max(self.store.home[p].numel() for p in u.names),), torch.int32)
+        for p in u.names:
             master = self.store.home[p].detach()  # the master, or this rank's piece (NOTE: [Sharded state])
             if master.dtype == torch.float32:
                 u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
@@ -88,7 +91,7 @@ class GpuStepper:
         u = self.live.get(stage)
         if u is None:
             return False
-        names = self.params[stage]
+        names = u.names
         with torch.no_grad():
             for p in names:
                 if p in u.arrived:
@@ -100,7 +103,8 @@ class GpuStepper:
         state = defaultdict(dict, {u.master[p]: u.state[p] for p in names})
         self.optimizer.step_on(group, [u.master[p] for p in names], state, u.hyper)
         with torch.no_grad():
-            for i, p in enumerate(names):
+            for p in names:
+                i = self.params[stage].index(p)  # its place in the stage: the rounding seed's
                 u.state[p] = state[u.master[p]]  # the first step creates the state
                 u.master[p].grad = None
                 weights = into[p] if into is not None else self.store.mine(p, self.store.work[p].data)
@@ -118,21 +122,23 @@ class GpuStepper:
         master's write-back."""
         if stage not in self.live:
             return
-        for p in self.params[stage]:
+        for p in self.live[stage].names:
             self.store.source[p].copy_(into[p] if into is not None else self.store.work[p].data, non_blocking=True)
 
     def step_from_disk(self, stage: int, group: int, hyper: dict, coef: float, slot: torch.Tensor) -> None:
-        """A disk-stepped stage's whole update in `slot` (NOTE: [Disk-stepped stages] in
-        passes/step_model.py), its states already loaded into host memory: master, states and
-        gradient in, the step, new weights, master and states out, all on the current stream, which
-        the caller synchronizes before the states go back to disk."""
-        carve = Carver(slot)
-        into = {p: carve.take(self.store.master[p].shape, self.store.dtype[p]) for p in self.params[stage]}
-        self.record(stage, hyper, coef)
-        self.fetch(stage, slot[carve.offset:])
-        self.step(stage, group, into)
-        self.write_weights(stage, into)
-        self.write_back(stage)
+        """A disk-stepped stage's update in `slot` (NOTE: [Disk-stepped stages] in
+        passes/step_model.py), its states already loaded into host memory: one parameter at a time,
+        its master, states and gradient in, the step, its new weights, master and states out, all on
+        the current stream (which orders each parameter's use of the slot after the last one's), and
+        the caller synchronizes it before the states go back to disk."""
+        for p in self.params[stage]:
+            carve = Carver(slot)
+            into = {p: carve.take(self.store.master[p].shape, self.store.dtype[p])}
+            self.record(stage, hyper, coef)
+            self.fetch(stage, slot[carve.offset:], (p,))
+            self.step(stage, group, into)
+            self.write_weights(stage, into)
+            self.write_back(stage)
 
     def write_back(self, stage: int) -> None:
         """Master and states to their host homes (on the current stream)."""
@@ -140,7 +146,7 @@ class GpuStepper:
         if u is None:
             return
         pin = self.store.cuda
-        for p in self.params[stage]:
+        for p in u.names:
             if p in self.store.separate:  # a mixed-precision master's piece (NOTE: [Sharded state])
                 self.store.home[p].copy_(u.master[p], non_blocking=True)
             elif not self.store.source_is_master(p):  # else it went back as the weights

@@ -115,7 +115,7 @@ class Replay:
                 if self.serial_optimizer:
                     self.synchronize()
         if optimize and not deferred:  # host steps end inside their step (NOTE: [Host step deadlines])
-            self._wait_host_steps()
+            self._wait_host_steps(disk_jobs=False)
         timeline = self.streams.finish()
         if self.dp is not None and self.loss is not None:  # the global batch's loss (NOTE: [Data parallel])
             self.loss = self.dp.mean_loss(self.loss)

@@ -22,7 +22,9 @@ ends inside its own step, so `step()` waits for the host steps still running bef
 Letting them run on into the next forward measured slower than the plan on the H200 (a 1.5B plan at
 40 GiB, bf16 masters: the forward beside a host step took 7.5-9 ms a layer against 4.2 ms, its
 launching thread sharing the CPU). With exact clipping they start after backward and run beside the
-next step's forward, each done before its stage's prefetch, which waits for it.
+next step's forward, each done before its stage's prefetch, which waits for it. A disk-stepped
+stage's job, which waits on its disk and holds little CPU, always may (NOTE: [Disk-stepped stages] in
+passes/step_model.py).
 
 NOTE: [Optimizer stream]
 Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
@@ -102,11 +104,11 @@ class Stepping:
                 "with a lower learning rate or --clipping exact (which skips such a step)")
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
-    def _wait_host_steps(self) -> None:
-        """The host optimizer steps still running: they end inside their step (NOTE: [Host step deadlines])."""
-        for job in self.cpu_jobs.values():
-            job.result()
-        self.cpu_jobs.clear()
+    def _wait_host_steps(self, disk_jobs: bool = True) -> None:
+        """The host optimizer steps still running: they end inside their step (NOTE: [Host step
+        deadlines]); with `disk_jobs`, disk-stepped stages' jobs too, which may end later."""
+        for s in [s for s in self.cpu_jobs if disk_jobs or s not in self.disk_stepper.params]:
+            self.cpu_jobs.pop(s).result()
 
     def _record_gpu_steps(self, coef: float) -> None:
         """GPU-stepped streamed stages: their gradients wait on the host for the next prefetch."""

@@ -132,7 +132,7 @@ class Trainer(Replay, Stepping, ShardedState):
         # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
         self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.host_grad, self.pinned)
         dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if disk_stepped else []
-        slack = OPT_SLACK * 2 * max((len(names) for names in disk_stepped.values()), default=0)  # weights and opt slot
+        slack = OPT_SLACK * 2  # one tensor's weights and optimizer slot at a time
         self.disk_step_slot = torch.empty(dstep[0] + slack, dtype=torch.uint8, device=self.device) if dstep else None
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
