@@ -70,8 +70,8 @@ def _cases() -> list[Case]:
     for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32)):  # clipped runs: host steps after backward
         out += [Case(model, batch, 1024, "8bit", "bf16", "24GiB", clip) for clip in ("exact", "previous-norm")]
     # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in passes/step_model.py)
-    out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="60GB"),
-            Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="100GB")]
+    out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="44GB"),
+            Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="104GB")]
     return out
 
 
