@@ -178,6 +178,30 @@ def bind_source(source_text: str, real: nn.Module, **optimizer_args):
     return module.bind(model, **optimizer_args), model
 
 
+def assert_disk_resume_bit_identical(source_text: str, real: nn.Module, batch: dict, tmp_path, **hp) -> None:
+    """A schedule with states on disk: 2 steps, a checkpoint (model weights and optimizer state), a
+    new trainer loading it, 1 step give the same weights as 3 uninterrupted steps, to the bit; the
+    checkpoint holds the states that were on disk. Each trainer has its own offload directory."""
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    whole, model = bind_source(source_text, real, offload_dir=str(tmp_path / "a"), **hp)
+    for _ in range(3):
+        whole.step(batch)
+    whole.synchronize()
+    first, half = bind_source(source_text, real, offload_dir=str(tmp_path / "b"), **hp)
+    for _ in range(2):
+        first.step(batch)
+    first.synchronize()
+    saved = copy.deepcopy(first.state_dict())
+    assert all("exp_avg" in v for v in saved["state"].values())  # the disk stages' states are in it
+    resumed, again = bind_source(source_text, copy.deepcopy(half), offload_dir=str(tmp_path / "c"), **hp)
+    resumed.load_state_dict(saved)
+    resumed.step(batch)
+    resumed.synchronize()
+    for (n, got), want in zip(again.named_parameters(), model.parameters()):
+        assert torch.equal(got, want), n
+
+
 def check_replay(source_text: str, real: nn.Module, batch: dict, atol=ATOL, rtol=RTOL) -> None:
     """One forward_backward of the schedule == eager loss.backward(), loss and every gradient."""
     ref_loss, ref_grads = eager_grads(real, batch)

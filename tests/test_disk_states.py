@@ -6,7 +6,6 @@ is refused at bind."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 from pathlib import Path
@@ -25,7 +24,7 @@ from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.units import format_size
-from models import assert_adamw_weights, bind_source, check_replay, decisions, forced, tiny_gpt_pair, unique_name
+from models import assert_adamw_weights, assert_disk_resume_bit_identical, bind_source, check_replay, decisions, forced, tiny_gpt_pair, unique_name
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -108,30 +107,11 @@ def test_replay_and_adamw_steps_with_states_on_disk(gpt, tmp_path):
 
 
 def test_resume_with_states_on_disk_is_bit_identical(gpt, tmp_path):
-    """2 steps, a checkpoint (model weights and optimizer state), a new trainer loading it, 1 step:
-    the same weights as 3 uninterrupted steps, to the bit."""
+    """2 steps, a checkpoint, a new trainer loading it, 1 step: the same weights as 3 uninterrupted
+    steps, to the bit."""
     graph, stages, batch, real = gpt
     text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
-    for d in "abc":
-        (tmp_path / d).mkdir()
-    whole, model = bind_source(text, real, offload_dir=str(tmp_path / "a"), **HP)
-    for _ in range(3):
-        whole.step(batch)
-    whole.synchronize()
-
-    first, half = bind_source(text, real, offload_dir=str(tmp_path / "b"), **HP)
-    for _ in range(2):
-        first.step(batch)
-    first.synchronize()
-    saved = copy.deepcopy(first.state_dict())
-    assert all("exp_avg" in v for v in saved["state"].values())  # the disk stages' moments are in it
-    weights = copy.deepcopy(half)
-    resumed, again = bind_source(text, weights, offload_dir=str(tmp_path / "c"), **HP)
-    resumed.load_state_dict(saved)
-    resumed.step(batch)
-    resumed.synchronize()
-    for (n, got), want in zip(again.named_parameters(), model.parameters()):
-        assert torch.equal(got, want), n
+    assert_disk_resume_bit_identical(text, real, batch, tmp_path, **HP)
 
 
 def test_bind_refuses_a_bad_offload_dir(gpt, tmp_path):

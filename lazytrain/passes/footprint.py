@@ -85,10 +85,14 @@ def disk_state_bytes(numel: int) -> int:
     return int(CPU_STATE_BYTES * numel)
 
 
+def disk_io_s(nbytes: int, hw: Hardware) -> float:
+    """Reading `nbytes` from the disk and writing them back."""
+    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth if nbytes else 0.0
+
+
 def disk_step_s(numel: int, hw: Hardware) -> float:
     """Reading a disk-resident stage's moments before its host step and writing them back after."""
-    nbytes = disk_state_bytes(numel)
-    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth
+    return disk_io_s(disk_state_bytes(numel), hw)
 
 
 def disk_gpu_state_bytes(numel: int, state_bytes: float) -> int:
@@ -102,11 +106,10 @@ def disk_gpu_job_s(param_bytes: int, numel: int, tensors: int, hw: Hardware, sta
     """One disk-stepped stage's job on the host worker, in series: its states read from disk, its
     master, states and gradient to the GPU, the step, new weights, master and states back, and the
     states written to disk (NOTE: [Disk-stepped stages] in step_model.py)."""
-    states = disk_gpu_state_bytes(numel, state_bytes)
     fetch = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
     out = gpu_step_out_bytes(param_bytes, numel, state_bytes, master)
-    return (states / hw.disk_read_bandwidth + fetch / hw.h2d_bandwidth + gpu_step_s(numel, tensors, hw, master)
-            + out / hw.d2h_bandwidth + states / hw.disk_write_bandwidth)
+    return (disk_io_s(disk_gpu_state_bytes(numel, state_bytes), hw) + fetch / hw.h2d_bandwidth
+            + gpu_step_s(numel, tensors, hw, master) + out / hw.d2h_bandwidth)
 
 
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
@@ -183,7 +186,7 @@ def disk_step_slot(stages: Stages, s: int) -> int:
 def disk_step_slot_bytes(stages: Stages, decisions) -> int:
     """The GPU buffer disk-stepped stages' jobs take turns in, held for the whole step: the largest
     `disk_step_slot` among them."""
-    return max((disk_step_slot(stages, s) for s, d in enumerate(decisions) if d.gpu_step and d.disk), default=0)
+    return max((disk_step_slot(stages, s) for s, d in enumerate(decisions) if d.disk_step), default=0)
 
 
 def backward_workspace(g) -> int:

@@ -195,8 +195,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if dec[s].outputs is OutMode.OFFLOAD:
             b.buffer(f"host:act:{s}", "host", g.out_bytes)
 
-    if disk_step_slot_bytes(stages, dec):  # NOTE: [Disk-stepped stages] in step_model.py
-        b.buffer("dstep", "gpu", disk_step_slot_bytes(stages, dec), persistent=True)
+    slot = disk_step_slot_bytes(stages, dec)  # NOTE: [Disk-stepped stages] in step_model.py
+    if slot:
+        b.buffer("dstep", "gpu", slot, persistent=True)
     producers = {s: g.producers for s, g in enumerate(stages)}
 
     def held_to(p: int) -> int:

@@ -85,6 +85,7 @@ from lazytrain.passes.footprint import (
     deferred_step_bytes,
     disk_available,
     disk_gpu_state_bytes,
+    disk_io_s,
     disk_step_slot_bytes,
     disk_state_bytes,
     fixed_bytes,
@@ -184,15 +185,8 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
         for x in v["dstep"]:
             m += x == 0
     if fixed is not None:
-        for s, d in enumerate(fixed):
-            m += v["stream"][s] == int(d.stream)
-            m += v["recompute"][s] == int(d.recompute)
-            m += v["off"][s] == int(d.outputs is OutMode.OFFLOAD)
-            m += v["drop"][s] == int(d.outputs is OutMode.DROP)
-            m += v["gstep"][s] == int(d.gpu_step and not d.disk)
-            m += v["ahead"][s] == int(d.lookahead == 2)
-            m += v["disk"][s] == int(d.disk and not d.gpu_step)
-            m += v["dstep"][s] == int(d.gpu_step and d.disk)
+        for x, value in _start(v, fixed).items():
+            m += x == value
     model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
     u = 1.0 / model.unit
@@ -257,10 +251,11 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 
 
 def _start(v, decisions: list[StageDecision]) -> dict:
+    """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan)."""
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.gpu_step and d.disk))}
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.at_prefetch), ("ahead", d.lookahead == 2),
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step))}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
@@ -280,7 +275,7 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
         compute_s=model.compute, recompute_s=val(model.recompute), exposed_s=max(0.0, sum(val(e) for e in exposed) - beside),
         optimizer_s=val(model.serial) + beside, windows=tuple(edges), solver=info,
         disk_bytes=int(sum(disk_bytes(stages, s, d) for s, d in enumerate(dec))),
-        disk_s=sum(disk_seconds(stages, s, d, hw) for s, d in enumerate(dec)),
+        disk_s=sum(disk_io_s(disk_bytes(stages, s, d), hw) for s, d in enumerate(dec)),
     )
 
 
@@ -293,12 +288,6 @@ def disk_bytes(stages: Stages, s: int, d: StageDecision) -> int:
     return disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step else disk_state_bytes(g.param_numel)
 
 
-def disk_seconds(stages: Stages, s: int, d: StageDecision, hw: Hardware) -> float:
-    """Seconds a step spends reading and writing stage `s`'s bytes on disk."""
-    nbytes = disk_bytes(stages, s, d)
-    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth if nbytes else 0.0
-
-
 def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     """GPU bytes after backward: resident weights, their gradients, and the steps gradient clipping
     defers until then (NOTE: [Resident steps])."""
@@ -307,7 +296,7 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     n = sharding(stages)
     if n > 1:
         return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
-    flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.gpu_step and not d.disk), default=0)  # NOTE: [Flushed updates]
+    flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.at_prefetch), default=0)  # NOTE: [Flushed updates]
     slot = disk_step_slot_bytes(stages, decisions)  # NOTE: [Disk-stepped stages] in step_model.py
     return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + slot + sum(
         resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)

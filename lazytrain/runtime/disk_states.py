@@ -60,7 +60,7 @@ class DiskStates:
         for i, p in enumerate(self.homes[stage]):
             state = self.optimizer.state[p]
             if (stage, i) in self.on_disk:
-                reads += self._read(stage, i, lambda shape, dtype: carver.take(shape, dtype))
+                reads += self._read(stage, i, carver.take)
             elif stage in self.always_fresh or p.grad is not None:  # a first step: fresh states, in the staging buffer
                 fresh = self.optimizer.fresh_state(stage, p, carver.take)
                 for k, v in fresh.items():
