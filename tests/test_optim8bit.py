@@ -160,3 +160,19 @@ def test_state_dict_round_trips_quantised_states_exactly(gpt, master, monkeypatc
         t3.step(b)
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_fresh_states_leave_the_shared_quantisation_maps_where_they_are(gpt):
+    """NOTE: [Shared quantisation maps] in runtime/optim.py: making a parameter's first states on
+    another device (here `meta`, a disk job's host master on a GPU box) must not move the maps
+    every other parameter's first step reads."""
+    from lazytrain.runtime.optim import staged_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(8192)) for _ in range(2)]
+    opt = staged_optimizer("8bit", [{"params": [p]} for p in params], **HP)
+    opt.fill_qmap()
+    before = dict(opt.name2qmap)
+    state = opt.fresh_state(0, torch.empty(8192, device="meta"),
+                            lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta"))
+    assert state["qmap1"].device.type == "meta"  # its own state's map is on its own device
+    assert all(opt.name2qmap[k] is v and v.device.type == "cpu" for k, v in before.items())

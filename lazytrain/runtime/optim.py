@@ -346,11 +346,13 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
                 if group.get("states") == "32bit":
                     return _adamw_fresh_state({**fp32.defaults, **group}, param, take)
                 # bitsandbytes' own initialisation, its full-size buffers cut by `take`; the
-                # absmax vectors (a 64th of the moments) are moved in after it
+                # absmax vectors (a 64th of the moments) are moved in after it. It runs on a copy
+                # of the shared quantisation maps (NOTE: [Shared quantisation maps]).
                 view = self._views[index]
                 _ready(view)
                 state: dict = {}
-                init = _view(type(view), {**view.__dict__, "get_state_buffer": lambda p, dtype=torch.float32:
+                init = _view(type(view), {**view.__dict__, "name2qmap": dict(view.name2qmap),
+                                          "get_state_buffer": lambda p, dtype=torch.float32:
                                           take(p.shape, dtype).zero_()},
                              [{**group, "params": [param]}], defaultdict(dict, {param: state}))
                 init.init_state(init.param_groups[0], param, 0, 0)
@@ -359,6 +361,13 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
                         state[key] = take(state[key].shape, state[key].dtype).copy_(state[key])
                 return state
 
+        # NOTE: [Shared quantisation maps] bitsandbytes' `init_state` moves the optimizer's shared
+        # quantisation maps to the device of the parameter it initialises, then puts them in that
+        # parameter's state: the maps follow whichever parameter was initialised last. A disk job
+        # (NOTE: [Disk-stepped stages] in passes/step_model.py) makes a stage's first states for its
+        # host master on the host worker while the main thread makes a GPU-stepped stage's on the
+        # device; on the H200 the 32B plan with disk-stepped blocks stopped in its first steps with
+        # a host map in a device step's state. `fresh_state` initialises on its own copy of the maps.
         def _ready(view) -> None:
             """bitsandbytes' once-per-optimizer set-up before a first step."""
             if not view.initialized:
