@@ -200,6 +200,37 @@ def _run_schedule(case: Case, path: Path, model, data, args) -> dict:
         raise RuntimeError(f"out of memory at {where}: {str(exc).splitlines()[0]}") from None
 
 
+def _time_disk_jobs(trainer) -> list | None:
+    """Disk-stepped stages' jobs timed in their phases (NOTE: [Disk-stepped stages] in
+    passes/step_model.py): the states' read, the GPU part as issued, the wait for it, the write
+    back; rows (phase, stage, start, end) on `time.perf_counter`, beside each step's start."""
+    import torch
+
+    if getattr(trainer, "disk_stepper", None) is None or not trainer.disk_stepper.params:
+        return None
+    log: list = []
+
+    def wrap(obj, name, phase):
+        inner = getattr(obj, name)
+
+        def timed(stage, *a, **k):
+            t = time.perf_counter()
+            out = inner(stage, *a, **k)
+            if phase == "gpu":
+                t_issued = time.perf_counter()
+                log.append(("gpu_issue", stage, t, t_issued))
+                torch.cuda.current_stream().synchronize()
+                log.append(("gpu_wait", stage, t_issued, time.perf_counter()))
+            else:
+                log.append((phase, stage, t, time.perf_counter()))
+            return out
+        setattr(obj, name, timed)
+    wrap(trainer.disk_states, "load", "load")
+    wrap(trainer.disk_states, "store", "store")
+    wrap(trainer.disk_stepper, "step_from_disk", "gpu")
+    return log
+
+
 def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bool) -> dict:
     import torch
 
@@ -207,9 +238,12 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     times, losses = [], []
+    jobs = _time_disk_jobs(trainer) if args.events else None
     for i in range(args.warmup + args.steps):
         trainer.record_timeline = i == args.warmup + args.steps - 1
         start = time.perf_counter()
+        if jobs is not None:
+            jobs.append(("step", i, start, start))
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
@@ -249,7 +283,8 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "step_s": step_s, "step_times_s": times[args.warmup:], "losses": losses, "bind_s": bind_s,
         "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved, "host_peak_bytes": host_peak,
         "alloc_retries": retries,
-        "windows": windows, **({"events": events} if events is not None else {}), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "windows": windows, **({"events": events} if events is not None else {}),
+        **({"disk_jobs": jobs} if jobs else {}), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "commit": _commit(),
     }
 
