@@ -350,6 +350,9 @@ def _checks(r: dict) -> str:
     ok.append(f"peak {peak_err:+.0%}" + ("" if abs(peak_err) <= 0.05 else " **>5%**"))
     step_err = r["predicted_step_s"] / r["step_s"] - 1
     ok.append(f"step {step_err:+.0%}" + ("" if abs(step_err) <= 0.10 else " **>10%**"))
+    if r.get("host_peak_bytes"):  # the host's peak against the plan's host bytes and the reserve beside them
+        ok.append("host in plan" if r["host_peak_bytes"] <= r["predicted_host_bytes"] + r["host_reserve_bytes"]
+                  else "**host over plan**")
     return ", ".join(ok)
 
 

@@ -51,7 +51,8 @@ def test_the_plan_counts_disk_stepped_states_off_the_host(gpt):
     on_disk = evaluate(stages, HW, 1 << 40, decisions(SPEC))
     moved = [disk_gpu_state_bytes(stages[s].param_numel, stages.state_bytes) for s in (1, 3)]
     assert on_disk.disk_bytes == sum(moved)
-    assert in_memory.host_bytes - on_disk.host_bytes == sum(moved) - max(moved)  # one staging buffer stays
+    # two staging buffers stay: the job's, and the next one's read ahead (NOTE: [Disk reads ahead])
+    assert in_memory.host_bytes - on_disk.host_bytes == sum(moved) - 2 * max(moved)
     slot = max(disk_step_slot(stages, s) for s in (1, 3))
     assert slot < max(flush_bytes(stages, s) for s in (1, 3))  # one tensor at a time, not the whole stage
     schedule = forced(graph, stages, batch, decisions(SPEC), HW).schedule
@@ -150,3 +151,68 @@ def test_resume_stepped_from_disk_is_bit_identical(gpt, tmp_path):
     graph, stages, batch, real = gpt
     text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
     assert_disk_resume_bit_identical(text, real, batch, tmp_path, **HP)
+
+
+def test_the_next_jobs_states_are_read_ahead_into_the_other_buffer(tmp_path):
+    """NOTE: [Disk reads ahead] in runtime/disk_states.py: while one stage's states are loaded, the
+    next one's are read into the second buffer; a third finds none free and waits its turn; each
+    stage's states come back as they were stored."""
+    from lazytrain.runtime.disk_states import DiskStates
+    from lazytrain.runtime.optim import staged_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(1000 + 24 * i)) for i in range(3)]
+    opt = staged_optimizer("32bit", [{"params": [p]} for p in params], **HP)
+    states = DiskStates(opt, {i: [p] for i, p in enumerate(params)}, tmp_path,
+                        always_fresh=frozenset(range(3)), ahead=frozenset(range(3)))
+    assert len(states.buffers) == 2
+    for i, p in enumerate(params):  # first steps: fresh states, given values, to disk
+        states.load(i)
+        opt.state[p]["exp_avg"].fill_(i + 1)
+        opt.state[p]["exp_avg_sq"].fill_(10 * (i + 1))
+        states.store(i)
+        assert "exp_avg" not in opt.state[p]
+    states.load(0)
+    states.read_ahead(1)
+    assert sorted(states.held.values()) == [0, 1]
+    states.read_ahead(2)  # both buffers held: read when its turn comes
+    assert 2 not in states.held and 2 not in states.reads
+    states.store(0)
+    states.load(1)
+    assert states.held == {1: 1} and 1 not in states.reads  # read ahead: loaded in place
+    assert torch.equal(opt.state[params[1]]["exp_avg"], torch.full_like(params[1], 2.0))
+    states.read_ahead(2)
+    assert states.held == {1: 1, 2: 0}
+    states.store(1)
+    states.load(2)
+    assert torch.equal(opt.state[params[2]]["exp_avg"], torch.full_like(params[2], 3.0))
+    assert torch.equal(opt.state[params[2]]["exp_avg_sq"], torch.full_like(params[2], 30.0))
+    states.store(2)
+    states.load(1)
+    assert torch.equal(opt.state[params[1]]["exp_avg_sq"], torch.full_like(params[1], 20.0))
+
+
+def test_host_jobs_with_a_deadline_run_the_most_urgent_ready_one_first():
+    """NOTE: [Host jobs by deadline] in runtime/streams.py: each turn runs the most urgent job whose
+    events have completed, so a job submitted later but due sooner overtakes, and one not yet
+    ready waits for its own turn."""
+    from lazytrain.runtime.streams import DeadlineJobs
+
+    class Ev:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    jobs, ran = DeadlineJobs(), []
+    events = {name: [Ev(ready)] for name, ready in (("a", True), ("b", False), ("c", True))}
+    futures = {name: jobs.add(due, events[name], lambda name=name: ran.append(name) or name)
+               for name, due in (("a", 5), ("b", 1), ("c", 2))}
+    assert jobs.next_due() == 1
+    for name in "abc":  # the turns, in the order submitted, each after its own job's events
+        jobs.turn(events[name])
+    assert ran == ["c", "b", "a"]
+    assert all(f.result() == name for name, f in futures.items()) and jobs.next_due() is None

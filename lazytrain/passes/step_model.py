@@ -298,7 +298,12 @@ class StepModel:
             self.floors.append(staging)
             for x in on_disk:
                 m += staging >= x * (1.0 / self.unit)
-            self.host = self.host + staging * self.unit - self.disk
+            # NOTE: [Disk reads ahead] in runtime/disk_states.py: the next job's, disk-stepped
+            ahead = m.add_var("disk_staging_ahead", lb=0.0)  # in units of `unit` bytes
+            self.floors.append(ahead)
+            for s, g in enumerate(stages):
+                m += ahead >= (disk_gpu_state_bytes(g.param_numel, stages.state_bytes) / self.unit) * dst[s]
+            self.host = self.host + (staging + ahead) * self.unit - self.disk
             # NOTE: [Disk-stepped stages] one GPU slot the jobs take turns in, for the whole step
             slot = m.add_var("disk_step_slot", lb=0.0)  # in units of `unit` bytes
             self.floors.append(slot)

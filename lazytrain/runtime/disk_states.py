@@ -34,18 +34,23 @@ def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int
 
 class DiskStates:
     def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path, pin: bool = False,
-                 always_fresh: frozenset[int] = frozenset()):
+                 always_fresh: frozenset[int] = frozenset(), ahead: frozenset[int] = frozenset()):
         """`homes`: stage (its optimizer group) -> the parameters its step updates. `pin`: a
         page-locked staging buffer (GPU jobs copy from it). `always_fresh`: stages whose first
-        step makes every parameter's states (GPU steps: their gradients are not in `.grad`)."""
+        step makes every parameter's states (GPU steps: their gradients are not in `.grad`).
+        `ahead`: stages whose states may be read ahead, into a second buffer (NOTE: [Disk reads
+        ahead])."""
         self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh
         self.layout = {(s, i): _layout(optimizer, s, p) for s, ps in homes.items() for i, p in enumerate(ps)}
         sizes = {self._region(s, i, k): nbytes(shape, dtype)
                  for (s, i), keys in self.layout.items() for k, (shape, dtype) in keys.items()}
         self.file = OffloadFile(directory, sizes)
-        stage_bytes = [sum(aligned(nbytes(shape, dtype), ALIGN) for i in range(len(ps))
-                           for shape, dtype in self.layout[s, i].values()) for s, ps in homes.items()]
-        self.staging = aligned_empty(max(stage_bytes, default=0), pin=pin)
+        self.stage_bytes = {s: staging_bytes(self.layout[s, i] for i in range(len(ps))) for s, ps in homes.items()}
+        # the largest stage's, then the largest of those read ahead (NOTE: [Disk reads ahead])
+        sizes = [max(self.stage_bytes.values(), default=0), max((self.stage_bytes[s] for s in ahead), default=0)]
+        self.buffers = [aligned_empty(n, pin=pin) for n in sizes if n]
+        self.held: dict[int, int] = {}  # stage -> the buffer its states are in (loaded, or being read ahead)
+        self.reads: dict[int, list] = {}  # stage -> its reads ahead still to be waited for
         self.on_disk: set[tuple[int, int]] = set()  # (stage, parameter index) whose states are in the file
 
     @staticmethod
@@ -53,9 +58,19 @@ class DiskStates:
         return f"{stage}.{index}.{key}"
 
     def load(self, stage: int) -> None:
-        """Before `stage`'s step: its states into the staging buffer, and the optimizer's state
-        pointing at them."""
-        carver = Carver(self.staging, ALIGN)
+        """Before `stage`'s step: its states in a staging buffer (read ahead, or read now), and the
+        optimizer's state pointing at them."""
+        if stage in self.reads:  # read ahead: its tensors are in place once the reads are done
+            for r in self.reads.pop(stage):
+                r.result()
+            return
+        buffer = self._free(self.stage_bytes[stage], required=False)
+        if buffer is None:  # another stage's states were read ahead, and this one came first
+            for other in list(self.reads):
+                self._drop_ahead(other)
+            buffer = self._free(self.stage_bytes[stage])
+        self.held[stage] = buffer
+        carver = Carver(self.buffers[buffer], ALIGN)
         reads = []
         for i, p in enumerate(self.homes[stage]):
             state = self.optimizer.state[p]
@@ -67,6 +82,38 @@ class DiskStates:
                     state.setdefault(k, v.clone() if torch.is_tensor(v) and k not in self.layout[stage, i] else v)
         for r in reads:
             r.result()
+
+    def read_ahead(self, stage: int) -> None:
+        """Start reading `stage`'s states into the buffer the step before it does not hold, where
+        they all are on disk and it fits (NOTE: [Disk reads ahead]); `load` waits for them."""
+        n = len(self.homes[stage])
+        if stage in self.held or any((stage, i) not in self.on_disk for i in range(n)):
+            return
+        buffer = self._free(self.stage_bytes[stage], required=False)
+        if buffer is None:
+            return
+        self.held[stage] = buffer
+        carver = Carver(self.buffers[buffer], ALIGN)
+        self.reads[stage] = [r for i in range(n) for r in self._read(stage, i, carver.take)]
+
+    def _drop_ahead(self, stage: int) -> None:
+        """`stage`'s states read ahead, dropped: its reads finished, its buffer free again."""
+        for r in self.reads.pop(stage):
+            r.result()
+        for i, p in enumerate(self.homes[stage]):
+            for k in self.layout[stage, i]:
+                self.optimizer.state[p].pop(k, None)
+        self.held.pop(stage)
+
+    def _free(self, nbytes: int, required: bool = True) -> int | None:
+        """The smallest staging buffer no stage holds that fits `nbytes`."""
+        held = set(self.held.values())
+        fits = [b for b in range(len(self.buffers)) if b not in held and self.buffers[b].numel() >= nbytes]
+        if not fits:
+            if required:
+                raise RuntimeError(f"no staging buffer free for {nbytes} bytes of states (held: {self.held})")
+            return None
+        return min(fits, key=lambda b: self.buffers[b].numel())
 
     def store(self, stage: int) -> None:
         """After `stage`'s step: its states back to the file, and out of the optimizer's state."""
@@ -81,6 +128,7 @@ class DiskStates:
         for i, p in enumerate(self.homes[stage]):
             for k in self.layout[stage, i]:
                 self.optimizer.state.get(p, {}).pop(k, None)
+        self.held.pop(stage, None)
 
     def _read(self, stage: int, index: int, make) -> list:
         """Parameter `index` of `stage`: its states read from the file into tensors `make(shape,
@@ -113,3 +161,21 @@ class DiskStates:
         self.on_disk.clear()
         for s in self.homes:
             self.store(s)
+
+
+def staging_bytes(layouts) -> int:
+    """Bytes of staging buffer one stage's states take: each tensor's, rounded up to `ALIGN`."""
+    return sum(aligned(nbytes(shape, dtype), ALIGN) for keys in layouts for shape, dtype in keys.values())
+
+
+# NOTE: [Disk reads ahead] Disk-stepped stages' jobs run one after another on the host worker: read
+# the states, step on the GPU, write them back. The GPU part's 8-bit kernels go to the device's
+# default stream (NOTE: [Optimizer stream] in stepping.py), behind the resident steps queued there
+# during backward, each waiting for the compute issued before it: on the H200 (7B at 24 GiB,
+# 2026-12-01) a job's GPU part took 0.055 s in the forward and 0.15-0.48 s in backward, against
+# 0.27 s to read and 0.18 s to write a layer's states, and the disk sat idle meanwhile. So the
+# job that runs next on the worker, where it is disk-stepped, has its states read into a second
+# staging buffer while the one before it steps and writes back. The job next is the most urgent
+# one submitted (NOTE: [Host jobs by deadline] in streams.py); one submitted later may yet be more
+# urgent, and then the states read ahead are dropped if its load needs their buffer. At most two
+# stages hold a buffer: the job running and the one read ahead.

@@ -154,11 +154,19 @@ class Stepping:
         in the one slot such jobs share, the states back to disk. On a GPU the copies and the step
         run on this thread's current stream, the device's default: the optimizer stream."""
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
-            self.disk_states.load(s)
+            self._load_states(s)
             self.disk_stepper.step_from_disk(s, self._group(s), hyper, coef, self.disk_step_slot)
             if self.cuda:  # the states must be back in host memory before they are written
                 torch.cuda.current_stream(self.device).synchronize()
             self.disk_states.store(s)
+
+    def _load_states(self, s: int) -> None:
+        """On the host worker, as stage `s`'s job starts: its states from disk, and those of the
+        disk-stepped job most likely next read ahead (NOTE: [Disk reads ahead] in disk_states.py)."""
+        self.disk_states.load(s)
+        after = self.streams.next_due()
+        if after is not None:
+            self.disk_states.read_ahead(after)
 
     def _opt_step(self, e: Event, coef: float):
         s = e.stage
@@ -176,11 +184,12 @@ class Stepping:
 
         if e.device == "disk":  # NOTE: [Disk-stepped stages] in passes/step_model.py
             self.fresh.difference_update(names)  # its job consumes the gradients in the host buffers
-            self.cpu_jobs[s] = self.streams.host(e, lambda: self._disk_step(s, hyper, coef))
+            # the next forward reads stage s at its prefetch: the lower, the sooner (NOTE: [Host jobs by deadline])
+            self.cpu_jobs[s] = self.streams.host(e, lambda: self._disk_step(s, hyper, coef), due=s)
         elif e.device == "cpu":
             def host_step():
                 if self.disk_states is not None and s in self.disk_states.homes:  # NOTE: [Disk-resident states]
-                    self.disk_states.load(s)
+                    self._load_states(s)
                     step()
                     self.disk_states.store(s)
                 else:

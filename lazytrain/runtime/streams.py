@@ -9,12 +9,58 @@ CUDA events it needs, then runs on the host while the GPU works on.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from lazytrain.ir.events import Event, Stream
+
+
+# NOTE: [Host jobs by deadline] The plan counts the host worker's work against deadlines per
+# window (NOTE: [Host step backlog] in passes/step_model.py) as if the most urgent job ran first.
+# Disk-stepped stages' jobs (NOTE: [Disk-stepped stages] there) are released in backward from the
+# last stage to the first, and each is due at its stage's prefetch in the next forward, from the
+# first to the last: run as submitted, the job due first ran last. On the H200 (7B at 24 GiB, 6
+# disk-stepped blocks, 2026-12-01) the next forward then waited 0.8 s at the first such block's
+# prefetch, in a plan that had room for every job. So jobs given a `due` wait in a pool, and each
+# turn of the worker (one per job submitted, after that job's CUDA events) runs the most urgent
+# job whose events have completed; its own have, so every job runs. A job already running is not
+# interrupted: one due sooner waits for it (up to a layer's job, 0.5 s for the 7B, 1.1 s for the
+# 32B, which the plan does not count).
+class DeadlineJobs:
+    """Host jobs that take turns by deadline (NOTE: [Host jobs by deadline])."""
+
+    def __init__(self):
+        self.pending: list[tuple[int, list, Callable[[], object], Future]] = []  # (due, CUDA events, run, future)
+        self.lock = threading.Lock()
+
+    def add(self, due: int, events: list, run: Callable[[], object]) -> Future:
+        """Pool `run` with its `due` rank (lower: sooner) and the `events` it waits on; its future."""
+        f: Future = Future()
+        with self.lock:
+            self.pending.append((due, events, run, f))
+        return f
+
+    def turn(self, events: list) -> None:
+        """One job's turn, once `events` (that job's) have completed: the most urgent ready job runs."""
+        for ev in events:
+            ev.synchronize()
+        with self.lock:
+            picked = min((j for j in self.pending if all(ev.query() for ev in j[1])), key=lambda j: j[0])
+            self.pending.remove(picked)
+        _, _, run, f = picked
+        try:
+            f.set_result(run())
+        except BaseException as exc:
+            f.set_exception(exc)
+
+    def next_due(self) -> int | None:
+        """The `due` of the most urgent job pooled and not started."""
+        with self.lock:
+            return min((j[0] for j in self.pending), default=None)
 
 
 class SerialStreams:
@@ -36,10 +82,13 @@ class SerialStreams:
         if self.timeline is not None:
             self.timeline.append((e.id, start, time.perf_counter() - self._t0))
 
-    def host(self, e: Event, fn) -> Future:
+    def host(self, e: Event, fn, due: int | None = None) -> Future:
         f: Future = Future()
         self.run(e, lambda: f.set_result(fn()))
         return f
+
+    def next_due(self) -> int | None:
+        return None
 
     def slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -71,6 +120,7 @@ class CudaStreams:
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
                         Stream.DISK: torch.cuda.Stream(device), Stream.COMM: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
+        self.by_deadline = DeadlineJobs()
         self.aside = torch.cuda.default_stream(device)  # NOTE: [Optimizer stream]
         self.stepped: dict[int, torch.cuda.Event] = {}  # stage -> its step on the optimizer stream
         self.done: dict[int, torch.cuda.Event] = {}
@@ -146,20 +196,31 @@ class CudaStreams:
         ev.record(torch.cuda.current_stream(self.device))
         self.stepped[stage] = ev
 
-    def host(self, e: Event, fn) -> Future:
-        """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed."""
+    def host(self, e: Event, fn, due: int | None = None) -> Future:
+        """Run `fn` on the CPU worker once the CUDA events `e` waits on have completed. Jobs with a
+        `due` (their deadline's rank) take turns by it (NOTE: [Host jobs by deadline])."""
         events = [self.done[w] for w in e.waits if w in self.done]
         record, marks = self.record, self.host_marks
 
-        def job():
-            for ev in events:
-                ev.synchronize()
+        def run():
             start = time.perf_counter()
             out = fn()
             if record:
                 marks.append((e.id, start - self.host_t0, time.perf_counter() - self.host_t0))
             return out
+        if due is not None:
+            f = self.by_deadline.add(due, events, run)
+            self.worker.submit(self.by_deadline.turn, events)
+            return f
+
+        def job():
+            for ev in events:
+                ev.synchronize()
+            return run()
         return self.worker.submit(job)
+
+    def next_due(self) -> int | None:
+        return self.by_deadline.next_due()
 
     def finish(self):
         if self.record:  # its events must have completed to be read
