@@ -40,7 +40,7 @@ class DiskStates:
         step makes every parameter's states (GPU steps: their gradients are not in `.grad`).
         `ahead`: stages whose states may be read ahead, into a second buffer (NOTE: [Disk reads
         ahead])."""
-        self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh
+        self.optimizer, self.homes, self.always_fresh, self.pin = optimizer, homes, always_fresh, pin
         self.layout = {(s, i): _layout(optimizer, s, p) for s, ps in homes.items() for i, p in enumerate(ps)}
         sizes = {self._region(s, i, k): nbytes(shape, dtype)
                  for (s, i), keys in self.layout.items() for k, (shape, dtype) in keys.items()}
@@ -79,9 +79,15 @@ class DiskStates:
             elif stage in self.always_fresh or p.grad is not None:  # a first step: fresh states, in the staging buffer
                 fresh = self.optimizer.fresh_state(stage, p, carver.take)
                 for k, v in fresh.items():
-                    state.setdefault(k, v.clone() if torch.is_tensor(v) and k not in self.layout[stage, i] else v)
+                    state.setdefault(k, self._kept(v) if torch.is_tensor(v) and k not in self.layout[stage, i] else v)
         for r in reads:
             r.result()
+
+    def _kept(self, v: torch.Tensor) -> torch.Tensor:
+        """A state tensor that stays in the optimizer's state (a step count, a quantisation map), in
+        memory of its own; page-locked where GPU jobs copy it, as pageable copies wait for the
+        device's default stream (NOTE: [Disk reads ahead])."""
+        return v.pin_memory() if self.pin and v.device.type == "cpu" else v.clone()
 
     def read_ahead(self, stage: int) -> None:
         """Start reading `stage`'s states into the buffer the step before it does not hold, where
@@ -173,7 +179,9 @@ def staging_bytes(layouts) -> int:
 # default stream (NOTE: [Optimizer stream] in stepping.py), behind the resident steps queued there
 # during backward, each waiting for the compute issued before it: on the H200 (7B at 24 GiB,
 # 2026-12-01) a job's GPU part took 0.055 s in the forward and 0.15-0.48 s in backward, against
-# 0.27 s to read and 0.18 s to write a layer's states, and the disk sat idle meanwhile. So the
+# 0.27 s to read and 0.18 s to write a layer's states, and the disk sat idle meanwhile (the GPU
+# part also waited there itself: its quantisation maps and step counts were pageable, and a
+# pageable copy waits for the stream it is queued on; they are page-locked now). So the
 # job that runs next on the worker, where it is disk-stepped, has its states read into a second
 # staging buffer while the one before it steps and writes back. The job next is the most urgent
 # one submitted (NOTE: [Host jobs by deadline] in streams.py); one submitted later may yet be more

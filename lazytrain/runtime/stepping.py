@@ -157,6 +157,7 @@ class Stepping:
             self._load_states(s)
             self.disk_stepper.step_from_disk(s, self._group(s), hyper, coef, self.disk_step_slot)
             if self.cuda:  # the states must be back in host memory before they are written
+                self._read_ahead()  # a job submitted meanwhile: its read beside the wait
                 torch.cuda.current_stream(self.device).synchronize()
             self.disk_states.store(s)
 
@@ -164,6 +165,9 @@ class Stepping:
         """On the host worker, as stage `s`'s job starts: its states from disk, and those of the
         disk-stepped job most likely next read ahead (NOTE: [Disk reads ahead] in disk_states.py)."""
         self.disk_states.load(s)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
         after = self.streams.next_due()
         if after is not None:
             self.disk_states.read_ahead(after)
