@@ -156,9 +156,12 @@ class Stepping:
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
             self._load_states(s)
             self.disk_stepper.step_from_disk(s, self._group(s), hyper, coef, self.disk_step_slot)
-            if self.cuda:  # the states must be back in host memory before they are written
+            if self.cuda:  # the states must be back in host memory before they are written: the
+                # job's own work, not the stream's, where the main thread queues more steps meanwhile
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
                 self._read_ahead()  # a job submitted meanwhile: its read beside the wait
-                torch.cuda.current_stream(self.device).synchronize()
+                done.synchronize()
             self.disk_states.store(s)
 
     def _load_states(self, s: int) -> None:
