@@ -216,3 +216,32 @@ def test_host_jobs_with_a_deadline_run_the_most_urgent_ready_one_first():
         jobs.turn(events[name])
     assert ran == ["c", "b", "a"]
     assert all(f.result() == name for name, f in futures.items()) and jobs.next_due() is None
+
+
+def test_a_job_released_last_and_due_first_gets_time_of_its_own():
+    """NOTE: [Jobs due in release order's reverse] in passes/step_model.py: for each stage k, the
+    host work of stages 0..k fits between k's release and its deadline, in the plan's windows. With
+    compute 10 times slower and the disk 4 times, block 1's job fits in its own long backward
+    window, and block 0's job, released last, must not count on that time."""
+    from lazytrain.passes.step_model import job_intervals
+
+    slow = dataclasses.replace(HW, achieved_fraction=HW.achieved_fraction / 10,
+                               disk_read_bandwidth=HW.disk_read_bandwidth / 4,
+                               disk_write_bandwidth=HW.disk_write_bandwidth / 4)
+    meta, _, batch = tiny_gpt_pair()
+    _, stages = analyse(meta, batch, slow, optimizer_states="8bit")
+    stages = dataclasses.replace(stages, disk=True, clipping="off")  # released as their gradients land
+    spec = decisions(["-rk", "-rk", "XRk", "XRk", "-rk"])
+    _, _, model, _ = solve_module._build(stages, slow, 1 << 40, minimise_memory=False, fixed=spec)
+    S = len(stages)
+    labels = [f"F{s}" for s in range(S)] + [f"B{s}" for s in reversed(range(S))] + ["pre", "tail"]
+    intervals = [[labels[t] for t in windows] for _, windows in job_intervals(model)]
+    assert intervals[0] == ["tail"] and intervals[1] == ["tail", "pre"]
+    assert intervals[3] == ["B1", "B0", "tail", "pre", "F0", "F1"]  # released at B1, due before F2's prefetch
+    plan = evaluate(stages, slow, 1 << 40, spec)
+    seconds = {lab: s for lab, _, s in plan.windows}
+    job = {s: disk_gpu_job_s(stages[s].param_bytes, stages[s].param_numel, len(stages[s].params), slow,
+                             stages.state_bytes, stages.master_bytes) for s in (2, 3)}
+    assert seconds["B1"] > job[3]  # block 1's job fits in its own backward window...
+    assert job[2] <= sum(seconds[w] for w in intervals[2]) * (1 + 1e-6)  # ...and block 0's has time of its own
+    assert job[2] + job[3] <= sum(seconds[w] for w in intervals[3]) * (1 + 1e-6)

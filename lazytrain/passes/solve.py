@@ -96,7 +96,7 @@ from lazytrain.passes.footprint import (
 )
 from lazytrain.passes.limits import limits
 from lazytrain.passes.shards import sharded_deferred_bytes, sharded_tail, sharding
-from lazytrain.passes.step_model import StepModel, byte_unit
+from lazytrain.passes.step_model import StepModel, byte_unit, job_intervals
 from lazytrain.units import format_size
 
 
@@ -189,6 +189,10 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += x == value
     model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
+    for work, windows in job_intervals(model):  # NOTE: [Jobs due in release order's reverse] in step_model.py
+        if isinstance(work, mip.LinExpr):
+            m += work * (1.0 / model.unit_s) <= mip.xsum(model.cap[t] * (1.0 / model.unit_s) + exposed[t] * (1.0 / model.unit_s)
+                                                         for t in windows)
     u = 1.0 / model.unit
     m += model.host * u <= hw.host_capacity * u
     m += model.disk * u <= hw.disk_bytes * u

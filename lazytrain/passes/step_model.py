@@ -112,6 +112,8 @@ class StepModel:
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
         PK = max((s.peak_bytes for s in stages), default=0)
         disk_ok = stages.disk and n == 1 and disk_available(hw)
+        # per stage, with the disk tier: (window released, window due by, host worker seconds)
+        self.host_jobs: list[tuple[int, int, object]] = []
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
             P = len(g.params)
@@ -191,6 +193,8 @@ class StepModel:
                 m += dst[s] == 0
             released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s + job_s
             prefetched = (TAIL, PRE)[s] if s < 2 else L.fw(s - 2)  # the end of the window before its prefetch
+            if disk_ok:  # NOTE: [Jobs due in release order's reverse]
+                self.host_jobs.append((L.bw(s - 2) if s >= 2 and not exact else TAIL, prefetched, host_s + job_s))
             due[prefetched if exact else TAIL] += host_s
             due[prefetched] += job_s
             # GPU-stepped streamed: state in at the prefetch, out one window later
@@ -391,6 +395,37 @@ class StepModel:
 # longer, in series with compute, and counts it as compute. An all-reduce is a reduce-scatter and
 # an all-gather, so it takes twice `comm_s`. Left out before, the plan was 11 % optimistic on the
 # 2-GPU H200 box for the 32B shape (64 all-reduces of 0.98 GB at 388 GB/s: 0.32 s of 9.73).
+# NOTE: [Jobs due in release order's reverse]
+# The backlog (NOTE: [Host step backlog]) checks that by each window the host worker has had the
+# time for what is due by then, whichever job it ran; that is the whole story only when no job
+# released later is due sooner. A disk-stepped stage's job (NOTE: [Disk-stepped stages]) is
+# released at B(s-2) and due before its prefetch at F(s-2) of the next step: the last released is
+# due first, and the worker runs the most urgent ready job (NOTE: [Host jobs by deadline] in
+# runtime/streams.py). Work done before a job's release does not help it: on the H200 (7B at 24
+# GiB, 6 disk-stepped blocks, 2026-12-01) the plan gave block 4's 0.55 s job the 0.25 s between
+# B2 and F2, and the forward waited 0.4 s at its prefetch. So for each stage k, what stages 0..k
+# hand the worker (released at or after k's job, due by its deadline, host steps among them) must
+# fit in the windows from k's release to its deadline (`job_intervals`): by the processor-demand
+# test, with the backlog's prefix, what a most-urgent-first worker needs. A job is not interrupted,
+# so one due sooner may still wait for the job running when it is released (up to one job: 0.55 s
+# for a 7B layer's); the plan does not count that.
+def job_intervals(model: StepModel) -> list[tuple[object, list[int]]]:
+    """Per stage k with the disk tier: the host worker seconds stages 0..k release at or after k's
+    job, and the windows (in time order, through the tail into the next forward) from its release
+    to its deadline (NOTE: [Jobs due in release order's reverse])."""
+    T = len(model.cap) - 2
+    PRE, TAIL = T, T + 1
+    S = T // 2
+    cycle = list(range(T)) + [TAIL, PRE] + list(range(S))  # this step's windows, then the next forward's
+    out, work = [], 0.0
+    for released, due, seconds in model.host_jobs:
+        work = work + seconds
+        start = cycle.index(released)
+        end = cycle.index(due, max(start, T) if due < S else start)
+        out.append((work, cycle[start:end + 1]))
+    return out
+
+
 # NOTE: [Host step backlog]
 # A host-stepped stage's AdamW may run in any window from B(s-2) (its gradient has landed) to the
 # tail. Splitting each stage's seconds over its own windows took one variable per (stage, window):
