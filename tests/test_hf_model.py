@@ -274,6 +274,40 @@ def test_loaded_parameters_own_their_memory(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_resident_masters_load_straight_onto_their_device(tmp_path):
+    """NOTE: [Masters built in place] in runtime/store.py: the parameters of a schedule's resident
+    stages and its shared weights are made where `places` puts them (here the meta device, standing
+    in for a GPU), one tensor at a time; the streamed ones in host memory, with the checkpoint's
+    values; tied names stay one parameter."""
+    from lazytrain import hardware
+    from lazytrain.ir.capture import build_on_meta
+    from lazytrain.pipeline import analyse
+    from lazytrain.runtime.schedule import load_source
+    from lazytrain.runtime.store import resident_targets
+    from lazytrain.train.source import resolve
+    from models import decisions, forced, unique_name
+
+    src = tmp_path / "m"
+    want = save_model(src, "llama", True, False).state_dict()
+    source = resolve(src, BATCH, SEQ, None)
+    hw = hardware.load("cpu")
+    meta = build_on_meta(source.build_model)
+    graph, stages = analyse(meta, source.example_batch(), hw)
+    spec = ["-rk"] * len(stages)
+    spec[1] = "SRk"  # the first decoder layer streamed, the rest resident
+    module = load_source(forced(graph, stages, source.example_batch(), decisions(spec), hw).source_text, unique_name())
+    resident = resident_targets(module)
+    streamed_names = {module.PLACEHOLDERS[p][1] for s in module.STAGES if s.stream for p in s.params}
+    assert streamed_names and resident and not resident & streamed_names
+    model, _ = source.materialize(places=dict.fromkeys(resident, torch.device("meta")))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in streamed_names:
+            assert p.device.type == "cpu" and torch.equal(p, want[name]), name
+        else:
+            assert p.device.type == "meta", name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def _tiny_moe():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 

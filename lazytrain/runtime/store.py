@@ -37,6 +37,19 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+# NOTE: [Masters built in place] A resident parameter's master lives on the compute device for the
+# whole run (its home: NOTE: [Parameter homes]). Loaded into host memory first, a 72B model's
+# resident masters alone would outgrow a 125 GiB host before `bind` moved them: so `lazytrain
+# train` loads each resident master straight onto the device, one tensor at a time, and only the
+# streamed masters, which live on the host anyway, go through host memory. Not with sharded state,
+# whose pieces are cut from host masters (NOTE: [Sharded state] in sharding.py).
+def resident_targets(module) -> set[str]:
+    """The model's names of the parameters whose masters a schedule keeps on the compute device:
+    those of resident stages, and the shared weights (NOTE: [Masters built in place])."""
+    streamed = {p for s in module.STAGES if s.stream for p in s.params}
+    return {target for p, (kind, target, *_) in module.PLACEHOLDERS.items() if kind == "param" and p not in streamed}
+
+
 class ParamStore:
     def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device, pinned: PinnedArena,
                  layouts: dict | None = None, pieces: dict[str, torch.Tensor] | None = None):

@@ -27,6 +27,7 @@ from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.runtime.schedule import load_schedule, load_source
+from lazytrain.runtime.store import resident_targets
 from lazytrain.summary import summary
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.checkpoint_load import check_fingerprint
@@ -135,7 +136,11 @@ def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
     """The model with its starting weights, loaded in the masters' dtype (NOTE: [Loading weights]
     in weights.py); casts are said once."""
     bf16 = getattr(schedule, "MASTER_WEIGHTS", "fp32") == "bf16"
-    model, casts = source.materialize(torch.bfloat16 if bf16 else None)
+    device = torch.device(schedule.DEVICE)
+    places = None  # NOTE: [Masters built in place] in runtime/store.py
+    if device.type != "cpu" and not getattr(schedule, "SHARDED", False):
+        places = dict.fromkeys(resident_targets(schedule), device)
+    model, casts = source.materialize(torch.bfloat16 if bf16 else None, places)
     if source.weights is not None:
         files = len(set(source.weights.files.values()))
         print(f"loaded {len(source.weights.files)} tensors from {source.weights.origin}"

@@ -37,15 +37,17 @@ class ModelSource:
         ids = torch.zeros(self.batch_shape, dtype=torch.long)
         return {"input_ids": ids, "labels": ids.clone()}
 
-    def materialize(self, dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, list[str]]:
+    def materialize(self, dtype: torch.dtype | None = None,
+                    places: dict[str, torch.device] | None = None) -> tuple[torch.nn.Module, list[str]]:
         """The model with its weights: streamed from the checkpoint (NOTE: [Loading weights] in
-        weights.py), floating parameters in `dtype` (default: the model's), with the casts done;
-        or freshly initialised when there are no weights."""
+        weights.py), floating parameters in `dtype` (default: the model's), those `places` names
+        on its devices, with the casts done; or freshly initialised (in host memory) when there are
+        no weights."""
         if self.weights is None:
             return self.build_model(), []
         with ckpt_weights.parameters_on_meta():
             model = self.build_model()
-        return model, ckpt_weights.load(model, self.weights, dtype)
+        return model, ckpt_weights.load(model, self.weights, dtype, places)
 
 
 def resolve(model: str | Path, batch_size: int | None, seq_len: int | None, weights: str | None) -> ModelSource:

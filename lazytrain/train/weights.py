@@ -238,11 +238,14 @@ def _untied_hint(model: torch.nn.Module, missing: str) -> str | None:
 # --------------------------------------------------------------------------- loading
 
 
-def load(model: torch.nn.Module, weights: Weights, dtype: torch.dtype | None = None) -> list[str]:
+def load(model: torch.nn.Module, weights: Weights, dtype: torch.dtype | None = None,
+         places: dict[str, torch.device] | None = None) -> list[str]:
     """Stream `weights` into `model` (built under `parameters_on_meta`, checked with `check`), one
     tensor at a time (NOTE: [Loading weights]). Floating parameters become `dtype` (default: the
-    dtype each was built with). Returns one line per kind of cast done, e.g.
-    ``cast 24 tensors from bfloat16 to float32``, for the caller to say once."""
+    dtype each was built with); a parameter one of whose names `places` holds is made on that device
+    (NOTE: [Masters built in place] in runtime/store.py), the rest in host memory. Returns one line
+    per kind of cast done, e.g. ``cast 24 tensors from bfloat16 to float32``, for the caller to say
+    once."""
     from safetensors import safe_open
 
     groups = _groups(model)
@@ -264,7 +267,8 @@ def load(model: torch.nn.Module, weights: Weights, dtype: torch.dtype | None = N
                     if name in source:
                         old = model.get_parameter(name)
                         want = dtype if dtype is not None and old.is_floating_point() else old.dtype
-                        _set_parameter(model, source[name], tensor, want, old.requires_grad, casts)
+                        device = next((places[n] for n in source[name] if n in places), None) if places else None
+                        _set_parameter(model, source[name], tensor, want, old.requires_grad, casts, device)
                     else:
                         buf = model.get_buffer(name)
                         if buf.dtype != tensor.dtype:
@@ -286,12 +290,12 @@ def _check_twin(model, weights, name, loaded_as, tensor) -> None:
             'ties into one parameter; set "tie_word_embeddings": false in its config.json to train them apart')
 
 
-def _set_parameter(model, names, tensor, dtype, requires_grad, casts) -> None:
+def _set_parameter(model, names, tensor, dtype, requires_grad, casts, device=None) -> None:
     if tensor.dtype != dtype:
         casts[(tensor.dtype, dtype)] += 1
     # `get_tensor` returns a view of the shard's private file mapping: the copy owns its memory, so
     # that nothing reads the file again (an export into the same directory rewrites it).
-    owned = torch.empty(tensor.shape, dtype=dtype).copy_(tensor)
+    owned = torch.empty(tensor.shape, dtype=dtype, device=device or "cpu").copy_(tensor)
     param = torch.nn.Parameter(owned, requires_grad=requires_grad)
     for name in names:  # tied names share the one new parameter
         owner, _, attr = name.rpartition(".")
