@@ -342,13 +342,15 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 
 # NOTE: [Disk steps not searched]
 # The solver does not choose disk-stepped stages (NOTE: [Disk-stepped stages] in step_model.py) yet;
-# plans with them are evaluated (`evaluate`, the tests' forced plans) and the runtime runs them, but
-# on the H200 box (2026-12-01, 5081dfd) the one searched plan that ran, the 7B at 24 GiB on a 44 GB
-# host (6 disk-stepped blocks), took 5.08 s a step against 3.84 predicted, in its GPU and host
-# budgets; and the 32B at max on a 104 GB host (8 such blocks) stopped in its first steps with
-# bitsandbytes' 8-bit step given a CPU quantisation map beside device states, which a 5-block model
-# of the same width mixing the same decisions did not reproduce. A plan the runtime cannot keep is
-# worse than a slower one, so the search keeps them out until both are explained.
+# plans with them are evaluated (`evaluate`, the tests' forced plans) and the runtime runs them. On
+# the H200 box (2026-12-01, bench/README.md) both searched plans that ran keep their GPU budgets,
+# but neither is the truth yet: the 7B at 24 GiB on a 44 GB host took 4.47 s a step against 3.95
+# predicted (5.08 before the jobs ran by deadline and read ahead), and the 32B at max on a 104 GB
+# host 11.51 s against 10.72 with its host peak 1.2 GiB over the plan's (98.0 of 96.8 GiB, the
+# reserve included), not yet explained. The 7B's remaining wait was a job released last and due
+# first; the plan now gives such a job its own time (NOTE: [Jobs due in release order's reverse]),
+# and moves the 7B's disk-stepped blocks off the early stages, unmeasured yet. A plan the runtime
+# cannot keep is worse than a slower one, so the search keeps them out until both rows hold.
 SEARCH_DISK_STEPS = False
 FLOOR_WEIGHT = 1e-7  # per `unit` of bytes: under 1e-4 of a step for any plan (NOTE: [Floor variables])
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
