@@ -48,10 +48,13 @@ class DeadlineJobs:
         """One job's turn, once `events` (that job's) have completed: the most urgent ready job runs."""
         for ev in events:
             ev.synchronize()
-        with self.lock:
-            picked = min((j for j in self.pending if all(ev.query() for ev in j[1])), key=lambda j: j[0])
+        with self.lock:  # one is ready (each turn follows its own job's events); the first pooled else
+            ready = [j for j in self.pending if all(ev.query() for ev in j[1])] or self.pending[:1]
+            picked = min(ready, key=lambda j: j[0])
             self.pending.remove(picked)
-        _, _, run, f = picked
+        _, events, run, f = picked
+        for ev in events:
+            ev.synchronize()
         try:
             f.set_result(run())
         except BaseException as exc:
