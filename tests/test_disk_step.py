@@ -157,14 +157,17 @@ def test_the_next_jobs_states_are_read_ahead_into_the_other_buffer(tmp_path):
     """NOTE: [Disk reads ahead] in runtime/disk_states.py: while one stage's states are loaded, the
     next one's are read into the second buffer; a third finds none free and waits its turn; each
     stage's states come back as they were stored."""
+    from lazytrain.runtime.disk import ALIGN
     from lazytrain.runtime.disk_states import DiskStates
     from lazytrain.runtime.optim import staged_optimizer
+    from lazytrain.runtime.pinned import PinnedArena
 
     params = [torch.nn.Parameter(torch.zeros(1000 + 24 * i)) for i in range(3)]
     opt = staged_optimizer("32bit", [{"params": [p]} for p in params], **HP)
-    states = DiskStates(opt, {i: [p] for i, p in enumerate(params)}, tmp_path,
+    states = DiskStates(opt, {i: [p] for i, p in enumerate(params)}, tmp_path, PinnedArena(False),
                         always_fresh=frozenset(range(3)), ahead=frozenset(range(3)))
-    assert len(states.buffers) == 2
+    largest = max(states.stage_bytes.values())  # two buffers of it, page-aligned for direct transfers
+    assert [(b.numel(), b.data_ptr() % ALIGN) for b in states.buffers] == [(largest, 0), (largest, 0)]
     for i, p in enumerate(params):  # first steps: fresh states, given values, to disk
         states.load(i)
         opt.state[p]["exp_avg"].fill_(i + 1)

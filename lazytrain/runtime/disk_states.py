@@ -22,6 +22,7 @@ import torch
 
 from lazytrain.runtime.carve import Carver, aligned, nbytes
 from lazytrain.runtime.disk import ALIGN, OffloadFile, aligned_empty
+from lazytrain.runtime.pinned import PinnedArena
 
 
 def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -33,14 +34,16 @@ def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int
 
 
 class DiskStates:
-    def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path, pin: bool = False,
-                 always_fresh: frozenset[int] = frozenset(), ahead: frozenset[int] = frozenset()):
-        """`homes`: stage (its optimizer group) -> the parameters its step updates. `pin`: a
-        page-locked staging buffer (GPU jobs copy from it). `always_fresh`: stages whose first
-        step makes every parameter's states (GPU steps: their gradients are not in `.grad`).
-        `ahead`: stages whose states may be read ahead, into a second buffer (NOTE: [Disk reads
-        ahead])."""
-        self.optimizer, self.homes, self.always_fresh, self.pin = optimizer, homes, always_fresh, pin
+    def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path,
+                 pinned: PinnedArena | None = None, always_fresh: frozenset[int] = frozenset(),
+                 ahead: frozenset[int] = frozenset()):
+        """`homes`: stage (its optimizer group) -> the parameters its step updates. `pinned`: the
+        arena the staging buffers come from, page-locked at their size where it pins (GPU jobs copy
+        from them; NOTE: [Pinned arena] in pinned.py). `always_fresh`: stages whose first step makes
+        every parameter's states (GPU steps: their gradients are not in `.grad`). `ahead`: stages
+        whose states may be read ahead, into a second buffer (NOTE: [Disk reads ahead])."""
+        self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh
+        self.pin = pinned is not None and pinned.pin
         self.layout = {(s, i): _layout(optimizer, s, p) for s, ps in homes.items() for i, p in enumerate(ps)}
         sizes = {self._region(s, i, k): nbytes(shape, dtype)
                  for (s, i), keys in self.layout.items() for k, (shape, dtype) in keys.items()}
@@ -48,7 +51,7 @@ class DiskStates:
         self.stage_bytes = {s: staging_bytes(self.layout[s, i] for i in range(len(ps))) for s, ps in homes.items()}
         # the largest stage's, then the largest of those read ahead (NOTE: [Disk reads ahead])
         sizes = [max(self.stage_bytes.values(), default=0), max((self.stage_bytes[s] for s in ahead), default=0)]
-        self.buffers = [aligned_empty(n, pin=pin) for n in sizes if n]
+        self.buffers = [_staging(n, pinned) for n in sizes if n]
         self.held: dict[int, int] = {}  # stage -> the buffer its states are in (loaded, or being read ahead)
         self.reads: dict[int, list] = {}  # stage -> its reads ahead still to be waited for
         self.on_disk: set[tuple[int, int]] = set()  # (stage, parameter index) whose states are in the file
@@ -167,6 +170,17 @@ class DiskStates:
         self.on_disk.clear()
         for s in self.homes:
             self.store(s)
+
+
+def _staging(nbytes: int, pinned: PinnedArena | None) -> torch.Tensor:
+    """`nbytes` at a page-aligned address (direct transfers), from `pinned` where given: at their
+    size, not the pinned allocator's next power of two (a 32B layer's 0.99 GB of 8-bit states held
+    1 GiB, twice, beside the plan's count)."""
+    if pinned is None:
+        return aligned_empty(nbytes)
+    buf = pinned.empty((nbytes + ALIGN,), torch.uint8)
+    skip = -buf.data_ptr() % ALIGN
+    return buf[skip:skip + nbytes]
 
 
 def staging_bytes(layouts) -> int:

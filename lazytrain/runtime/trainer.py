@@ -119,7 +119,7 @@ class Trainer(Replay, Stepping, ShardedState):
         # `offload_dir` (default: the temp directory)
         on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
         disk_stepped = {s.index: s.params for s in self.stages if getattr(s, "disk", False) and s.gpu_step}
-        self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), pin=self.cuda,
+        self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
                                       always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped)) if on_disk else None
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
