@@ -29,7 +29,9 @@ def _disk_text(predicted: dict) -> str:
     nbytes = predicted.get("disk_bytes", 0)
     if not nbytes:
         return ""
-    return f"; disk {format_size(nbytes)} (read and written each step: {_ms(predicted.get('disk_s', 0.0))} of host work)"
+    seconds = predicted.get("disk_s", 0.0)
+    took = f"{seconds:.2f} s" if seconds >= 1 else _ms(seconds)
+    return f"; disk {format_size(nbytes)} (read and written each step: {took} of host work)"
 
 
 def summary(schedule: ModuleType) -> str:
