@@ -2,10 +2,11 @@
 steps (NOTE: [Disk-resident states] and NOTE: [Disk-stepped stages] in passes/step_model.py).
 
 Each such stage's step (a host step, or a disk-stepped stage's GPU job, on the single host worker,
-so one at a time) runs between `load` and `store`: `load` reads its states from the file into one
+so one at a time) runs between `load` and `store`: `load` reads its states from the file into a
 page-aligned staging buffer (on its first step, makes them there, as the optimizer would), the step
 updates them in place, and `store` writes them back and drops them from the optimizer's state before
-the next step reuses the buffer. What goes to disk is every tensor the optimizer's first step would
+the buffer is used again. With disk-stepped stages a second buffer takes the next job's states,
+read ahead while one steps (`read_ahead`, NOTE: [Disk reads ahead]). What goes to disk is every tensor the optimizer's first step would
 allocate per parameter (torch AdamW's moments; bitsandbytes' 8-bit moments and block maxima); the
 step counts and shared constants stay in the state. Between steps the optimizer's state holds none
 of these tensors, so `state_dict` and `load_state_dict` go through `materialized` and `absorb`,
