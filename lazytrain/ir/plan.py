@@ -28,6 +28,10 @@ class StageDecision:
     # Host-stepped only: its AdamW moments live on disk between steps, read in before its host step
     # and written back after it (NOTE: [Disk-resident states] in passes/step_model.py)
     disk: bool = False
+    # GPU-stepped only: the step runs right after the stage's backward, on the gradient there (no host
+    # copy of it), with master and states fetched beside the backward prefetch and written back
+    # after (NOTE: [Backward steps] in passes/step_model.py); needs clipping off or previous-norm
+    backward_step: bool = False
 
     @property
     def optimizer(self) -> str:

@@ -177,7 +177,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
-            b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].gpu_step)
+            # (a step in backward reads it on the device: NOTE: [Backward steps] in step_model.py)
+            if not dec[s].backward_step:
+                b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].gpu_step)
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
             if dec[s].gpu_step:
@@ -203,6 +205,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     # (NOTE: [GPU-stepped streamed stages] in solve.py).
     stepped: dict[int, int] = {}  # stage -> its OPT_STEP event
 
+    def step_out_bytes(s: int) -> int:
+        """What a GPU step of stage `s` writes back (and a step in backward fetches): weights, master, states."""
+        return gpu_step_out_bytes(stages[s].param_bytes, stages[s].param_numel, stages.state_bytes, stages.master_bytes)
+
     def share(nbytes: int, s: int) -> int:
         """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
         return piece(nbytes, stages[s].param_numel, len(stages[s].params), n)
@@ -214,9 +220,13 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         b.emit(Stream.COMM, Kind.GATHER, s, writes=(buf,), after=after, moved=nbytes,
                workspace=comm_workspace(nbytes, numel, P, n))
 
+    def forward_step(s: int) -> bool:
+        """GPU-stepped at this step's forward prefetch (not in its backward)."""
+        return dec[s].gpu_step and not dec[s].backward_step
+
     def prefetch(s: int):
         g = stages[s]
-        if not dec[s].gpu_step:
+        if not forward_step(s):
             # sharded: only this rank's shard of the new weights comes over; the rest from the other ranks
             b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(g.param_bytes, s))
             if n > 1:
@@ -227,14 +237,14 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
 
     def gpu_step(s: int):
-        if dec[s].gpu_step:
+        if forward_step(s):
             stepped[s] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"opt:{s}", f"w:{s}"), device="gpu")
             if n > 1:
                 gather(s, f"w:{s}", after=(stepped[s],))
 
     def step_out(s: int):
         g = stages[s]
-        if dec[s].gpu_step:
+        if forward_step(s):
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],))
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
@@ -293,7 +303,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                allocs=allocs, workspace=saving_workspace(g) if save else 0 if g.chunks > 1 else g.peak_bytes)
         if dec[s].stream and s < S - 1:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
-        if dec[s].gpu_step:  # after this forward: compute waits here for the write-back, if late
+        if forward_step(s):  # after this forward: compute waits here for the write-back, if late
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
         for p in producers[s]:
             mode = dec[p].outputs
@@ -304,13 +314,21 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     for s in reversed(range(S)):
         g = stages[s]
         b.t = win_start[f"B{s}"]
-        if s - 1 >= 0 and dec[s - 1].stream:
+        if s - 1 >= 0 and dec[s - 1].backward_step:  # NOTE: [Backward steps]: master and states beside the weights
+            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"opt:{s - 1}", f"w:{s - 1}"), moved=step_out_bytes(s - 1))
+        elif s - 1 >= 0 and dec[s - 1].stream:
             b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",))
         for p in range(S):
             if dec[p].outputs is OutMode.OFFLOAD and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
         if s + 1 < S and n > 1:  # NOTE: [Sharded state] in runtime/sharding.py
             reduce(s + 1)
+        elif s + 1 < S and dec[s + 1].backward_step:  # beside this backward: the last one's stage steps, goes back
+            k = s + 1
+            stepped[k] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"opt:{k}", f"w:{k}", f"g:{k}"), device="gpu")
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],))
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],),
+                   moved=step_out_bytes(k) - stages[k].param_bytes)
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
         if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:
@@ -338,10 +356,13 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"act:{s}",))
         if g.grad_outputs:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
-        if dec[s].stream:
+        if dec[s].stream and not dec[s].backward_step:  # a backward-stepped slot goes after its write-back
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if s + 1 < S and n > 1:
             reduced(s + 1)
+        elif s + 1 < S and dec[s + 1].backward_step:
+            for buf in (f"g:{s + 1}", f"w:{s + 1}", f"opt:{s + 1}"):
+                b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(buf,))
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
             if not dec[s + 1].gpu_step:

@@ -92,7 +92,7 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "bstep")
 
 
 def _vars(m: mip.Model, stages: Stages):
@@ -107,6 +107,11 @@ def _vars(m: mip.Model, stages: Stages):
         m += v["gstep"][s] <= sig
         m += v["ahead"][s] <= v["gstep"][s]
         m += v["disk"][s] <= sig - v["gstep"][s]  # host-stepped stages only
+        # NOTE: [Backward steps]: GPU-stepped, fetched at the backward prefetch (not ahead), where the
+        # step needs no global norm of this step, and the stage has a backward prefetch and a window after
+        m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
+        if stages.clipping == "exact" or sharding(stages) > 1 or s == 0 or s == len(stages) - 1:
+            m += v["bstep"][s] == 0
         if s < 2:
             m += v["ahead"][s] == 0
         if closed[s].stream:
@@ -179,6 +184,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += v["gstep"][s] == int(d.gpu_step)
             m += v["ahead"][s] == int(d.lookahead == 2)
             m += v["disk"][s] == int(d.disk)
+            m += v["bstep"][s] == int(d.backward_step)
     model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
     u = 1.0 / model.unit
@@ -209,7 +215,8 @@ def _decisions(v, S, val) -> list[StageDecision]:
     for s in range(S):
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
-        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"], 2 if on["ahead"] else 1, on["disk"]))
+        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"], 2 if on["ahead"] else 1, on["disk"],
+                                 on["bstep"]))
     return out
 
 
@@ -244,7 +251,8 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 def _start(v, decisions: list[StageDecision]) -> dict:
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2), ("disk", d.disk))}
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step), ("ahead", d.lookahead == 2), ("disk", d.disk),
+        ("bstep", d.backward_step))}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:

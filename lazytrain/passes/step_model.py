@@ -66,6 +66,7 @@ class StepModel:
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
+        bst = vars_["bstep"]
         ahead = vars_["ahead"]
         n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
         steps = self._deferred_steps(sig)
@@ -106,7 +107,17 @@ class StepModel:
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
-            if stages.world_size > 1 and n == 1:  # NOTE: [Disk-resident states]
+            if stages.world_size > 1 and n == 1:  # NOTE: [Backward steps]
+# A GPU-stepped streamed stage may step right after its own backward instead of at the next step's
+# forward prefetch (`bstep`, with `gstep`; not the first or last stage): its master and states
+# come in beside the backward prefetch of its weights at B(s+1), the step reads the gradient its
+# backward just made, and the new weights, master and states go back during B(s-1). So the
+# gradient never goes to the host: no page-locked gradient buffer (its compute-dtype bytes off the
+# host), and D2H carries the new weights instead of it. The `opt:S` buffer is live from B(s+1) to
+# B(s-1) and the weight slot one window longer. The step cannot know this step's global norm, so
+# it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
+# state keeps its REDUCE path.
+# NOTE: [Disk-resident states]
 # The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
 # stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file
 # (runtime/disk.py) instead of host memory. Its host step reads them into one page-aligned staging
@@ -159,15 +170,22 @@ class StepModel:
             released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s
             if exact:
                 due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += host_s
-            # GPU-stepped streamed: state in at the prefetch, out one window later
+            # GPU-stepped streamed at the next forward: state in at the prefetch, out one window later
+            fwd = gst[s] - bst[s]
             fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
-            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
+            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * fwd
             out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * gst[s]
+            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * fwd
             opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
                               g.param_numel, P, n)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
-                mem[t] = mem[t] + opt_bytes * gst[s]
+                mem[t] = mem[t] + opt_bytes * fwd
+            if 0 < s < S - 1:  # NOTE: [Backward steps]
+                h2d[L.bw(s + 1)] += (out - g.param_bytes) * bst[s]  # master and states, beside the weights
+                d2h[L.bw(s - 1)] += (out - g.param_bytes) * bst[s]  # new weights (not the gradient), master, states
+                for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1)):
+                    mem[t] = mem[t] + opt_bytes * bst[s]
+                mem[L.bw(s - 1)] = mem[L.bw(s - 1)] + g.param_bytes * bst[s]  # the weights, until written back
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
@@ -176,7 +194,7 @@ class StepModel:
             # the step runs once its fetch has landed, and the forward waits for it: fetched one
             # window ahead, the step trails the fetch inside that window; two ahead, a window later
             # (NOTE: [GPU-step lag])
-            lag[L.fw(s - 1) if s > 0 else PRE] += (gst[s] - ahead[s]) * step_s
+            lag[L.fw(s - 1) if s > 0 else PRE] += (gst[s] - ahead[s] - bst[s]) * step_s
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
@@ -226,7 +244,7 @@ class StepModel:
         else:
             self.host = sum(M * g.param_numel for g in stages) + sum(
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-                - gst[s] * M * g.param_numel + off[s] * g.out_bytes
+                - gst[s] * M * g.param_numel - bst[s] * g.param_bytes + off[s] * g.out_bytes
                 + (sig[s] - gst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
         # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
@@ -299,6 +317,16 @@ class StepModel:
             table[w] = table[w] + p * self.unit
 
 
+# NOTE: [Backward steps]
+# A GPU-stepped streamed stage may step right after its own backward instead of at the next step's
+# forward prefetch (`bstep`, with `gstep`; not the first or last stage): its master and states
+# come in beside the backward prefetch of its weights at B(s+1), the step reads the gradient its
+# backward just made, and the new weights, master and states go back during B(s-1). So the
+# gradient never goes to the host: no page-locked gradient buffer (its compute-dtype bytes off the
+# host), and D2H carries the new weights instead of it. The `opt:S` buffer is live from B(s+1) to
+# B(s-1) and the weight slot one window longer. The step cannot know this step's global norm, so
+# it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
+# state keeps its REDUCE path.
 # NOTE: [Disk-resident states]
 # The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
 # stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file

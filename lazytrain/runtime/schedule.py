@@ -38,7 +38,8 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
 # stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py); 7: `CLIPPING`,
 # the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py); 8: `Stage.disk`, optimizer
-# states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py)
+# states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py), and `Stage.backward_step`,
+# GPU steps right after the stage's backward (NOTE: [Backward steps] there)
 FORMAT_VERSION = 8
 
 
@@ -80,6 +81,7 @@ class Stage:
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
     disk: bool = False  # host-stepped: its optimizer states live in the offload file between steps (runtime/disk_states.py)
+    backward_step: bool = False  # GPU-stepped right after its backward, on the gradient there (runtime/gpu_step.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

@@ -102,6 +102,9 @@ class Trainer(Replay, Stepping, ShardedState):
                 f"max_grad_norm={max_grad_norm} asks for gradient clipping, but this schedule was compiled with "
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
+        if serial_optimizer and any(getattr(s, "backward_step", False) for s in self.stages):
+            raise ScheduleMismatch("serial_optimizer runs every optimizer step after backward, but this schedule steps "
+                                   "some blocks inside it (NOTE: [Backward steps]); bind without serial_optimizer")
         self.previous_norm_sq: torch.Tensor | None = None  # "previous-norm": the last step's squared global norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         chosen = getattr(module, "OPTIMIZER_STATES", "32bit")
@@ -124,7 +127,8 @@ class Trainer(Replay, Stepping, ShardedState):
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.stepper = GpuStepper(self.store, self.optimizer,
-                                  {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad, self.pinned)
+                                  {s.index: s.params for s in self.stages if s.gpu_step}, self.host_grad, self.pinned,
+                                  frozenset(s.index for s in self.stages if getattr(s, "backward_step", False)))
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
         self.skipped_steps = 0
