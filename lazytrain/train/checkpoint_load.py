@@ -126,8 +126,11 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
     try:
         if layout == FORMAT_VERSION:
             model_state = load_file(str(path / MODEL_FILE))
-            # weights_only: state dicts need nothing else, and it refuses arbitrary pickled code.
-            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            # weights_only: state dicts need nothing else, and it refuses arbitrary pickled code. mmap:
+            # the tensors stay in the file's pages until read, so a rank of a sharded run that resumes
+            # a whole-state checkpoint reads only its pieces (NOTE: [Sharded checkpoints] in
+            # runtime/sharded_state.py), not the whole state; writes to them copy (a private mapping).
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)
         else:
             from lazytrain.train.dist_checkpoint import read_state
 
