@@ -247,8 +247,8 @@ def repair(stages, raw) -> list[StageDecision]:
             outs[s] = OutMode.KEEP
     gpu_step = [stream[s] and len(r) > 3 and bool(r[3]) for s, r in enumerate(raw)]
     ahead = [2 if gpu_step[s] and s >= 2 and len(r) > 4 and r[4] else 1 for s, r in enumerate(raw)]
-    # a step in backward (NOTE: [Backward steps]): GPU-stepped, not ahead, not the first or last stage
-    back = [gpu_step[s] and ahead[s] == 1 and 0 < s < S - 1 and len(r) > 5 and bool(r[5]) for s, r in enumerate(raw)]
+    # a step in backward (NOTE: [Backward steps]): GPU-stepped, not ahead, not the first two or the last stage
+    back = [gpu_step[s] and ahead[s] == 1 and 2 <= s < S - 1 and len(r) > 5 and bool(r[5]) for s, r in enumerate(raw)]
     return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s], ahead[s], backward_step=back[s]) for s in range(S)]
 
 

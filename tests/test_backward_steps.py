@@ -25,7 +25,7 @@ from test_forced_plans import check_forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
-SPEC = ["-rk", "BRk", "GRk", "BRk", "-rk"]  # blocks.0 and blocks.2 stepped in backward, blocks.1 at the next forward
+SPEC = ["-rk", "GRk", "BRk", "BRk", "-rk"]  # blocks.1 and blocks.2 stepped in backward, blocks.0 at the next forward
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +40,14 @@ def test_the_plan_moves_state_traffic_into_backward(gpt):
     _, stages, _, _ = gpt
     forward = evaluate(stages, HW, 1 << 40, decisions(["-rk", "GRk", "GRk", "GRk", "-rk"]))
     backward = evaluate(stages, HW, 1 << 40, decisions(SPEC))
-    assert forward.host_bytes - backward.host_bytes == stages[1].param_bytes + stages[3].param_bytes
+    assert forward.host_bytes - backward.host_bytes == stages[2].param_bytes + stages[3].param_bytes
 
 
 def test_the_schedule_steps_each_stage_after_its_backward(gpt):
     graph, stages, batch, _ = gpt
     f = forced(graph, stages, batch, decisions(SPEC), HW)
     events = f.schedule.events
-    for s in (1, 3):
+    for s in (2, 3):
         fetch = next(e for e in events if e.kind is Kind.PREFETCH and e.stage == s and e.allocs[0] == f"opt:{s}")
         bwd = next(e for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.BWD and e.stage == s)
         step = next(e for e in events if e.kind is Kind.OPT_STEP and e.stage == s)
@@ -55,6 +55,11 @@ def test_the_schedule_steps_each_stage_after_its_backward(gpt):
         assert fetch.id < bwd.id < step.id < min(e.id for e in back)
         assert not any(e.kind is Kind.OFFLOAD and e.reads == (f"g:{s}",) for e in events)  # the gradient stays
         assert step.id > next(e.id for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.FWD and e.stage == 4)
+        # freed after the next backward, so compute waits for the step and write-back only past it
+        after = next(e.id for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.BWD and e.stage == s - 1)
+        frees = [e.id for e in events if e.kind is Kind.FREE and e.frees[0] in (f"w:{s}", f"opt:{s}", f"g:{s}")
+                 and e.id > bwd.id]
+        assert len(frees) == 3 and min(frees) > after
 
 
 def test_replay_and_steps_equal_eager(gpt):

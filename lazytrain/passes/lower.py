@@ -361,8 +361,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if s + 1 < S and n > 1:
             reduced(s + 1)
         elif s + 1 < S and dec[s + 1].backward_step:
-            for buf in (f"g:{s + 1}", f"w:{s + 1}", f"opt:{s + 1}"):
-                b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(buf,))
+            pass  # freed after the next backward (NOTE: [Backward steps])
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
             if not dec[s + 1].gpu_step:
@@ -370,6 +369,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if not dec[s].stream and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
+        if s + 2 < S and dec[s + 2].backward_step:  # stepped and written back beside two backwards
+            for buf in (f"g:{s + 2}", f"w:{s + 2}", f"opt:{s + 2}"):
+                b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(buf,))
     b.t = win_start["tail"]
     if n > 1:
         return _sharded_tail(b, stages, plan, hw, reduce, reduced, gather, rgrads, n)

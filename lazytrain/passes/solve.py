@@ -110,7 +110,7 @@ def _vars(m: mip.Model, stages: Stages):
         # NOTE: [Backward steps]: GPU-stepped, fetched at the backward prefetch (not ahead), where the
         # step needs no global norm of this step, and the stage has a backward prefetch and a window after
         m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
-        if stages.clipping == "exact" or sharding(stages) > 1 or s == 0 or s == len(stages) - 1:
+        if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
             m += v["bstep"][s] == 0
         if s < 2:
             m += v["ahead"][s] == 0

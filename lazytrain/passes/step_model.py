@@ -158,12 +158,16 @@ class StepModel:
                               g.param_numel, P, n)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
                 mem[t] = mem[t] + opt_bytes * fwd
-            if 0 < s < S - 1:  # NOTE: [Backward steps]
+            if 2 <= s < S - 1:  # NOTE: [Backward steps]
                 h2d[L.bw(s + 1)] += (out - g.param_bytes) * bst[s]  # master and states, beside the weights
-                d2h[L.bw(s - 1)] += (out - g.param_bytes) * bst[s]  # new weights (not the gradient), master, states
-                for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1)):
+                # new weights (not the gradient), master and states, after the step: in B(s-1) or B(s-2)
+                d2h[L.bw(s - 1)] -= g.param_bytes * bst[s]
+                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], out * bst[s], f"back{s}")
+                for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1), L.bw(s - 2)):
                     mem[t] = mem[t] + opt_bytes * bst[s]
-                mem[L.bw(s - 1)] = mem[L.bw(s - 1)] + g.param_bytes * bst[s]  # the weights, until written back
+                for t in (L.bw(s - 1), L.bw(s - 2)):  # the weights until written back, the gradient until stepped
+                    mem[t] = mem[t] + g.param_bytes * bst[s]
+                mem[L.bw(s - 2)] = mem[L.bw(s - 2)] + g.param_bytes * bst[s]
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
@@ -297,12 +301,16 @@ class StepModel:
 
 # NOTE: [Backward steps]
 # A GPU-stepped streamed stage may step right after its own backward instead of at the next step's
-# forward prefetch (`bstep`, with `gstep`; not the first or last stage): its master and states
+# forward prefetch (`bstep`, with `gstep`; not the first two or the last stage): its master and states
 # come in beside the backward prefetch of its weights at B(s+1), the step reads the gradient its
-# backward just made, and the new weights, master and states go back during B(s-1). So the
-# gradient never goes to the host: no page-locked gradient buffer (its compute-dtype bytes off the
-# host), and D2H carries the new weights instead of it. The `opt:S` buffer is live from B(s+1) to
-# B(s-1) and the weight slot one window longer. The step cannot know this step's global norm, so
+# backward just made, and the new weights, master and states go back during B(s-1) and B(s-2). So
+# the gradient never goes to the host: no page-locked gradient buffer (its compute-dtype bytes off
+# the host), and D2H carries the new weights instead of it. The `opt:S` buffer is live from B(s+1)
+# to B(s-2), the weight slot and gradient to B(s-2): they are freed a window after the step and its
+# write-back are issued, so compute waits for them only if they take two windows. (Freed after
+# B(s-1), the 32B shape at max measured 10.19 s against 8.14 planned: the 8-bit step beside
+# backward compute and the 1.95 GB write-back after it overran that window, 49 waits of about 50 ms.)
+# Not the first two stages: B(s-2) is a window of backward. The step cannot know this step's global norm, so
 # it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
 # state keeps its REDUCE path.
 # NOTE: [Disk-resident states]
