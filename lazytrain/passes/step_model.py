@@ -112,8 +112,9 @@ class StepModel:
             self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
         PK = max((s.peak_bytes for s in stages), default=0)
         disk_ok = stages.disk and n == 1 and disk_available(hw)
-        # per stage, with the disk tier: (window released, window due by, host worker seconds)
-        self.host_jobs: list[tuple[int, int, object]] = []
+        # per stage, with the disk tier: (window released, window due by, host worker seconds, of
+        # them a disk-stepped job's)
+        self.host_jobs: list[tuple[int, int, object, object]] = []
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
             P = len(g.params)
@@ -194,7 +195,7 @@ class StepModel:
             released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s + job_s
             prefetched = (TAIL, PRE)[s] if s < 2 else L.fw(s - 2)  # the end of the window before its prefetch
             if disk_ok:  # NOTE: [Jobs due in release order's reverse]
-                self.host_jobs.append((L.bw(s - 2) if s >= 2 and not exact else TAIL, prefetched, host_s + job_s))
+                self.host_jobs.append((L.bw(s - 2) if s >= 2 and not exact else TAIL, prefetched, host_s + job_s, job_s))
             due[prefetched if exact else TAIL] += host_s
             due[prefetched] += job_s
             # GPU-stepped streamed at the next forward: state in at the prefetch, out one window later
@@ -433,9 +434,14 @@ class StepModel:
 # B2 and F2, and the forward waited 0.4 s at its prefetch. So for each stage k, what stages 0..k
 # hand the worker (released at or after k's job, due by its deadline, host steps among them) must
 # fit in the windows from k's release to its deadline (`job_intervals`): by the processor-demand
-# test, with the backlog's prefix, what a most-urgent-first worker needs. A job is not interrupted,
-# so one due sooner may still wait for the job running when it is released (up to one job: 0.55 s
-# for a 7B layer's); the plan does not count that.
+# test, with the backlog's prefix, what a most-urgent-first worker needs. A job is not interrupted:
+# one due sooner waits for the job running when it is released, so each interval also holds the
+# longest disk-stepped job (`block`). Both measured: on the H200 (7B at 24 GiB, 2026-12-01, 211d9de)
+# layer 3's job, released at B2 (stage 4's B(s-2)), waited 0.7 s for layer 20's (its GPU part 0.64 s
+# behind backward's queued steps), and the forward waited 0.44 s at its prefetch. That plan
+# predicted 3.95 s and measured 4.47; its decisions re-evaluate at 4.01 s with the intervals alone
+# and 4.55 s with the running job; the 32B at max (104 GB host, 9 such blocks) at 11.73 s, measured
+# 11.51, predicted 10.72 before.
 def job_intervals(model: StepModel) -> list[tuple[object, list[int]]]:
     """Per stage k with the disk tier: the host worker seconds stages 0..k release at or after k's
     job, and the windows (in time order, through the tail into the next forward) from its release
@@ -445,7 +451,7 @@ def job_intervals(model: StepModel) -> list[tuple[object, list[int]]]:
     S = T // 2
     cycle = list(range(T)) + [TAIL, PRE] + list(range(S))  # this step's windows, then the next forward's
     out, work = [], 0.0
-    for released, due, seconds in model.host_jobs:
+    for released, due, seconds, _ in model.host_jobs:
         work = work + seconds
         start = cycle.index(released)
         end = cycle.index(due, max(start, T) if due < S else start)
