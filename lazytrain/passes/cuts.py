@@ -39,11 +39,17 @@ def modes(v) -> dict:
     return out
 
 
+def _live(x: mip.LinExpr) -> mip.LinExpr:
+    """`x` without its terms in variables bounded to 0 (decisions a stage cannot take, or the search
+    leaves out: NOTE: [Backward steps not searched] in solve.py), which are 0 in every plan."""
+    return mip.LinExpr(expr={var: a for var, a in x.expr.items() if not (var.lb == 0 and var.ub == 0)}, const=x.const)
+
+
 def exposure_cut(m, v, e, load, cap, modes):
     """Adds e >= sum over groups g and their modes m of (load_gm - c)+ * [g in m] - (cap - c), where
     c is `cap`'s constant part; or nothing where the argument of NOTE: [Exposure cuts] fails."""
-    load = load if isinstance(load, mip.LinExpr) else mip.LinExpr(const=load)
-    cap = cap if isinstance(cap, mip.LinExpr) else mip.LinExpr(const=cap)
+    load = _live(load if isinstance(load, mip.LinExpr) else mip.LinExpr(const=load))
+    cap = _live(cap if isinstance(cap, mip.LinExpr) else mip.LinExpr(const=cap))
     c = cap.const - load.const
     if c <= 0 or any(a < 0 or var.lb < 0 for var, a in cap.expr.items()):
         return
@@ -63,7 +69,9 @@ def exposure_cut(m, v, e, load, cap, modes):
             sig, gst, ahd, bst = (a.get(k, 0.0) for k in ("stream", "gstep", "ahead", "bstep"))
             table = [(sig, v["stream"][s] - v["gstep"][s]),
                      (sig + gst, v["gstep"][s] - v["ahead"][s] - v["bstep"][s]),
-                     (sig + gst + ahd, v["ahead"][s]), (sig + gst + bst, v["bstep"][s])]
+                     (sig + gst + ahd, v["ahead"][s])]
+            if v["bstep"][s].ub > 0.5:  # a stage that may step in backward (its bound is 0 where not)
+                table.append((sig + gst + bst, v["bstep"][s]))
         if any(f < 0 for f, _ in table):
             return
         terms += [(f - c) * ind for f, ind in table if f > c]

@@ -120,7 +120,7 @@ def _vars(m: mip.Model, stages: Stages):
         # step needs no global norm of this step, and the stage has a backward prefetch and a window after
         m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
         if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
-            m += v["bstep"][s] == 0
+            v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
         if s < 2:
             m += v["ahead"][s] == 0
         if closed[s].stream:
@@ -191,7 +191,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += x == 0
     if fixed is None and not SEARCH_BACKWARD_STEPS:  # NOTE: [Backward steps not searched]
         for x in v["bstep"]:
-            m += x == 0
+            x.ub = 0.0
     if fixed is not None:
         for x, value in _start(v, fixed).items():
             m += x == value
