@@ -56,6 +56,7 @@ def summary(schedule: ModuleType) -> str:
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
             f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}"
+            + (", in its backward" if getattr(s, "backward_step", False) else "")
             + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else ""))
     limited = [s for s in m.STAGES if s.limits]
     if limited:  # pass `limits`: decisions a stage can never take

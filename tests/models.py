@@ -246,7 +246,8 @@ def producers(stages, s: int) -> set[int]:
 
 
 def repair(stages, raw) -> list[StageDecision]:
-    """Turn any (stream, recompute, outputs[, gpu_step[, fetch ahead]]) per stage into decisions that keep solve's rules:
+    """Turn any (stream, recompute, outputs[, gpu_step[, fetch ahead[, step in backward]]]) per stage into decisions
+    that keep solve's rules:
     stream only with weights, and (but for the last stage) only when recomputing; chunked stages do
     not recompute; offload or drop only when the stage recomputes (a saving stage's autograd graph
     holds its outputs until its backward); offload only when every
@@ -270,21 +271,23 @@ def repair(stages, raw) -> list[StageDecision]:
             outs[s] = OutMode.KEEP
     gpu_step = [stream[s] and len(r) > 3 and bool(r[3]) for s, r in enumerate(raw)]
     ahead = [2 if gpu_step[s] and s >= 2 and len(r) > 4 and r[4] else 1 for s, r in enumerate(raw)]
-    return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s], ahead[s]) for s in range(S)]
+    # a step in backward (NOTE: [Backward steps]): GPU-stepped, not ahead, not the first two or the last stage
+    back = [gpu_step[s] and ahead[s] == 1 and 2 <= s < S - 1 and len(r) > 5 and bool(r[5]) for s, r in enumerate(raw)]
+    return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s], ahead[s], backward_step=back[s]) for s in range(S)]
 
 
 def decisions(spec) -> list[StageDecision]:
     """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
-    (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; D:
-    streamed, stepped on the host with its states on disk; X: streamed, stepped on the GPU by a job
-    that reads its states from disk),
+    (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; B: the
+    same, stepped right after its backward; D: streamed, stepped on the host with its states on disk;
+    X: streamed, stepped on the GPU by a job that reads its states from disk),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SGEDX", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
-                                 stream in "GEX", 2 if stream == "E" else 1, stream in "DX"))
+        out.append(StageDecision(stream in "SGEDXB", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+                                 stream in "GEXB", 2 if stream == "E" else 1, stream in "DX", stream == "B"))
     return out
 
 

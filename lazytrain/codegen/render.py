@@ -156,7 +156,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
             f"{'streamed' if d.stream else 'resident':<8}  internals {internals(s.chunks, d.recompute):<10}  "
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
-            + (", fetched 2 windows ahead" if d.lookahead == 2 else "")
+            + (", fetched 2 windows ahead" if d.lookahead == 2 else "") + (", in its backward" if d.backward_step else "")
+            + (", states on disk" if d.disk else "")
             + (f"; forward and backward in {chunk_text(s)}" if s.chunks > 1 else ""))
         decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
@@ -168,7 +169,9 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "") + (", disk=True" if d.disk else "") + (f", skips={s.skips!r}" if s.skips else "")
+        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "")
+        + (", backward_step=True" if d.backward_step else "") + (", disk=True" if d.disk else "")
+        + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"
         for s, d, lim in zip(stages, plan.decisions, closed)

@@ -30,11 +30,15 @@ class StageDecision:
     # passes/step_model.py); with `gpu_step`, its states, and its step is a job of its own that reads
     # them, steps on the GPU and writes them back (NOTE: [Disk-stepped stages] there)
     disk: bool = False
+    # GPU-stepped only: the step runs right after the stage's backward, on the gradient there (no host
+    # copy of it), with master and states fetched beside the backward prefetch and written back
+    # after (NOTE: [Backward steps] in passes/step_model.py); needs clipping off or previous-norm
+    backward_step: bool = False
 
     @property
     def at_prefetch(self) -> bool:
         """GPU-stepped at its next forward prefetch (NOTE: [GPU-stepped streamed stages] in solve.py)."""
-        return self.gpu_step and not self.disk
+        return self.gpu_step and not self.disk and not self.backward_step
 
     @property
     def disk_step(self) -> bool:

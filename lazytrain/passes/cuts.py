@@ -14,9 +14,10 @@ import mip
 # A window's exposed time is e >= load - cap, load a sum of transfer volumes. In the LP relaxation a
 # stage streamed by half puts half its volume in its windows and has them hidden by the whole of
 # their compute: the bound of the 72B shape at the full device stayed 3-4% below the plan after 60 s.
-# Each stage's stream/gstep/ahead decisions pick one of four modes (resident; streamed and stepped
-# on the host; GPU-stepped, fetched one window ahead; two ahead), with 0/1 indicators
-# 1-stream, stream-gstep, gstep-ahead and ahead (`_vars` nests them: ahead <= gstep <= stream);
+# Each stage's stream/gstep/ahead/bstep decisions pick one of five modes (resident; streamed and
+# stepped on the host; GPU-stepped, fetched one window ahead; two ahead; stepped in its backward,
+# NOTE: [Backward steps]), with 0/1 indicators 1-stream, stream-gstep, gstep-ahead-bstep, ahead and
+# bstep (`_vars` nests them: ahead + bstep <= gstep <= stream);
 # `off` is its own indicator. Per window and row (H2D, D2H, both), write the load as
 # sum_g f_g(mode_g) + q + l0 with q >= 0 (continuous parts) and the capacity as c0 + V (V >= 0:
 # recompute), c = c0 - l0 > 0, and add
@@ -29,20 +30,26 @@ import mip
 
 def modes(v) -> dict:
     """Each binary a window's transfers read, by index: (its group, its key). A stage's stream,
-    gstep and ahead form one group with four modes (NOTE: [Exposure cuts]); `off` is a group alone."""
+    gstep, ahead and bstep form one group with five modes (NOTE: [Exposure cuts]); `off` is a group alone."""
     out = {}
     for s in range(len(v["stream"])):
-        for key in ("stream", "gstep", "ahead"):
+        for key in ("stream", "gstep", "ahead", "bstep"):
             out[v[key][s].idx] = (("stage", s), key)
         out[v["off"][s].idx] = (("off", s), "off")
     return out
 
 
+def _live(x: mip.LinExpr) -> mip.LinExpr:
+    """`x` without its terms in variables bounded to 0 (decisions a stage cannot take, or the search
+    leaves out: NOTE: [Backward steps not searched] in solve.py), which are 0 in every plan."""
+    return mip.LinExpr(expr={var: a for var, a in x.expr.items() if not (var.lb == 0 and var.ub == 0)}, const=x.const)
+
+
 def exposure_cut(m, v, e, load, cap, modes):
     """Adds e >= sum over groups g and their modes m of (load_gm - c)+ * [g in m] - (cap - c), where
     c is `cap`'s constant part; or nothing where the argument of NOTE: [Exposure cuts] fails."""
-    load = load if isinstance(load, mip.LinExpr) else mip.LinExpr(const=load)
-    cap = cap if isinstance(cap, mip.LinExpr) else mip.LinExpr(const=cap)
+    load = _live(load if isinstance(load, mip.LinExpr) else mip.LinExpr(const=load))
+    cap = _live(cap if isinstance(cap, mip.LinExpr) else mip.LinExpr(const=cap))
     c = cap.const - load.const
     if c <= 0 or any(a < 0 or var.lb < 0 for var, a in cap.expr.items()):
         return
@@ -58,10 +65,13 @@ def exposure_cut(m, v, e, load, cap, modes):
     for (kind, s), a in coef.items():
         if kind == "off":
             table = [(a["off"], v["off"][s])]
-        else:  # modes host-stepped, GPU-stepped one window ahead, two ahead; resident adds nothing
-            sig, gst, ahd = (a.get(k, 0.0) for k in ("stream", "gstep", "ahead"))
-            table = [(sig, v["stream"][s] - v["gstep"][s]), (sig + gst, v["gstep"][s] - v["ahead"][s]),
+        else:  # modes host-stepped, GPU-stepped one window ahead, two ahead, in backward; resident adds nothing
+            sig, gst, ahd, bst = (a.get(k, 0.0) for k in ("stream", "gstep", "ahead", "bstep"))
+            table = [(sig, v["stream"][s] - v["gstep"][s]),
+                     (sig + gst, v["gstep"][s] - v["ahead"][s] - v["bstep"][s]),
                      (sig + gst + ahd, v["ahead"][s])]
+            if v["bstep"][s].ub > 0.5:  # a stage that may step in backward (its bound is 0 where not)
+                table.append((sig + gst + bst, v["bstep"][s]))
         if any(f < 0 for f, _ in table):
             return
         terms += [(f - c) * ind for f, ind in table if f > c]

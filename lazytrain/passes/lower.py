@@ -183,10 +183,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.buffer(f"w:{s}", "gpu", g.param_bytes)
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
-            b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].at_prefetch)
+            # (a step in backward reads it on the device: NOTE: [Backward steps] in step_model.py)
+            if not dec[s].backward_step:
+                b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].at_prefetch)
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
-            if dec[s].at_prefetch:
+            if dec[s].gpu_step and not dec[s].disk:  # at the prefetch, or in backward
                 b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
                                                                  g.largest_numel), g.param_numel, P, n))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
@@ -211,6 +213,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     # A GPU-stepped streamed stage applies last step's update at its forward prefetch
     # (NOTE: [GPU-stepped streamed stages] in solve.py).
     stepped: dict[int, int] = {}  # stage -> its OPT_STEP event
+
+    def step_out_bytes(s: int) -> int:
+        """What a GPU step of stage `s` writes back (and a step in backward fetches): weights, master, states."""
+        return gpu_step_out_bytes(stages[s].param_bytes, stages[s].param_numel, stages.state_bytes, stages.master_bytes)
 
     def share(nbytes: int, s: int) -> int:
         """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
@@ -255,7 +261,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     def host_step(s: int):
         """A streamed stage's step on the host worker once its gradient has landed: AdamW on the CPU,
         or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in step_model.py)."""
-        if not dec[s].at_prefetch:
+        if not dec[s].gpu_step or dec[s].disk_step:
             b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="disk" if dec[s].disk_step else "cpu")
 
     def reduce(k: int):
@@ -319,13 +325,21 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     for s in reversed(range(S)):
         g = stages[s]
         b.t = win_start[f"B{s}"]
-        if s - 1 >= 0 and dec[s - 1].stream:
+        if s - 1 >= 0 and dec[s - 1].backward_step:  # NOTE: [Backward steps]: master and states beside the weights
+            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"opt:{s - 1}", f"w:{s - 1}"), moved=step_out_bytes(s - 1))
+        elif s - 1 >= 0 and dec[s - 1].stream:
             b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",))
         for p in range(S):
             if dec[p].outputs is OutMode.OFFLOAD and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
         if s + 1 < S and n > 1:  # NOTE: [Sharded state] in runtime/sharding.py
             reduce(s + 1)
+        elif s + 1 < S and dec[s + 1].backward_step:  # beside this backward: the last one's stage steps, goes back
+            k = s + 1
+            stepped[k] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"opt:{k}", f"w:{k}", f"g:{k}"), device="gpu")
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],))
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],),
+                   moved=step_out_bytes(k) - stages[k].param_bytes)
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
         if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:
@@ -353,16 +367,21 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"act:{s}",))
         if g.grad_outputs:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
-        if dec[s].stream:
+        if dec[s].stream and not dec[s].backward_step:  # a backward-stepped slot goes after its write-back
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if s + 1 < S and n > 1:
             reduced(s + 1)
+        elif s + 1 < S and dec[s + 1].backward_step:
+            pass  # freed after the next backward (NOTE: [Backward steps])
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
             host_step(s + 1)
         if not dec[s].stream and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
+        if s + 2 < S and dec[s + 2].backward_step:  # stepped and written back beside two backwards
+            for buf in (f"g:{s + 2}", f"w:{s + 2}", f"opt:{s + 2}"):
+                b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(buf,))
     b.t = win_start["tail"]
     if n > 1:
         return _sharded_tail(b, stages, plan, hw, reduce, reduced, gather, rgrads, n)

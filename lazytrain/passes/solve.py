@@ -101,7 +101,7 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep")
 
 
 def _vars(m: mip.Model, stages: Stages):
@@ -116,6 +116,11 @@ def _vars(m: mip.Model, stages: Stages):
         m += v["gstep"][s] + v["dstep"][s] <= sig  # stepped on the GPU at its prefetch, or from disk
         m += v["ahead"][s] <= v["gstep"][s]
         m += v["disk"][s] <= sig - v["gstep"][s] - v["dstep"][s]  # host-stepped stages only
+        # NOTE: [Backward steps]: GPU-stepped, fetched at the backward prefetch (not ahead), where the
+        # step needs no global norm of this step, and the stage has a backward prefetch and a window after
+        m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
+        if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
+            v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
         if s < 2:
             m += v["ahead"][s] == 0
         if closed[s].stream:
@@ -184,6 +189,9 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     if fixed is None and not SEARCH_DISK_STEPS:  # NOTE: [Disk steps not searched]
         for x in v["dstep"]:
             m += x == 0
+    if fixed is None and not SEARCH_BACKWARD_STEPS:  # NOTE: [Backward steps not searched]
+        for x in v["bstep"]:
+            x.ub = 0.0
     if fixed is not None:
         for x, value in _start(v, fixed).items():
             m += x == value
@@ -227,7 +235,7 @@ def _decisions(v, S, val) -> list[StageDecision]:
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
         out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
-                                 on["disk"] or on["dstep"]))
+                                 on["disk"] or on["dstep"], on["bstep"]))
     return out
 
 
@@ -263,8 +271,8 @@ def _start(v, decisions: list[StageDecision]) -> dict:
     """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan)."""
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.at_prefetch), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step))}
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk), ("ahead", d.lookahead == 2),
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step))}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
@@ -358,6 +366,13 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # A plan the runtime cannot keep is worse than a slower one, so the search keeps them out until a
 # searched plan holds on the device, host memory included.
 SEARCH_DISK_STEPS = False
+# NOTE: [Backward steps not searched]
+# Nor does it choose steps in backward (NOTE: [Backward steps] in step_model.py) yet: on the H200 box
+# (2026-12-01, bench/results/backward_steps) the 32B at max with them measured 8.97 s against 8.16
+# predicted, and the plan without them 8.72 s against 8.74, so where host memory does not bind they
+# were slower and 10 % off their plan. Where it binds (fp32 masters, the 72B shape) they are what
+# takes the gradient buffer off the host; the search waits for a plan with them that holds there.
+SEARCH_BACKWARD_STEPS = False
 FLOOR_WEIGHT = 1e-7  # per `unit` of bytes: under 1e-4 of a step for any plan (NOTE: [Floor variables])
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
 

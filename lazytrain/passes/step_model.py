@@ -72,7 +72,7 @@ class StepModel:
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
-        ahead, dst = vars_["ahead"], vars_["dstep"]
+        ahead, dst, bst = vars_["ahead"], vars_["dstep"], vars_["bstep"]
         n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
         steps = self._deferred_steps(sig)
         fixed = fixed_bytes(stages) + hw.runtime_bytes
@@ -198,26 +198,39 @@ class StepModel:
                 self.host_jobs.append((L.bw(s - 2) if s >= 2 and not exact else TAIL, prefetched, host_s + job_s, job_s))
             due[prefetched if exact else TAIL] += host_s
             due[prefetched] += job_s
-            # GPU-stepped streamed: state in at the prefetch, out one window later
+            # GPU-stepped streamed at the next forward: state in at the prefetch, out one window later
+            fwd = gst[s] - bst[s]
             fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
-            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * gst[s]
+            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * fwd
             out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * gst[s]
+            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * fwd
             opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
                               g.param_numel, P, n)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
-                mem[t] = mem[t] + opt_bytes * gst[s]
+                mem[t] = mem[t] + opt_bytes * fwd
+            if 2 <= s < S - 1:  # NOTE: [Backward steps]
+                h2d[L.bw(s + 1)] += (out - g.param_bytes) * bst[s]  # master and states, beside the weights
+                # new weights (not the gradient), master and states, after the step: in B(s-1) or B(s-2)
+                d2h[L.bw(s - 1)] -= g.param_bytes * bst[s]
+                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], out * bst[s], f"back{s}")
+                for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1), L.bw(s - 2)):
+                    mem[t] = mem[t] + opt_bytes * bst[s]
+                for t in (L.bw(s - 1), L.bw(s - 2)):  # the weights until written back, the gradient until stepped
+                    mem[t] = mem[t] + g.param_bytes * bst[s]
+                mem[L.bw(s - 2)] = mem[L.bw(s - 2)] + g.param_bytes * bst[s]
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
                 mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
             self.optimizer = self.optimizer + gst[s] * step_s
-            self.serial = self.serial + gst[s] * step_s
+            self.serial = self.serial + fwd * step_s
+            # NOTE: [Backward steps]: on the optimizer stream beside backward's compute
+            self.serial = self.serial + bst[s] * (step_s * hw.gpu_step_lost)
             # the step runs on the compute stream before its forward, once its fetch has landed:
             # fetched one window ahead, it trails the fetch inside that window; two ahead, the
             # fetch is in by then. Transfers run beside it as beside compute (NOTE: [GPU-step lag])
-            lag[L.fw(s - 1) if s > 0 else PRE] += (gst[s] - ahead[s]) * step_s
-            cap[L.fw(s - 1) if s > 0 else PRE] += gst[s] * step_s
+            lag[L.fw(s - 1) if s > 0 else PRE] += (fwd - ahead[s]) * step_s
+            cap[L.fw(s - 1) if s > 0 else PRE] += fwd * step_s
             # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
             for t in range(L.fw(s), L.bw(s) + 1):
                 mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
@@ -276,7 +289,7 @@ class StepModel:
             flush = m.add_var("flush", lb=0.0)  # in units of `unit` bytes
             self.floors.append(flush)
             for s in range(S):
-                m += flush >= (flush_bytes(stages, s) / self.unit) * gst[s]
+                m += flush >= (flush_bytes(stages, s) / self.unit) * (gst[s] - vars_["bstep"][s])
             tail = tail + flush * self.unit
         self.tail = tail
         if n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
@@ -289,7 +302,7 @@ class StepModel:
         else:
             self.host = sum(M * g.param_numel for g in stages) + sum(
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-                - (gst[s] + dst[s]) * M * g.param_numel + off[s] * g.out_bytes
+                - (gst[s] + dst[s]) * M * g.param_numel - bst[s] * g.param_bytes + off[s] * g.out_bytes
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
         # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
@@ -376,6 +389,20 @@ class StepModel:
             table[w] = table[w] + p * self.unit
 
 
+# NOTE: [Backward steps]
+# A GPU-stepped streamed stage may step right after its own backward instead of at the next step's
+# forward prefetch (`bstep`, with `gstep`; not the first two or the last stage): its master and states
+# come in beside the backward prefetch of its weights at B(s+1), the step reads the gradient its
+# backward just made, and the new weights, master and states go back during B(s-1) and B(s-2). So
+# the gradient never goes to the host: no page-locked gradient buffer (its compute-dtype bytes off
+# the host), and D2H carries the new weights instead of it. The `opt:S` buffer is live from B(s+1)
+# to B(s-2), the weight slot and gradient to B(s-2): they are freed a window after the step and its
+# write-back are issued, so compute waits for them only if they take two windows. (Freed after
+# B(s-1), the 32B shape at max measured 10.19 s against 8.14 planned: the 8-bit step beside
+# backward compute and the 1.95 GB write-back after it overran that window, 49 waits of about 50 ms.)
+# Not the first two stages: B(s-2) is a window of backward. The step cannot know this step's global norm, so
+# it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
+# state keeps its REDUCE path.
 # NOTE: [Disk-resident states]
 # The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
 # stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file

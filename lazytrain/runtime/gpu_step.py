@@ -49,8 +49,9 @@ class _Update:
 
 class GpuStepper:
     def __init__(self, store: ParamStore, optimizer, params: dict[int, tuple[str, ...]], host_grad: dict,
-                 pinned: PinnedArena):
+                 pinned: PinnedArena, backward: frozenset[int] = frozenset()):
         self.store, self.optimizer, self.params, self.host_grad, self.pinned = store, optimizer, params, host_grad, pinned
+        self.backward = backward  # stages stepped right after their backward, on the device's gradient (NOTE: [Backward steps])
         self.pending: dict[int, _Update] = {}  # recorded by step(), not yet fetched
         self.live: dict[int, _Update] = {}  # fetched, not yet written back
 
@@ -73,8 +74,9 @@ class GpuStepper:
                 # streams run copies only: a kernel there waits for SMs and holds up the copies behind it)
                 u.arrived[p] = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
                 u.master[p] = carve.take(master.shape, torch.float32)
-            host = self.host_grad[p]
-            u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
+            if stage not in self.backward:  # a step in backward reads the gradient on the device (`step`)
+                host = self.host_grad[p]
+                u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
             u.grad32[p] = carve.take(master.shape, torch.float32)
             home = self.optimizer.state.get(self.store.home[p], {})
             if home:
@@ -84,18 +86,24 @@ class GpuStepper:
                 u.state[p] = self.optimizer.fresh_state(stage, u.master[p], carve.take)
         self.live[stage] = u
 
-    def step(self, stage: int, group: int, into: dict[str, torch.Tensor] | None = None) -> bool:
+    def step(self, stage: int, group: int, into: dict[str, torch.Tensor] | None = None,
+             grads: dict | None = None) -> bool:
         """AdamW on the twins, then the compute-dtype weights into the stage's weight slot (sharded:
-        into this rank's piece of it, which a GATHER completes), or into `into`'s tensors. False: no
-        update was fetched."""
+        into this rank's piece of it, which a GATHER completes), or into `into`'s tensors. `grads`: a
+        step in backward's gradients, on the device. False: no update was fetched."""
         u = self.live.get(stage)
         if u is None:
             return False
         names = u.names
+        if grads is not None:
+            u.grad.update(grads)
         with torch.no_grad():
             for p in names:
                 if p in u.arrived:
                     u.master[p].copy_(u.arrived[p])
+                if u.grad.get(p) is None:  # no gradient (not stepped, as torch skips it)
+                    u.master[p].grad = None
+                    continue
                 g = u.grad32[p].copy_(u.grad[p])
                 if u.coef != 1.0:
                     g.mul_(u.coef)

@@ -72,8 +72,14 @@ class Replay:
         self.sharding = self.sharded and optimize  # NOTE: [Sharded state] in sharding.py
         deferred, gathers = [], {}
         coef = self._early_coefficient() if optimize and not self.serial_optimizer else None  # None: steps wait
+        if optimize and self.stepper.backward:  # NOTE: [Backward steps]: they cannot wait for this step's norm
+            coef = 1.0 if coef is None else coef  # previous-norm's first step: none to clip by yet
+            self._record_backward_steps(coef)
         self.streams.begin(self.record_timeline)
         for event in self.events:
+            if event.kind is Kind.OPT_STEP and event.stage in self.stepper.backward:  # NOTE: [Backward steps]
+                self.streams.run_aside(event, lambda s=event.stage: self._backward_step(s, optimize), after_compute=True)
+                continue
             if event.kind is Kind.OPT_STEP and event.stage >= 0 and event.device == "gpu" and self.stages[event.stage].gpu_step:
                 # last step's update of a GPU-stepped streamed stage, at its prefetch
                 self.streams.run_aside(event, lambda s=event.stage: self._gpu_step(s), after_compute=False)
@@ -300,6 +306,18 @@ class Replay:
         for p in self.stages[s].params:
             self.store.source[p].copy_(self.store.work[p].data, non_blocking=True)
 
+    def _backward_step(self, s: int, optimize: bool) -> None:
+        """A stage stepped right after its backward, on the gradients there; without a step
+        (`forward_backward`) they go to the host for `.grad` instead (NOTE: [Backward steps])."""
+        grads = self.gbuf.get(s, {})
+        if optimize:
+            self.stepper.step(s, self._group(s), grads=grads)
+            return
+        for name, g in grads.items():
+            if g is not None:
+                self.host_grad[name] = g.to("cpu", copy=True)
+                self.fresh.add(name)
+
     def _gpu_step(self, s: int) -> None:
         if self.stepper.step(s, self._group(s)) and self.sharded:
             self.pending_gather.add(s)
@@ -317,12 +335,13 @@ class Replay:
         if update:
             self.stepper.fetch(stage, self._take_slot(f"opt:{stage}"))
         own = stage in self.pending_gather  # sharded: this rank's piece; the GATHER brings the rest
+        stepped_here = update and stage not in self.stepper.backward  # else the weights come as they are
         with torch.no_grad():
             for p in self.stages[stage].params:
                 view = self.store.slot_view(stage, p)
-                if own and not update:
+                if own and not stepped_here:
                     self.store.mine(p, view).copy_(self.store.mine(p, self.store.source[p]), non_blocking=True)
-                elif not update:
+                elif not stepped_here:
                     view.copy_(self.store.source[p], non_blocking=True)
                 self.store.work[p].data = view
 

@@ -40,8 +40,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py); 8: `Stage.disk`, optimizer
 # states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py); 9: `Stage.disk` with `gpu_step`,
 # a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
-# buffer; NOTE: [Disk-stepped stages] there)
-FORMAT_VERSION = 9
+# buffer; NOTE: [Disk-stepped stages] there); 10: `Stage.backward_step`, GPU steps right after the stage's
+# backward (NOTE: [Backward steps] there)
+FORMAT_VERSION = 10
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -82,6 +83,7 @@ class Stage:
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
     disk: bool = False  # its optimizer states live in the offload file between steps (runtime/disk_states.py)
+    backward_step: bool = False  # GPU-stepped right after its backward, on the gradient there (runtime/gpu_step.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

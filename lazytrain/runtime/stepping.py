@@ -9,7 +9,9 @@ extra pass over the gradients). A schedule is compiled for one of three modes (`
     then run in forward order so the next step's forward can start on the first updated stages.
     A non-finite norm skips the whole update and is counted in `skipped_steps`, as AMP's scaler does.
   - "previous-norm": every stage is clipped by the global norm of the step before, so its step runs
-    during backward as an unclipped one does. The first step has no previous norm and runs exact.
+    during backward as an unclipped one does. The first step has no previous norm and runs exact;
+    in a schedule that steps blocks right after their backward (NOTE: [Backward steps] in
+    passes/step_model.py) it is not clipped, since those steps cannot wait for its norm.
     An update is applied before its own norm is known: if that norm is not finite, the next step
     stops with an error (the weights are no longer finite) instead of training on.
   - "off": no clipping; bind refuses `max_grad_norm`.
@@ -110,9 +112,17 @@ class Stepping:
         for s in [s for s in self.cpu_jobs if disk_jobs or s not in self.disk_stepper.params]:
             self.cpu_jobs.pop(s).result()
 
+    def _record_backward_steps(self, coef: float) -> None:
+        """Stages stepped in their backward (NOTE: [Backward steps] in passes/step_model.py): this
+        step's updates, recorded before its backward prefetches fetch them."""
+        for s in self.stepper.backward:
+            self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
+
     def _record_gpu_steps(self, coef: float) -> None:
         """GPU-stepped streamed stages: their gradients wait on the host for the next prefetch."""
         for s, names in self.stepper.params.items():
+            if s in self.stepper.backward:
+                continue
             if any(p in self.fresh for p in names):
                 self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
                 self.fresh.difference_update(names)

@@ -102,6 +102,9 @@ class Trainer(Replay, Stepping, ShardedState):
                 f"max_grad_norm={max_grad_norm} asks for gradient clipping, but this schedule was compiled with "
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
+        if serial_optimizer and any(getattr(s, "backward_step", False) for s in self.stages):
+            raise ScheduleMismatch("serial_optimizer runs every optimizer step after backward, but this schedule steps "
+                                   "some blocks inside it (NOTE: [Backward steps]); bind without serial_optimizer")
         self.previous_norm_sq: torch.Tensor | None = None  # "previous-norm": the last step's squared global norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         chosen = getattr(module, "OPTIMIZER_STATES", "32bit")
@@ -128,7 +131,8 @@ class Trainer(Replay, Stepping, ShardedState):
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.stepper = GpuStepper(self.store, self.optimizer, {s.index: s.params for s in self.stages
                                                                if s.gpu_step and not getattr(s, "disk", False)},
-                                  self.host_grad, self.pinned)
+                                  self.host_grad, self.pinned,
+                                  frozenset(s.index for s in self.stages if getattr(s, "backward_step", False)))
         # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
         self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.host_grad, self.pinned)
         dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if disk_stepped else []

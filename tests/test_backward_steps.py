@@ -1,0 +1,116 @@
+"""GPU steps right after a stage's backward (NOTE: [Backward steps] in passes/step_model.py): the
+plan moves the stage's state traffic into backward and drops its host gradient buffer; the schedule
+verifies at its predicted peak; replay gives eager's loss and gradients, and steps give
+torch.optim.AdamW's weights, unclipped and clipped by the previous step's norm. Exact clipping
+refuses them."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lazytrain import hardware
+from lazytrain.errors import PlanError
+from lazytrain.ir.events import Kind, Phase, Stream
+from lazytrain.ir.plan import OutMode
+from lazytrain.passes.solve import evaluate, solve
+from lazytrain.pipeline import analyse
+from models import assert_adamw_weights, bind_source, check_replay, decisions, examples, forced, repair, tiny_gpt_pair
+from test_forced_plans import check_forced
+
+HW = hardware.load("cpu")
+HP = dict(lr=1e-3, eps=1e-6)
+SPEC = ["-rk", "GRk", "BRk", "BRk", "-rk"]  # blocks.1 and blocks.2 stepped in backward, blocks.0 at the next forward
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    meta, real, batch = tiny_gpt_pair()
+    graph, stages = analyse(meta, batch, HW)
+    return graph, dataclasses.replace(stages, clipping="off"), batch, real
+
+
+def test_the_plan_moves_state_traffic_into_backward(gpt):
+    """Against stepping at the next forward: no host gradient buffer, no state traffic in forward."""
+    _, stages, _, _ = gpt
+    forward = evaluate(stages, HW, 1 << 40, decisions(["-rk", "GRk", "GRk", "GRk", "-rk"]))
+    backward = evaluate(stages, HW, 1 << 40, decisions(SPEC))
+    assert forward.host_bytes - backward.host_bytes == stages[2].param_bytes + stages[3].param_bytes
+
+
+def test_the_schedule_steps_each_stage_after_its_backward(gpt):
+    graph, stages, batch, _ = gpt
+    f = forced(graph, stages, batch, decisions(SPEC), HW)
+    events = f.schedule.events
+    for s in (2, 3):
+        fetch = next(e for e in events if e.kind is Kind.PREFETCH and e.stage == s and e.allocs[0] == f"opt:{s}")
+        bwd = next(e for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.BWD and e.stage == s)
+        step = next(e for e in events if e.kind is Kind.OPT_STEP and e.stage == s)
+        back = [e for e in events if e.kind is Kind.OFFLOAD and e.stage == s and e.stream is Stream.D2H]
+        assert fetch.id < bwd.id < step.id < min(e.id for e in back)
+        assert not any(e.kind is Kind.OFFLOAD and e.reads == (f"g:{s}",) for e in events)  # the gradient stays
+        assert step.id > next(e.id for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.FWD and e.stage == 4)
+        # freed after the next backward, so compute waits for the step and write-back only past it
+        after = next(e.id for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.BWD and e.stage == s - 1)
+        frees = [e.id for e in events if e.kind is Kind.FREE and e.frees[0] in (f"w:{s}", f"opt:{s}", f"g:{s}")
+                 and e.id > bwd.id]
+        assert len(frees) == 3 and min(frees) > after
+
+
+def test_replay_and_steps_equal_eager(gpt):
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    check_replay(text, real, batch)
+    trainer, model = bind_source(text, real, **HP)
+    for _ in range(3):
+        trainer.step(batch)
+    trainer.synchronize()
+    assert_adamw_weights(model, real, batch, 3, **HP)
+
+
+def test_previous_norm_clipping(gpt):
+    """Every step clipped by the previous step's norm, as torch would with that coefficient; the
+    first, with none yet, not clipped."""
+    graph, stages, batch, real = gpt
+    text = forced(graph, dataclasses.replace(stages, clipping="previous-norm"), batch, decisions(SPEC), HW).source_text
+    trainer, model = bind_source(text, real, max_grad_norm=0.05, **HP)
+    ref = copy.deepcopy(real)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    previous = None
+    for _ in range(3):
+        trainer.step(batch)
+        opt.zero_grad()
+        ref(**batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()  # the norm alone
+        coef = 1.0 if previous is None else min(1.0, 0.05 / (previous + 1e-6))
+        for q in ref.parameters():
+            q.grad.mul_(coef)
+        opt.step()
+        previous = norm
+    trainer.synchronize()
+    assert previous > 0.05 * 2  # the clipping bit
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), name
+
+
+def test_exact_clipping_refuses_backward_steps(gpt):
+    _, stages, _, _ = gpt
+    with pytest.raises(PlanError):
+        evaluate(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40, decisions(SPEC))
+    plan = solve(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40)
+    assert not any(d.backward_step for d in plan.decisions)
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_decisions_with_backward_steps(gpt, data):
+    """Any valid vector with steps in backward: verified at its predicted peak, eager's loss and gradients."""
+    graph, stages, batch, real = gpt
+    raw = data.draw(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans(),
+                                       st.booleans(), st.booleans()), min_size=len(stages), max_size=len(stages)))
+    check_forced(graph, stages, batch, real, repair(stages, raw))
