@@ -308,6 +308,17 @@ def test_resident_masters_load_straight_onto_their_device(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_bind_names_the_gpu_it_means(monkeypatch):
+    """Masters loaded onto "cuda:N" must compare equal to the device bind runs on (given as "cuda"),
+    or the store would make a second device copy of each (NOTE: [Masters built in place])."""
+    from lazytrain.runtime.trainer import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed(torch.device("cuda")) == torch.device("cuda:1")
+    assert indexed(torch.device("cuda:0")) == torch.device("cuda:0")
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
+
+
 def _tiny_moe():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 

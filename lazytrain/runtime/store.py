@@ -42,7 +42,8 @@ def _dtype(name: str) -> torch.dtype:
 # resident masters alone would outgrow a 125 GiB host before `bind` moved them: so `lazytrain
 # train` loads each resident master straight onto the device, one tensor at a time, and only the
 # streamed masters, which live on the host anyway, go through host memory. Not with sharded state,
-# whose pieces are cut from host masters (NOTE: [Sharded state] in sharding.py).
+# whose pieces are cut from host masters (NOTE: [Sharded state] in sharding.py). Bind then runs on
+# the indexed device ("cuda:0", not "cuda"), so that such a master is its home, not copied again.
 def resident_targets(module) -> set[str]:
     """The model's names of the parameters whose masters a schedule keeps on the compute device:
     those of resident stages, and the shared weights (NOTE: [Masters built in place])."""

@@ -47,6 +47,15 @@ CAP_FLOOR = 1 << 30  # NOTE: [Memory cap]
 CAP_MARGIN = 64 << 20
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current GPU. Masters already on a GPU (NOTE: [Masters
+    built in place] in store.py) sit on "cuda:0", which is not equal to "cuda": compared with the
+    bare name, each would get a second copy on the device beside it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _fmt(shape, dtype) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
@@ -80,6 +89,7 @@ class Trainer(Replay, Stepping, ShardedState):
                     t.data = t.data.to(torch.bfloat16)
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
         self._check_device()
+        self.device = indexed(self.device)
         self.cuda = self.device.type == "cuda"
         self.dp = DataParallel.for_schedule(module, process_group, self.device)  # NOTE: [Data parallel]
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
