@@ -122,30 +122,7 @@ class StepModel:
             cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
             cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
             self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
-            if stages.world_size > 1 and n == 1:  # NOTE: [Disk-stepped stages]
-# The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a `StageDecision`
-# with both `gpu_step` and `disk`): their optimizer states (8-bit or 32-bit, as a GPU step keeps
-# them) live in the offload file. A GPU step at the next prefetch (`gstep`) cannot use the disk:
-# the prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
-# reading a layer's states takes far longer (1 GB at 2 GB/s), so every state would sit in host
-# memory from a read long before its window to a write long after it. Instead such a stage's step
-# is a job on the host worker. It may start once its gradient has landed (after backward with exact
-# clipping) and must end before its next prefetch, which waits for it; unlike a host step it may
-# run on into the next forward whatever the clipping, as it is I/O and holds no CPU the launching
-# thread needs (NOTE: [Host step deadlines] in runtime/stepping.py). The job reads the states into
-# the staging buffer (page-locked), sends master, states and gradient to one GPU slot
-# (`disk_step_slot`, held for the whole step), one tensor at a time, steps it there on the
-# optimizer stream, brings the new weights (and a separate master) back to the host copies
-# the prefetches read and the states to the staging buffer, and writes them to disk. All of it in
-# series, so its seconds (`disk_gpu_job_s`, mostly the disk's) enter the host backlog; the step
-# itself runs beside compute, which loses `gpu_step_lost` of it. The job's own PCIe copies (a 32B
-# layer's 3 GB in and 2 GB out take 0.1 s against its disk's 1 s) are not in the windows' link
-# rows. The host keeps the master, the compute copy and the gradient buffer; the disk the states.
-# Measured on the 1-GPU H200 box's disk (a virtio block device, bench/disk_engines.py, 2026-12-01:
-# 4.3 GB a pass of 256 MiB regions, direct, page-locked), 16 threads of 8 MiB chunks wrote 2.94 GB/s
-# and read 1.96, and the two at once moved 2.30 GB/s together: each byte of state read and written
-# back a step costs about 0.85 s per GB, so a step of P seconds hides about P / 0.85 GB of it.
-# NOTE: [Replicated all-reduce]
+            if stages.world_size > 1 and n == 1:  # NOTE: [Replicated all-reduce]
                 reduce_s = allreduce_s(g.param_bytes + (stages.shared_bytes if s == 0 else 0), hw, stages.world_size)
                 cap[L.bw(s)] += reduce_s
                 self.compute += reduce_s
@@ -403,6 +380,30 @@ class StepModel:
 # Not the first two stages: B(s-2) is a window of backward. The step cannot know this step's global norm, so
 # it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
 # state keeps its REDUCE path.
+# NOTE: [Disk-stepped stages]
+# The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a `StageDecision`
+# with both `gpu_step` and `disk`): their optimizer states (8-bit or 32-bit, as a GPU step keeps
+# them) live in the offload file. A GPU step at the next prefetch (`gstep`) cannot use the disk:
+# the prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
+# reading a layer's states takes far longer (1 GB at 2 GB/s), so every state would sit in host
+# memory from a read long before its window to a write long after it. Instead such a stage's step
+# is a job on the host worker. It may start once its gradient has landed (after backward with exact
+# clipping) and must end before its next prefetch, which waits for it; unlike a host step it may
+# run on into the next forward whatever the clipping, as it is I/O and holds no CPU the launching
+# thread needs (NOTE: [Host step deadlines] in runtime/stepping.py). The job reads the states into
+# the staging buffer (page-locked), sends master, states and gradient to one GPU slot
+# (`disk_step_slot`, held for the whole step), one tensor at a time, steps it there on the
+# optimizer stream, brings the new weights (and a separate master) back to the host copies
+# the prefetches read and the states to the staging buffer, and writes them to disk. All of it in
+# series (the next job's read may overlap it: NOTE: [Disk reads ahead] in runtime/disk_states.py, not
+# counted), so its seconds (`disk_gpu_job_s`, mostly the disk's) enter the host backlog; the step
+# itself runs beside compute, which loses `gpu_step_lost` of it. The job's own PCIe copies (a 32B
+# layer's 3 GB in and 2 GB out take 0.1 s against its disk's 1 s) are not in the windows' link
+# rows. The host keeps the master, the compute copy and the gradient buffer; the disk the states.
+# Measured on the 1-GPU H200 box's disk (a virtio block device, bench/disk_engines.py, 2026-12-01:
+# 4.3 GB a pass of 256 MiB regions, direct, page-locked), 16 threads of 8 MiB chunks wrote 2.94 GB/s
+# and read 1.96, and the two at once moved 2.30 GB/s together: each byte of state read and written
+# back a step costs about 0.85 s per GB, so a step of P seconds hides about P / 0.85 GB of it.
 # NOTE: [Disk-resident states]
 # The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
 # stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file
