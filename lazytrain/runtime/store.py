@@ -44,10 +44,15 @@ def _dtype(name: str) -> torch.dtype:
 # streamed masters, which live on the host anyway, go through host memory. Not with sharded state,
 # whose pieces are cut from host masters (NOTE: [Sharded state] in sharding.py). Bind then runs on
 # the indexed device ("cuda:0", not "cuda"), so that such a master is its home, not copied again.
+def streamed_params(module) -> set[str]:
+    """The placeholders of a schedule's streamed stages' parameters."""
+    return {p for s in module.STAGES if s.stream for p in s.params}
+
+
 def resident_targets(module) -> set[str]:
     """The model's names of the parameters whose masters a schedule keeps on the compute device:
     those of resident stages, and the shared weights (NOTE: [Masters built in place])."""
-    streamed = {p for s in module.STAGES if s.stream for p in s.params}
+    streamed = streamed_params(module)
     return {target for p, (kind, target, *_) in module.PLACEHOLDERS.items() if kind == "param" and p not in streamed}
 
 
@@ -65,7 +70,7 @@ class ParamStore:
         self.work: dict[str, torch.Tensor] = {}
         self.home: dict[str, torch.Tensor] = {}
         self.source: dict[str, torch.Tensor] = {}
-        streamed = {p for s in module.STAGES if s.stream for p in s.params}
+        streamed = streamed_params(module)
         for p, master in self.master.items():
             if p in streamed:
                 self.work[p] = torch.nn.Parameter(torch.empty(0, device=device, dtype=self.dtype[p]))

@@ -38,7 +38,7 @@ from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
 from lazytrain.runtime.sharded_state import ShardedState
 from lazytrain.runtime.sharding import ShardLayout
-from lazytrain.runtime.store import OPT_SLACK, ParamStore
+from lazytrain.runtime.store import OPT_SLACK, ParamStore, streamed_params
 from lazytrain.runtime.stepping import Stepping
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
@@ -219,8 +219,7 @@ class Trainer(Replay, Stepping, ShardedState):
     def _pin_streamed_masters(self, tensors):
         """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The
         parameter's storage moves into the arena: no second host copy."""
-        streamed = {p for s in self.stages if s.stream for p in s.params}
-        for p in streamed:
+        for p in streamed_params(self.m):
             t = tensors[p]
             if t.device.type == "cpu" and not t.is_pinned():
                 t.data = self.pinned.copy_of(t.data)
