@@ -186,12 +186,13 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     m.verbose = 0
     m.threads = 1
     v = _vars(m, stages)
-    if fixed is None and not SEARCH_DISK_STEPS:  # NOTE: [Disk steps not searched]
-        for x in v["dstep"]:
-            m += x == 0
-    if fixed is None and not SEARCH_BACKWARD_STEPS:  # NOTE: [Backward steps not searched]
-        for x in v["bstep"]:
-            x.ub = 0.0
+    # NOTE: [Disk steps not searched], NOTE: [Backward steps not searched]: bounds at 0, as for the
+    # choices a stage cannot take (`_vars`)
+    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", SEARCH_BACKWARD_STEPS)) if not searched]
+    if fixed is None:
+        for key in unsearched:
+            for x in v[key]:
+                x.ub = 0.0
     if fixed is not None:
         for x, value in _start(v, fixed).items():
             m += x == value
