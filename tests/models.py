@@ -178,6 +178,26 @@ def bind_source(source_text: str, real: nn.Module, **optimizer_args):
     return module.bind(model, **optimizer_args), model
 
 
+def offload_files(directory) -> list[str]:
+    """The files in an offload directory, by name."""
+    return sorted(p.name for p in directory.iterdir())
+
+
+def assert_disk_steps_equal_adamw(source_text: str, real: nn.Module, batch: dict, tmp_path, steps: int = 3, **hp):
+    """A schedule with states on disk: its replay equals eager; bound with `tmp_path` as its offload
+    directory it makes one offload file there, and `steps` steps give torch AdamW's weights. Returns
+    the trainer, for the caller's checks of where the states are."""
+    check_replay(source_text, real, batch)
+    trainer, model = bind_source(source_text, real, offload_dir=str(tmp_path), **hp)
+    [name] = offload_files(tmp_path)
+    assert name.startswith("lazytrain-offload-")
+    for _ in range(steps):
+        trainer.step(batch)
+    trainer.synchronize()
+    assert_adamw_weights(model, real, batch, steps, **hp)
+    return trainer
+
+
 def assert_disk_resume_bit_identical(source_text: str, real: nn.Module, batch: dict, tmp_path, **hp) -> None:
     """A schedule with states on disk: 2 steps, a checkpoint (model weights and optimizer state), a
     new trainer loading it, 1 step give the same weights as 3 uninterrupted steps, to the bit; the

@@ -24,7 +24,8 @@ from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.units import format_size
-from models import assert_adamw_weights, assert_disk_resume_bit_identical, bind_source, check_replay, decisions, forced, tiny_gpt_pair, unique_name
+from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, bind_source, decisions, forced,
+                    offload_files, tiny_gpt_pair, unique_name)
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -37,10 +38,6 @@ def gpt():
     meta, real, batch = tiny_gpt_pair()
     graph, stages = analyse(meta, batch, HW)
     return graph, dataclasses.replace(stages, disk=True), batch, real
-
-
-def _files(directory):
-    return sorted(p.name for p in directory.iterdir())
 
 
 def test_the_plan_counts_disk_states_off_the_host(gpt):
@@ -89,21 +86,14 @@ def test_the_solver_uses_the_disk_where_the_host_runs_short(gpt):
 
 def test_replay_and_adamw_steps_with_states_on_disk(gpt, tmp_path):
     graph, stages, batch, real = gpt
-    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
-    check_replay(text, real, batch)
-    trainer, model = bind_source(text, real, offload_dir=str(tmp_path), **HP)
-    [name] = _files(tmp_path)
-    assert name.startswith("lazytrain-offload-")
-    for _ in range(3):
-        trainer.step(batch)
-    trainer.synchronize()
-    assert_adamw_weights(model, real, batch, 3, **HP)
+    trainer = assert_disk_steps_equal_adamw(forced(graph, stages, batch, decisions(SPEC), HW).source_text, real, batch,
+                                            tmp_path, **HP)
     # between steps the disk stages' moments are on disk only
     homes = trainer.disk_states.homes
     assert homes and all("exp_avg" not in trainer.optimizer.state[p] for ps in homes.values() for p in ps)
     del trainer
     gc.collect()
-    assert _files(tmp_path) == []  # the offload file goes with the trainer
+    assert offload_files(tmp_path) == []  # the offload file goes with the trainer
 
 
 def test_resume_with_states_on_disk_is_bit_identical(gpt, tmp_path):
@@ -127,7 +117,7 @@ def test_bind_refuses_a_disk_too_small(gpt, tmp_path, monkeypatch):
     monkeypatch.setattr(disk_io.files, "free_bytes", lambda path: 4096)
     with pytest.raises(ResourceError, match="needs about"):
         bind_source(text, real, offload_dir=str(tmp_path), **HP)
-    assert _files(tmp_path) == []
+    assert offload_files(tmp_path) == []
 
 
 # ---- lazytrain train ------------------------------------------------------------------------------
@@ -165,7 +155,7 @@ def test_train_resumes_states_on_disk_bit_identically(tmp_path, capsys):
         argv = ["train", "--schedule", schedule, "--steps", 4, "--checkpoint-dir", run_dir, "--checkpoint-every", 2,
                 "--offload-dir", offload, "--no-progress", *extra]
         assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
-        assert _files(offload) == []  # preallocated for the run, removed at its end
+        assert offload_files(offload) == []  # preallocated for the run, removed at its end
 
     train(whole)
     shutil.copytree(whole, killed)

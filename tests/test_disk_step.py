@@ -22,7 +22,8 @@ from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
-from models import assert_adamw_weights, assert_disk_resume_bit_identical, bind_source, check_replay, decisions, forced, tiny_gpt_pair, unique_name
+from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, bind_source, decisions, forced,
+                    offload_files, tiny_gpt_pair, unique_name)
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -39,10 +40,6 @@ def _stages(states: str = "32bit"):
 @pytest.fixture(scope="module")
 def gpt():
     return _stages()
-
-
-def _files(directory):
-    return sorted(p.name for p in directory.iterdir())
 
 
 def test_the_plan_counts_disk_stepped_states_off_the_host(gpt):
@@ -110,22 +107,15 @@ def test_a_disk_stepped_plan_is_one_the_solver_may_choose():
 
 def test_replay_and_adamw_steps_stepped_from_disk(gpt, tmp_path):
     graph, stages, batch, real = gpt
-    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
-    check_replay(text, real, batch)
-    trainer, model = bind_source(text, real, offload_dir=str(tmp_path), **HP)
-    [name] = _files(tmp_path)
-    assert name.startswith("lazytrain-offload-")
-    for _ in range(3):
-        trainer.step(batch)
-    trainer.synchronize()
-    assert_adamw_weights(model, real, batch, 3, **HP)
+    trainer = assert_disk_steps_equal_adamw(forced(graph, stages, batch, decisions(SPEC), HW).source_text, real, batch,
+                                            tmp_path, **HP)
     # between steps the disk-stepped stages' states are on disk only
     homes = [trainer.store.home[p] for s in (1, 3) for p in trainer.stages[s].params]
     assert all("exp_avg" not in trainer.optimizer.state[p] for p in homes)
     assert all(trainer.optimizer.state[p]["step"] == 3 for p in homes)
     del trainer
     gc.collect()
-    assert _files(tmp_path) == []
+    assert offload_files(tmp_path) == []
 
 
 def test_8bit_steps_from_disk_equal_those_at_the_prefetch(tmp_path):
