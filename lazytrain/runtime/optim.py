@@ -341,6 +341,13 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
                             view.prefetch_state(p)
                             view.update_step(group, p, gindex, pindex)
 
+            # NOTE: [Shared quantisation maps] bitsandbytes' `init_state` moves the optimizer's shared
+            # quantisation maps to the device of the parameter it initialises, then puts them in that
+            # parameter's state: the maps follow whichever parameter was initialised last. A disk job
+            # (NOTE: [Disk-stepped stages] in passes/step_model.py) makes a stage's first states for its
+            # host master on the host worker while the main thread makes a GPU-stepped stage's on the
+            # device; on the H200 the 32B plan with disk-stepped blocks stopped in its first steps with
+            # a host map in a device step's state. `fresh_state` initialises on its own copy of the maps.
             def fresh_state(self, index: int, param: torch.Tensor, take) -> dict:
                 group = self.param_groups[index]
                 if group.get("states") == "32bit":
@@ -361,13 +368,6 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
                         state[key] = take(state[key].shape, state[key].dtype).copy_(state[key])
                 return state
 
-        # NOTE: [Shared quantisation maps] bitsandbytes' `init_state` moves the optimizer's shared
-        # quantisation maps to the device of the parameter it initialises, then puts them in that
-        # parameter's state: the maps follow whichever parameter was initialised last. A disk job
-        # (NOTE: [Disk-stepped stages] in passes/step_model.py) makes a stage's first states for its
-        # host master on the host worker while the main thread makes a GPU-stepped stage's on the
-        # device; on the H200 the 32B plan with disk-stepped blocks stopped in its first steps with
-        # a host map in a device step's state. `fresh_state` initialises on its own copy of the maps.
         def _ready(view) -> None:
             """bitsandbytes' once-per-optimizer set-up before a first step."""
             if not view.initialized:
