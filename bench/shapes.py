@@ -61,11 +61,36 @@ def fill_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    model = meta_model(name, seq).to(dtype).to_empty(device=device)  # cast on meta: no full-size fp32 pass
+def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0,
+          places: dict[str, str] | None = None) -> torch.nn.Module:
+    """The model with random weights on `device`; a parameter `places` names goes to its device
+    there instead, made and filled in place, so the host never holds the whole model."""
+    model = meta_model(name, seq).to(dtype).to_empty(device=device) if not places else _placed(name, seq, dtype, device, places)
     model.tie_weights()  # to_empty() gives each module its own tensor: tie the embeddings again
     model.train()
     return fill_(model, seed)
+
+
+def for_schedule(module, name: str, seq: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """`build` in the tiers a schedule keeps its masters in: resident blocks' on the GPU, streamed
+    blocks' on the host (NOTE: [Resident masters on the device] in passes/step_model.py)."""
+    from lazytrain.runtime.store import resident_targets
+
+    places = dict.fromkeys(resident_targets(module), "cuda") if module.DEVICE == "cuda" else None
+    return build(name, seq, "cpu", dtype, seed, places)
+
+
+def _placed(name: str, seq: int, dtype: torch.dtype, device: str, places: dict[str, str]) -> torch.nn.Module:
+    model = meta_model(name, seq).to(dtype)  # cast on meta: no full-size fp32 pass
+    for full, p in list(model.named_parameters()):
+        owner, _, leaf = full.rpartition(".")
+        module = model.get_submodule(owner)
+        module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(p, device=places.get(full, device)),
+                                                      requires_grad=p.requires_grad)
+    for full, b in list(model.named_buffers()):
+        owner, _, leaf = full.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = torch.empty_like(b, device=device)
+    return model
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:

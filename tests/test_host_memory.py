@@ -56,3 +56,14 @@ def test_bf16_masters_count_the_host_steps_buffers(stages, monkeypatch):
     resident = decisions(["-Rk"] * (len(stages) - 1) + ["-rk"])
     monkeypatch.setattr(step_model, "HOST_STEP_BYTES", 12)
     assert evaluate(bf16, CPU, 1 << 40, resident).host_bytes == evaluate(stages, CPU, 1 << 40, resident).host_bytes // 2
+
+
+def test_a_gpu_plan_keeps_resident_masters_on_the_device_only(stages):
+    """NOTE: [Resident masters on the device]: on a GPU a resident stage's master lives on the
+    device, so the host counts only streamed stages' masters; on a CPU the device is the host."""
+    gpu = dataclasses.replace(CPU, device="cuda", host_memory_bytes=CPU.host_memory_bytes + HOST_RESERVE)
+    resident = decisions(["-Rk"] * (len(stages) - 1) + ["-rk"])
+    masters = sum(stages.master_bytes * g.param_numel for g in stages)
+    assert evaluate(stages, CPU, 1 << 40, resident).host_bytes - evaluate(stages, gpu, 1 << 40, resident).host_bytes == masters
+    streamed = _all_host_stepped(stages)
+    assert evaluate(stages, gpu, 1 << 40, streamed).host_bytes == evaluate(stages, CPU, 1 << 40, streamed).host_bytes

@@ -276,8 +276,9 @@ class StepModel:
                 + (sig[s] - gst[s]) * piece((CPU_STATE_BYTES - stages.state_bytes) * g.param_numel, g.param_numel,
                                             len(g.params), n)
                 for s, g in enumerate(stages))
-        else:
-            self.host = sum(M * g.param_numel for g in stages) + sum(
+        else:  # NOTE: [Resident masters on the device]
+            placed = hw.device == "cuda"
+            self.host = sum(M * g.param_numel * (sig[s] if placed else 1) for s, g in enumerate(stages)) + sum(
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
                 - (gst[s] + dst[s]) * M * g.param_numel - bst[s] * g.param_bytes + off[s] * g.out_bytes
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
@@ -380,6 +381,13 @@ class StepModel:
 # Not the first two stages: B(s-2) is a window of backward. The step cannot know this step's global norm, so
 # it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
 # state keeps its REDUCE path.
+# NOTE: [Resident masters on the device]
+# A resident stage's master is its home on the GPU (NOTE: [Parameter homes] in runtime/store.py):
+# `bind` moves it there (`lazytrain train` loads it there: NOTE: [Masters built in place]), and the
+# model's parameter points at that device tensor, so no host copy is left. The host counts only the
+# streamed stages' masters. (Counted for every stage, the 32B disk plan at 104 GB spent 41.0 of its
+# 94.8 GiB of host on masters the device also held.) On a CPU the device is host memory: every
+# master counts. Sharded state keeps the full weights in the model's parameters (its own branch).
 # NOTE: [Disk-stepped stages]
 # The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a `StageDecision`
 # with both `gpu_step` and `disk`): their optimizer states (8-bit or 32-bit, as a GPU step keeps

@@ -1,8 +1,9 @@
 """Where parameters live while a schedule runs: fp32 masters, compute copies, weight slots.
 
 NOTE: [Parameter homes]
-Every parameter has a *master* (the model's own tensor, on the host: fp32, or bf16 with
-`--master-weights bf16`), a *work* tensor the
+Every parameter has a *master* (the model's own tensor: fp32, or bf16 with `--master-weights
+bf16`; on the host, or on the GPU for a resident stage: NOTE: [Resident masters on the device] in
+passes/step_model.py), a *work* tensor the
 stage functions compute with (in the schedule's dtype, on the compute device), and a *home*: the
 tensor its optimizer updates (in the master's dtype).
   - resident stage: work is a persistent device tensor; home is the master when work *is* the

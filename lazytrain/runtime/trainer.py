@@ -65,7 +65,8 @@ class Trainer(Replay, Stepping, ShardedState):
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
     `device` (default: where the model is) is where compute runs; the model's own parameters stay
-    the masters (fp32; bf16 if compiled with `--master-weights bf16`). On a GPU the process's
+    the masters (fp32; bf16 if compiled with `--master-weights bf16`); on a GPU, those of resident
+    stages move to the device (NOTE: [Resident masters on the device]). On a GPU the process's
     allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap]).
     A schedule compiled with `--world-size N` trains data parallel over `process_group` (default:
     torch.distributed's default group), which must have N ranks: gradients are averaged over them
@@ -101,6 +102,8 @@ class Trainer(Replay, Stepping, ShardedState):
         self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena] in pinned.py
         if self.cuda:
             self._pin_streamed_masters(tensors)
+            if not self.sharded:
+                self._place_resident_masters(tensors)
         self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces)
         self.pending_gather: set[int] = set()  # stages stepped whose new weights are not yet gathered
         self.gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
@@ -223,6 +226,14 @@ class Trainer(Replay, Stepping, ShardedState):
             t = tensors[p]
             if t.device.type == "cpu" and not t.is_pinned():
                 t.data = self.pinned.copy_of(t.data)
+
+    def _place_resident_masters(self, tensors):
+        """NOTE: [Resident masters on the device] in passes/step_model.py: a resident master moves
+        to its home on the device, and the model's parameter with it; the host copy is freed."""
+        streamed = streamed_params(self.m)
+        for p, t in tensors.items():
+            if self.m.PLACEHOLDERS[p][0] == "param" and p not in streamed and t.device != self.device:
+                t.data = t.data.to(self.device)
 
     def _check_batch(self, batch: dict) -> dict:
         if set(batch) != set(self.m.BATCH):
