@@ -304,6 +304,7 @@ def cmd_run(args) -> None:
         # each case's model is built in its schedule's tiers (resident masters straight onto the GPU):
         # the host never holds what the plan does not count on it
         start = time.perf_counter()
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the last case's trainer capped the allocator at its budget
         model = for_schedule(load_schedule(path), case.model, case.seq,
                              torch.bfloat16 if case.master == "bf16" else torch.float32)
         print(f"[fidelity] built {case.model} ({case.master} masters) in {time.perf_counter() - start:.0f} s", flush=True)
