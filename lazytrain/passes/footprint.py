@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from lazytrain.hardware import Hardware
 from lazytrain.passes.blocks import STATE_BYTES, Stages
+from lazytrain.runtime.carve import aligned
 from lazytrain.runtime.optim import TWIN_CHUNK
 
 LOSS_BYTES = 4
@@ -118,6 +119,29 @@ def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master
     it), and in mixed precision the compute-dtype copy to prefetch."""
     mixed = param_bytes if param_bytes != master * numel else 0
     return int(state_bytes * numel) + param_bytes + master * numel + mixed
+
+
+# NOTE: [Weights from the master]
+# A GPU-stepped streamed stage with fp32 masters and 16-bit compute (one process, or replicated data
+# parallel) keeps no compute-dtype copy of its weights on the host: its prefetches read the fp32
+# master into a staging region at the end of its weight slot, one tensor at a time, and cast it into
+# the weights there, on the H2D stream. (Its forward prefetch after a step needs neither: the step
+# writes the weights.) Its step's write-back sends the master in place of the new weights. Per
+# parameter that takes the copy's 2 bytes off the host and 2 off D2H, and puts 2 on each plain
+# prefetch's H2D; the slot grows by the largest tensor in fp32. For the 32B with fp32 masters it
+# is 2 of the 10 bytes a parameter such a stage holds on the host (bench/README.md, Disk tier).
+def weights_from_master(stages: Stages, s: int, gpu_step) -> bool:
+    """Whether stage `s`, GPU-stepped (`gpu_step`), prefetches from its fp32 master."""
+    g = stages[s]
+    mixed = stages.master_bytes == MASTER_BYTES and g.param_bytes != MASTER_BYTES * g.param_numel
+    sharded = stages.sharded and stages.world_size > 1  # (shards.sharding, which imports this module)
+    return bool(gpu_step) and mixed and g.param_numel > 0 and not sharded
+
+
+def master_staging_bytes(g) -> int:
+    """The staging region a stage that prefetches from its master adds to its weight slot: its
+    largest tensor in fp32, with the slot's alignment (NOTE: [Weights from the master])."""
+    return aligned(MASTER_BYTES * (g.largest_numel or g.param_numel))
 
 
 def gpu_step_state_bytes(numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:

@@ -41,6 +41,7 @@ from lazytrain.passes.footprint import (
     gpu_step_bytes,
     gpu_step_out_bytes,
     gpu_step_state_bytes,
+    master_staging_bytes,
     recompute_workspace,
     resident_bytes,
     resident_grad_bytes,
@@ -48,6 +49,7 @@ from lazytrain.passes.footprint import (
     shared_grad_bytes,
     shared_step_bytes,
     step_bytes,
+    weights_from_master,
 )
 
 
@@ -153,6 +155,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     M = stages.master_bytes
     n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
+    from_master = [weights_from_master(stages, s, d.stream and d.gpu_step) for s, d in enumerate(dec)]  # NOTE: [Weights from the master]
     shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
     b.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
     nshared = len(stages.shared_params)
@@ -180,7 +183,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M), persistent=True)
                 b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
         else:
-            b.buffer(f"w:{s}", "gpu", g.param_bytes)
+            # NOTE: [Weights from the master] in footprint.py: the slot stages the master's largest tensor
+            b.buffer(f"w:{s}", "gpu", g.param_bytes + (master_staging_bytes(g) if from_master[s] else 0))
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
             # (a step in backward reads it on the device: NOTE: [Backward steps] in step_model.py)
@@ -218,6 +222,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         """What a GPU step of stage `s` writes back (and a step in backward fetches): weights, master, states."""
         return gpu_step_out_bytes(stages[s].param_bytes, stages[s].param_numel, stages.state_bytes, stages.master_bytes)
 
+    def weights_bytes(s: int) -> int:
+        """What a plain prefetch of stage `s` brings, and its step's OFFLOAD of `w:S` sends back: the
+        weights, or the fp32 master they are cast from (NOTE: [Weights from the master] in footprint.py)."""
+        g = stages[s]
+        return stages.master_bytes * g.param_numel if from_master[s] else g.param_bytes
+
     def share(nbytes: int, s: int) -> int:
         """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
         return piece(nbytes, stages[s].param_numel, len(stages[s].params), n)
@@ -233,7 +243,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         g = stages[s]
         if not dec[s].at_prefetch:
             # sharded: only this rank's shard of the new weights comes over; the rest from the other ranks
-            b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(g.param_bytes, s))
+            b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(weights_bytes(s), s))
             if n > 1:
                 gather(s, f"w:{s}")
             return
@@ -251,10 +261,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         g = stages[s]
         if dec[s].at_prefetch:
             # the new weights first: the slot's FREE after this forward waits for this copy only
-            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],))
+            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],), moved=weights_bytes(s))
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
                    moved=share(gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes)
-                               - g.param_bytes, s))
+                               - g.param_bytes, s) - (weights_bytes(s) if from_master[s] else 0))
         elif dec[s].stream and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
 
@@ -326,9 +336,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         g = stages[s]
         b.t = win_start[f"B{s}"]
         if s - 1 >= 0 and dec[s - 1].backward_step:  # NOTE: [Backward steps]: master and states beside the weights
-            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"opt:{s - 1}", f"w:{s - 1}"), moved=step_out_bytes(s - 1))
+            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"opt:{s - 1}", f"w:{s - 1}"),
+                   moved=step_out_bytes(s - 1) - stages[s - 1].param_bytes + weights_bytes(s - 1))
         elif s - 1 >= 0 and dec[s - 1].stream:
-            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",))
+            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",), moved=weights_bytes(s - 1))
         for p in range(S):
             if dec[p].outputs is OutMode.OFFLOAD and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
@@ -337,9 +348,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         elif s + 1 < S and dec[s + 1].backward_step:  # beside this backward: the last one's stage steps, goes back
             k = s + 1
             stepped[k] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"opt:{k}", f"w:{k}", f"g:{k}"), device="gpu")
-            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],))
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],), moved=weights_bytes(k))
             b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],),
-                   moved=step_out_bytes(k) - stages[k].param_bytes)
+                   moved=step_out_bytes(k) - stages[k].param_bytes - (weights_bytes(k) if from_master[k] else 0))
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
         if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:

@@ -32,12 +32,14 @@ from lazytrain.passes.footprint import (
     gpu_step_out_bytes,
     gpu_step_state_bytes,
     host_bytes_streamed,
+    master_staging_bytes,
     recompute_workspace,
     resident_bytes,
     resident_grad_bytes,
     saving_workspace,
     shared_grad_bytes,
     step_bytes,
+    weights_from_master,
 )
 from lazytrain.passes.shards import (
     allreduce_s,
@@ -146,16 +148,21 @@ class StepModel:
                 # its step follows its backward in B(s), once the backward's workspace is gone
                 bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
                 mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
+            # NOTE: [Weights from the master] in footprint.py: a GPU-stepped stage's slot stages its
+            # master, plain prefetches bring the master, and the host keeps no compute-dtype copy
+            fm = weights_from_master(stages, s, True)
+            copy, staging = (g.param_bytes, master_staging_bytes(g)) if fm else (0, 0)
+            extra = M * g.param_numel - g.param_bytes if fm else 0
             for t in L.weight_windows(s):
-                mem[t] = mem[t] + g.param_bytes * sig[s]
+                mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s])
             for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
                 if t is not None:
-                    mem[t] = mem[t] + g.param_bytes * sig[s]
+                    mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s])
             # weight prefetch and gradient offload traffic (sharded: the forward prefetch brings this
-            # rank's shard, the gradient leaves as one)
-            h2d[L.fw(s - 1) if s > 0 else PRE] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
+            # rank's shard, the gradient leaves as one); a forward prefetch after a step brings none
+            h2d[L.fw(s - 1) if s > 0 else PRE] += piece(g.param_bytes, g.param_numel, P, n) * sig[s] + extra * (bst[s] + dst[s])
             if s < S - 1:
-                h2d[L.bw(s + 1)] += g.param_bytes * sig[s]
+                h2d[L.bw(s + 1)] += g.param_bytes * sig[s] + extra * (gst[s] + dst[s])
             d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
@@ -180,7 +187,7 @@ class StepModel:
             fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
             h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * fwd
             out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out) * fwd
+            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out - copy) * fwd
             opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
                               g.param_numel, P, n)
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
@@ -189,16 +196,16 @@ class StepModel:
                 h2d[L.bw(s + 1)] += (out - g.param_bytes) * bst[s]  # master and states, beside the weights
                 # new weights (not the gradient), master and states, after the step: in B(s-1) or B(s-2)
                 d2h[L.bw(s - 1)] -= g.param_bytes * bst[s]
-                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], out * bst[s], f"back{s}")
+                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], (out - copy) * bst[s], f"back{s}")
                 for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1), L.bw(s - 2)):
                     mem[t] = mem[t] + opt_bytes * bst[s]
                 for t in (L.bw(s - 1), L.bw(s - 2)):  # the weights until written back, the gradient until stepped
-                    mem[t] = mem[t] + g.param_bytes * bst[s]
+                    mem[t] = mem[t] + (g.param_bytes + staging) * bst[s]
                 mem[L.bw(s - 2)] = mem[L.bw(s - 2)] + g.param_bytes * bst[s]
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
                 h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
-                mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes) * ahead[s]
+                mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes + staging) * ahead[s]
             self.optimizer = self.optimizer + gst[s] * step_s
             self.serial = self.serial + fwd * step_s
             # NOTE: [Backward steps]: on the optimizer stream beside backward's compute
@@ -280,7 +287,8 @@ class StepModel:
             placed = hw.device == "cuda"
             self.host = sum(M * g.param_numel * (sig[s] if placed else 1) for s, g in enumerate(stages)) + sum(
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-                - (gst[s] + dst[s]) * M * g.param_numel - bst[s] * g.param_bytes + off[s] * g.out_bytes
+                - (gst[s] + dst[s]) * (M * g.param_numel + (g.param_bytes if weights_from_master(stages, s, True) else 0))
+                - bst[s] * g.param_bytes + off[s] * g.out_bytes
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
         # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through

@@ -126,12 +126,16 @@ class GpuStepper:
 
     def write_weights(self, stage: int, into: dict[str, torch.Tensor] | None = None) -> None:
         """New compute-dtype weights (in the stage's weight slot, or in `into`'s tensors) to the host
-        copy that prefetches read (on the current stream); where that copy is the master, this is the
-        master's write-back."""
-        if stage not in self.live:
+        copy that prefetches read (on the current stream); where that copy is the master, or prefetches
+        cast from the fp32 master, this is the master's write-back."""
+        u = self.live.get(stage)
+        if u is None:
             return
-        for p in self.live[stage].names:
-            self.store.source[p].copy_(into[p] if into is not None else self.store.work[p].data, non_blocking=True)
+        for p in u.names:
+            if p in self.store.from_master:  # NOTE: [Weights from the master] in passes/footprint.py: the master
+                self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
+            else:
+                self.store.source[p].copy_(into[p] if into is not None else self.store.work[p].data, non_blocking=True)
 
     def step_from_disk(self, stage: int, group: int, hyper: dict, coef: float, slot: torch.Tensor) -> None:
         """A disk-stepped stage's update in `slot` (NOTE: [Disk-stepped stages] in

@@ -341,6 +341,8 @@ class Replay:
                 view = self.store.slot_view(stage, p)
                 if own and not stepped_here:
                     self.store.mine(p, view).copy_(self.store.mine(p, self.store.source[p]), non_blocking=True)
+                elif p in self.store.from_master and not stepped_here:  # NOTE: [Weights from the master]
+                    view.copy_(self.store.staging(stage, p).copy_(self.store.source[p], non_blocking=True))
                 elif not stepped_here:
                     view.copy_(self.store.source[p], non_blocking=True)
                 self.store.work[p].data = view

@@ -41,8 +41,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py); 9: `Stage.disk` with `gpu_step`,
 # a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
 # buffer; NOTE: [Disk-stepped stages] there); 10: `Stage.backward_step`, GPU steps right after the stage's
-# backward (NOTE: [Backward steps] there)
-FORMAT_VERSION = 10
+# backward (NOTE: [Backward steps] there); 11: `Stage.from_master`, prefetches cast from the fp32 master
+# (NOTE: [Weights from the master] in passes/footprint.py)
+FORMAT_VERSION = 11
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -84,6 +85,7 @@ class Stage:
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
     disk: bool = False  # its optimizer states live in the offload file between steps (runtime/disk_states.py)
     backward_step: bool = False  # GPU-stepped right after its backward, on the gradient there (runtime/gpu_step.py)
+    from_master: bool = False  # prefetched from its fp32 master, no compute-dtype host copy (runtime/store.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

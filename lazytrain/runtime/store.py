@@ -72,11 +72,13 @@ class ParamStore:
         self.home: dict[str, torch.Tensor] = {}
         self.source: dict[str, torch.Tensor] = {}
         streamed = streamed_params(module)
+        # NOTE: [Weights from the master] in passes/footprint.py: prefetched through the slot's staging region
+        self.from_master = {p for s in module.STAGES if getattr(s, "from_master", False) for p in s.params}
         for p, master in self.master.items():
             if p in streamed:
                 self.work[p] = torch.nn.Parameter(torch.empty(0, device=device, dtype=self.dtype[p]))
                 self.home[p] = master
-                same = master.dtype == self.dtype[p] and (not self.cuda or master.is_pinned())
+                same = master.dtype == self.dtype[p] and (not self.cuda or master.is_pinned()) or p in self.from_master
                 self.source[p] = master.detach() if same else self._host_copy(master, self.dtype[p])
             elif master.device == device and master.dtype == self.dtype[p]:
                 self.work[p] = self.home[p] = master
@@ -121,6 +123,7 @@ class ParamStore:
         """Sizes of the weight slots (per stage, its parameters in the compute dtype) and optimizer
         slots (the schedule's `opt:S` bytes); NOTE: [Slots]."""
         self.layout: dict[int, dict[str, int]] = {}
+        self.staging_at: dict[int, int] = {}  # a stage's staging region's offset in its weight slot
         self.slot_sizes: dict[str, int] = {}
         for s in module.STAGES:
             if s.stream:
@@ -128,6 +131,9 @@ class ParamStore:
                 for p in s.params:
                     layout[p] = offset
                     offset += aligned(self.master[p].numel() * itemsize(self.dtype[p]))
+                if getattr(s, "from_master", False):  # NOTE: [Weights from the master]: its largest tensor in fp32
+                    self.staging_at[s.index] = offset
+                    offset += aligned(max(self.master[p].numel() for p in s.params) * itemsize(torch.float32))
                 self.layout[s.index] = layout
                 self.slot_sizes[f"w:{s.index}"] = offset
         # the slack covers per-tensor alignment and the optimizer's small extras (8-bit quantisation
@@ -155,6 +161,14 @@ class ParamStore:
         nbytes = self.master[p].numel() * itemsize(self.dtype[p])
         start = self.layout[stage][p]
         return buf[start:start + nbytes].view(self.dtype[p]).view(self.master[p].shape)
+
+    def staging(self, stage: int, p: str) -> torch.Tensor:
+        """Where `p`'s fp32 master lands before its cast into the weights (NOTE: [Weights from the
+        master] in passes/footprint.py): the start of the slot's staging region, shared by its tensors
+        in turn."""
+        start = self.staging_at[stage]
+        nbytes = self.master[p].numel() * itemsize(torch.float32)
+        return self.slots[f"w:{stage}"][start:start + nbytes].view(torch.float32).view(self.master[p].shape)
 
     def source_is_master(self, p: str) -> bool:
         """Prefetches read the master itself (same dtype, page-locked where needed)."""
