@@ -114,7 +114,7 @@ def test_gradients_match_eager_on_gpu(case):
     loss = trainer.forward_backward(batch)
     assert torch.allclose(loss.cpu(), loss_ref.detach().cpu(), atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad.cpu(), atol=1e-5, rtol=1e-4), name
+        assert torch.allclose(p.grad.cpu(), q.grad.cpu(), atol=1e-5, rtol=1e-4), name  # resident: on the GPU
 
 
 def clipped_steps(case: str, make_optimizer, **hp):
@@ -195,7 +195,7 @@ def test_bind_caps_the_allocator_at_the_budget():
 def test_clipped_steps_match_torch_adamw_on_gpu():
     _, model, ref = clipped_steps("fp32_min", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.detach(), q.detach(), atol=1e-4), name
+        assert torch.allclose(p.detach().cpu(), q.detach().cpu(), atol=1e-4), name
 
 
 @needs_gpu
@@ -204,7 +204,7 @@ def test_gpu_stepped_streamed_stages_match_torch_adamw():
     next prefetch: the same weights as eager AdamW after clipped steps."""
     _, model, ref = clipped_steps("fp32_gpu_step", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.detach(), q.detach(), atol=1e-4), name
+        assert torch.allclose(p.detach().cpu(), q.detach().cpu(), atol=1e-4), name
 
 
 @needs_gpu
@@ -246,7 +246,7 @@ def test_eight_bit_steps_equal_bitsandbytes_on_gpu(case):
     # (test_optim8bit.py). Here the whole update must agree within 2 %, as bitsandbytes' own tests
     # allow between its 8-bit and 32-bit optimizers.
     for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), start.parameters()):
-        ours, theirs = p.detach() - p0, q.detach() - p0
+        ours, theirs = p.detach().cpu() - p0, q.detach().cpu() - p0
         assert (ours - theirs).norm() <= 0.02 * theirs.norm() + 1e-7, name
 
 
