@@ -151,6 +151,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     names = [s.name for s in stages]
     closed = limits(stages)
     decision_lines = []
+    from_master = [d.stream and d.gpu_step and weights_from_master(stages, s) for s, d in enumerate(plan.decisions)]
     for s, d, lim in zip(stages, plan.decisions, closed):
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
@@ -159,7 +160,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
             + (", fetched 2 windows ahead" if d.lookahead == 2 else "") + (", in its backward" if d.backward_step else "")
             + (", states on disk" if d.disk else "")
-            + (", weights fetched from its fp32 master" if weights_from_master(stages, s.index, d.stream and d.gpu_step) else "")
+            + (", weights fetched from its fp32 master" if from_master[s.index] else "")
             + (f"; forward and backward in {chunk_text(s)}" if s.chunks > 1 else ""))
         decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
@@ -173,7 +174,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
         f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "")
         + (", backward_step=True" if d.backward_step else "") + (", disk=True" if d.disk else "")
-        + (", from_master=True" if weights_from_master(stages, s.index, d.stream and d.gpu_step) else "")
+        + (", from_master=True" if from_master[s.index] else "")
         + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"

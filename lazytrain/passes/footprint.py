@@ -130,12 +130,12 @@ def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master
 # parameter that takes the copy's 2 bytes off the host and 2 off D2H, and puts 2 on each plain
 # prefetch's H2D; the slot grows by the largest tensor in fp32. For the 32B with fp32 masters it
 # is 2 of the 10 bytes a parameter such a stage holds on the host (bench/README.md, Disk tier).
-def weights_from_master(stages: Stages, s: int, gpu_step) -> bool:
-    """Whether stage `s`, GPU-stepped (`gpu_step`), prefetches from its fp32 master."""
+def weights_from_master(stages: Stages, s: int) -> bool:
+    """Whether stage `s`, when streamed and GPU-stepped, prefetches from its fp32 master."""
     g = stages[s]
     mixed = stages.master_bytes == MASTER_BYTES and g.param_bytes != MASTER_BYTES * g.param_numel
     sharded = stages.sharded and stages.world_size > 1  # (shards.sharding, which imports this module)
-    return bool(gpu_step) and mixed and g.param_numel > 0 and not sharded
+    return mixed and g.param_numel > 0 and not sharded
 
 
 def master_staging_bytes(g) -> int:

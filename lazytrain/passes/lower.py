@@ -155,7 +155,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     M = stages.master_bytes
     n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
-    from_master = [weights_from_master(stages, s, d.stream and d.gpu_step) for s, d in enumerate(dec)]  # NOTE: [Weights from the master]
+    from_master = [d.stream and d.gpu_step and weights_from_master(stages, s) for s, d in enumerate(dec)]  # NOTE: [Weights from the master]
     shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
     b.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
     nshared = len(stages.shared_params)
@@ -228,6 +228,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         g = stages[s]
         return stages.master_bytes * g.param_numel if from_master[s] else g.param_bytes
 
+    def states_out(s: int) -> int:
+        """What a GPU step of stage `s` sends back beside its `w:S` OFFLOAD: master and states (a
+        rank's share), or the states alone where that OFFLOAD sent the master."""
+        g = stages[s]
+        return share(step_out_bytes(s) - g.param_bytes, s) - (weights_bytes(s) if from_master[s] else 0)
+
     def share(nbytes: int, s: int) -> int:
         """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
         return piece(nbytes, stages[s].param_numel, len(stages[s].params), n)
@@ -262,9 +268,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if dec[s].at_prefetch:
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],), moved=weights_bytes(s))
-            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],),
-                   moved=share(gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes)
-                               - g.param_bytes, s) - (weights_bytes(s) if from_master[s] else 0))
+            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],), moved=states_out(s))
         elif dec[s].stream and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
 
@@ -349,8 +353,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             k = s + 1
             stepped[k] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"opt:{k}", f"w:{k}", f"g:{k}"), device="gpu")
             b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],), moved=weights_bytes(k))
-            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],),
-                   moved=step_out_bytes(k) - stages[k].param_bytes - (weights_bytes(k) if from_master[k] else 0))
+            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],), moved=states_out(k))
         elif s + 1 < S and dec[s + 1].stream:
             b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
         if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:

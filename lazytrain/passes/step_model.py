@@ -117,6 +117,7 @@ class StepModel:
         # per stage, with the disk tier: (window released, window due by, host worker seconds, of
         # them a disk-stepped job's)
         self.host_jobs: list[tuple[int, int, object, object]] = []
+        from_master = [weights_from_master(stages, s) for s in range(S)]  # if GPU-stepped (gst, dst)
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
             P = len(g.params)
@@ -150,9 +151,8 @@ class StepModel:
                 mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
             # NOTE: [Weights from the master] in footprint.py: a GPU-stepped stage's slot stages its
             # master, plain prefetches bring the master, and the host keeps no compute-dtype copy
-            fm = weights_from_master(stages, s, True)
-            copy, staging = (g.param_bytes, master_staging_bytes(g)) if fm else (0, 0)
-            extra = M * g.param_numel - g.param_bytes if fm else 0
+            copy, staging = (g.param_bytes, master_staging_bytes(g)) if from_master[s] else (0, 0)
+            extra = M * g.param_numel - g.param_bytes if from_master[s] else 0
             for t in L.weight_windows(s):
                 mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s])
             for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
@@ -287,7 +287,7 @@ class StepModel:
             placed = hw.device == "cuda"
             self.host = sum(M * g.param_numel * (sig[s] if placed else 1) for s, g in enumerate(stages)) + sum(
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-                - (gst[s] + dst[s]) * (M * g.param_numel + (g.param_bytes if weights_from_master(stages, s, True) else 0))
+                - (gst[s] + dst[s]) * (M * g.param_numel + (g.param_bytes if from_master[s] else 0))
                 - bst[s] * g.param_bytes + off[s] * g.out_bytes
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
@@ -415,7 +415,8 @@ class StepModel:
 # counted), so its seconds (`disk_gpu_job_s`, mostly the disk's) enter the host backlog; the step
 # itself runs beside compute, which loses `gpu_step_lost` of it. The job's own PCIe copies (a 32B
 # layer's 3 GB in and 2 GB out take 0.1 s against its disk's 1 s) are not in the windows' link
-# rows. The host keeps the master, the compute copy and the gradient buffer; the disk the states.
+# rows. The host keeps the master, the compute copy (none with fp32 masters: NOTE: [Weights from the
+# master] in footprint.py) and the gradient buffer; the disk the states.
 # Measured on the 1-GPU H200 box's disk (a virtio block device, bench/disk_engines.py, 2026-12-01:
 # 4.3 GB a pass of 256 MiB regions, direct, page-locked), 16 threads of 8 MiB chunks wrote 2.94 GB/s
 # and read 1.96, and the two at once moved 2.30 GB/s together: each byte of state read and written

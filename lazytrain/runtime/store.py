@@ -6,12 +6,15 @@ bf16`; on the host, or on the GPU for a resident stage: NOTE: [Resident masters 
 passes/step_model.py), a *work* tensor the
 stage functions compute with (in the schedule's dtype, on the compute device), and a *home*: the
 tensor its optimizer updates (in the master's dtype).
-  - resident stage: work is a persistent device tensor; home is the master when work *is* the
-    master (CPU, same dtype), else a copy in the master's dtype beside work on the device (the GPU optimizer step).
+  - resident stage: work is a persistent device tensor; home is the master itself, on the device
+    (where the master stays on the host, sharded state, a copy in the master's dtype beside work);
+    work *is* the master when it is in the compute dtype, else a compute-dtype copy of it.
   - streamed stage: work is a persistent leaf whose storage is a view into a weight *slot* while the
     stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in replay.py); home is the
-    master on the host, stepped by the CPU optimizer; `source` is what PREFETCH copies from (the
-    master, or a pinned copy in the compute dtype that each CPU step refreshes).
+    master on the host, stepped by the CPU optimizer or a GPU step's device twins; `source` is what
+    PREFETCH copies from: the master (fp32 with 16-bit compute: cast on the device, NOTE: [Weights
+    from the master] in passes/footprint.py), or a pinned copy in the compute dtype that each step
+    refreshes.
 NOTE: [Slots]
 Weight slots (`w:S`) and optimizer slots (`opt:S`) come from PyTorch's caching allocator, from the
 compute stream's pool, at their PREFETCH and go back at their FREE: slots and activations share one
