@@ -161,6 +161,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
             + (", fetched 2 windows ahead" if d.lookahead == 2 else "") + (", in its backward" if d.backward_step else "")
             + (", states on disk" if d.disk else "")
             + (", weights fetched from its fp32 master" if from_master[s.index] else "")
+            + (", weights cast from its master on use" if d.cast_weights else "")
+            + (", gradients freed at its step" if d.free_grads else "")
             + (f"; forward and backward in {chunk_text(s)}" if s.chunks > 1 else ""))
         decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
@@ -175,6 +177,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "")
         + (", backward_step=True" if d.backward_step else "") + (", disk=True" if d.disk else "")
         + (", from_master=True" if from_master[s.index] else "")
+        + (", grads_freed=True" if s.index in schedule.grads_freed else "")
+        + (", cast_weights=True" if d.cast_weights else "")
         + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"

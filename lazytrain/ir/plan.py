@@ -34,6 +34,13 @@ class StageDecision:
     # copy of it), with master and states fetched beside the backward prefetch and written back
     # after (NOTE: [Backward steps] in passes/step_model.py); needs clipping off or previous-norm
     backward_step: bool = False
+    # Resident only: its gradients go after B(s-2), its step beside backward done by then (NOTE:
+    # [Resident gradients freed at their step] in passes/footprint.py); else they stay to the next step
+    free_grads: bool = False
+    # Resident only, fp32 masters of 16-bit weights: no compute copy between uses; the weights are cast
+    # from the master before its forward and its backward (NOTE: [Resident weights cast on use] in
+    # passes/footprint.py)
+    cast_weights: bool = False
 
     @property
     def at_prefetch(self) -> bool:

@@ -41,6 +41,48 @@ def resident_grad_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES
     return master * numel if param_bytes != master * numel else param_bytes
 
 
+# NOTE: [Resident gradients freed at their step]
+# Where a resident stage's step runs beside backward (clipping off or by the previous norm: NOTE:
+# [Device steps beside compute] in hardware/__init__.py), its gradients need not wait for the next
+# step (`free_grads`, a decision): its step must then be done by the end of B(s-2), and the
+# gradients go there (`lower` frees them after that backward; the runtime drops them, their memory
+# reused once the optimizer stream is done with them). A resident parameter then holds its gradient
+# for three windows instead of from its backward to the tail: of the 12 bytes a parameter of fp32
+# masters and 8-bit states holds, 4 are gone for most of backward and all of the tail. (On the 32B
+# shape with fp32 masters at 32 x 1024, the smallest feasible budget fell from 206.5 to 162.1 GiB.)
+# A decision, not a rule: where steps are slow against the windows (the deadline binds), keeping
+# the gradients is the only plan. Not the first two stages, whose B(s-2) does not exist; not with
+# exact clipping, whose steps wait for the global norm; not with sharded state, whose shards stay.
+def can_free_grads(stages: Stages, hw: Hardware, s: int, n: int) -> bool:
+    """Whether resident stage `s` may free its gradients after B(s-2) (NOTE: [Resident gradients
+    freed at their step]); `n`: the ranks sharing state."""
+    return n == 1 and s >= 2 and stages.clipping != "exact" and hw.gpu_step_pace > 0
+
+
+# NOTE: [Resident weights cast on use]
+# A resident stage with fp32 masters and 16-bit compute holds its weights twice: the master (the
+# parameter's home, NOTE: [Parameter homes] in runtime/store.py) and the compute copy its step
+# refreshes. With `cast` (a decision) it keeps no copy between uses: a weight slot is filled from the
+# master by a cast on the compute stream before its forward and again before its backward, and
+# freed after each, as a streamed stage's slot is after its prefetch. It costs two casts a step
+# (`cast_s`: reading the master, writing the copy; a 32B block's 0.49 G parameters take about 1 ms
+# at the H200's 2.8 TB/s, against its 0.05 s forward at 32 x 1024 tokens) and saves the copy in every
+# other window: 2 of the 8 bytes a resident parameter of fp32 masters and 8-bit states holds. It must
+# recompute (internals autograd saved would keep the slot alive: as for a streamed stage) and cannot
+# drop its outputs (their recompute at a later backward would find no weights). Not a chunked stage,
+# whose forward runs inside its backward, nor with sharded state, whose weights are gathered.
+def can_cast(stages: Stages, s: int, n: int) -> bool:
+    """Whether resident stage `s` may cast its weights from the master on use (NOTE: [Resident
+    weights cast on use]); `n`: the ranks sharing state."""
+    g = stages[s]
+    return n == 1 and g.chunks == 1 and 0 < g.param_bytes != stages.master_bytes * g.param_numel
+
+
+def cast_s(g, hw: Hardware, master: int = MASTER_BYTES) -> float:
+    """One cast of stage `g`'s weights from its master: reading the master, writing the copy."""
+    return (master * g.param_numel + g.param_bytes) / hw.mem_bandwidth
+
+
 def resident_step_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES, largest_numel: int = 0) -> int:
     """What a resident parameter set's GPU step holds beyond its gradients while it runs (NOTE:
     [Resident steps]): in mixed precision the compute-dtype gradients beside the master-dtype ones

@@ -29,6 +29,7 @@ from lazytrain.passes.shards import (
 )
 from lazytrain.passes.footprint import (
     backward_workspace,
+    cast_s,
     chunk_workspace,
     cpu_step_s,
     disk_gpu_job_s,
@@ -59,6 +60,7 @@ class Schedule:
     buffers: tuple[Buffer, ...]
     budget: int
     reserve: int = 0  # left free inside the budget for the allocator (NOTE: [Allocator reserve] in hardware/__init__.py)
+    grads_freed: frozenset[int] = frozenset()  # resident stages whose gradients go after B(s-2) (NOTE: [Resident gradients freed at their step])
 
 
 class _Builder:
@@ -123,6 +125,8 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
                     return g.bwd_s + g.fwd_s
                 return g.bwd_s + (g.remat_s if plan.decisions[stage].recompute else 0.0)
             return 0.0 if chunked else g.fwd_s
+        if kind is Kind.PREFETCH and plan.decisions[stage].cast_weights:  # NOTE: [Resident weights cast on use]
+            return cast_s(g, hw, stages.master_bytes)
         if kind in (Kind.PREFETCH, Kind.RELOAD):
             return moved / hw.h2d_bandwidth
         if kind is Kind.OFFLOAD:
@@ -165,6 +169,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
     # [Resident steps] in footprint.py); the runtime's FREE of one is a no-op
     rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.stream}
+    freed = {s for s in rgrads if s >= 0 and dec[s].free_grads}  # NOTE: [Resident gradients freed at their step]
     if stages.shared_params:
         rgrads[-1] = "rgrad:shared"
         # sharded: the full gradients go at their reduce-scatter, the shard stays
@@ -180,8 +185,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 b.buffer(rgrads[s], "gpu", g.param_bytes)
                 b.buffer(f"sg:{s}", "gpu", shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n))
             else:
-                b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M), persistent=True)
+                cast = g.param_bytes if dec[s].cast_weights else 0  # NOTE: [Resident weights cast on use] in footprint.py
+                b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - cast,
+                         persistent=True)
                 b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
+                if cast:
+                    b.buffer(f"w:{s}", "gpu", cast)
         else:
             # NOTE: [Weights from the master] in footprint.py: the slot stages the master's largest tensor
             b.buffer(f"w:{s}", "gpu", g.param_bytes + (master_staging_bytes(g) if from_master[s] else 0))
@@ -211,7 +220,12 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         autograd graph holds them (a saving stage)."""
         saving = not dec[p].recompute and stages[p].chunks == 1
         return p if saving else stages[p].consumers[0]
-    weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",)  # noqa: E731
+    weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",) + ((f"w:{s}",) if dec[s].cast_weights else ())  # noqa: E731
+
+    def cast(s: int):
+        """NOTE: [Resident weights cast on use] in footprint.py: the weights from the master, before a use."""
+        if dec[s].cast_weights:
+            b.emit(Stream.COMPUTE, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=0)
     acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
 
     # A GPU-stepped streamed stage applies last step's update at its forward prefetch
@@ -324,9 +338,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         save = not dec[s].recompute and g.chunks == 1
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
         # a saving forward holds its operators' own workspace beside what it saves (NOTE: [Operator workspace])
+        cast(s)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
                allocs=allocs, workspace=saving_workspace(g) if save else forward_workspace(g))
-        if dec[s].stream and s < S - 1:
+        if dec[s].stream and s < S - 1 or dec[s].cast_weights:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if dec[s].at_prefetch:  # after this forward: compute waits here for the write-back, if late
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
@@ -369,6 +384,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].grad_outputs and stages.grad_maker(p) == s) + \
             ((f"g:{s}",) if dec[s].stream else (rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in rgrads else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
+        cast(s)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
                workspace=chunk_workspace(stages, s) + backward_workspace(g) if g.chunks > 1
                else backward_workspace(g) + (0 if save else recompute_workspace(g)))
@@ -381,7 +397,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"act:{s}",))
         if g.grad_outputs:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
-        if dec[s].stream and not dec[s].backward_step:  # a backward-stepped slot goes after its write-back
+        if dec[s].stream and not dec[s].backward_step or dec[s].cast_weights:  # a backward-stepped slot goes after its write-back
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if s + 1 < S and n > 1:
             reduced(s + 1)
@@ -393,6 +409,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if not dec[s].stream and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
+        if s + 2 < S and s + 2 in freed:  # NOTE: [Resident gradients freed at their step] in footprint.py
+            b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(rgrads[s + 2],))
         if s + 2 < S and dec[s + 2].backward_step:  # stepped and written back beside two backwards
             for buf in (f"g:{s + 2}", f"w:{s + 2}", f"opt:{s + 2}"):
                 b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(buf,))
@@ -406,10 +424,11 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     if stages.shared_params:
         b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared", "rgrad:shared"), device="gpu",
                workspace=shared_step_bytes(stages))
-    if rgrads:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
-        b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=tuple(rgrads.values()),
+    kept = {k: name for k, name in rgrads.items() if k not in freed}
+    if kept:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
+        b.emit(Stream.COMPUTE, Kind.FREE, min(kept), frees=tuple(kept.values()),
                workspace=deferred_step_bytes(stages, [not d.stream for d in dec]))
-    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
+    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes, frozenset(freed))
 
 
 def _sharded_tail(b: _Builder, stages: Stages, plan: Plan, hw: Hardware, reduce, reduced, gather, rgrads, n: int) -> Schedule:

@@ -86,6 +86,8 @@ from lazytrain.passes.footprint import (
     disk_available,
     disk_gpu_state_bytes,
     disk_io_s,
+    can_cast,
+    can_free_grads,
     disk_step_slot_bytes,
     disk_state_bytes,
     fixed_bytes,
@@ -101,10 +103,10 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "free", "cast")
 
 
-def _vars(m: mip.Model, stages: Stages):
+def _vars(m: mip.Model, stages: Stages, hw: Hardware):
     S = len(stages)
     v = {k: [m.add_var(f"{k}{s}", var_type=mip.BINARY) for s in range(S)] for k in KEYS}
     closed = limits(stages)  # the decisions a stage can never take (pass `limits`)
@@ -121,6 +123,16 @@ def _vars(m: mip.Model, stages: Stages):
         m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
         if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
             v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
+        # NOTE: [Resident gradients freed at their step] in footprint.py
+        m += v["free"][s] <= 1 - sig
+        if not can_free_grads(stages, hw, s, sharding(stages)):
+            v["free"][s].ub = 0.0
+        # NOTE: [Resident weights cast on use] in footprint.py: resident, recomputed, outputs not dropped
+        m += v["cast"][s] <= 1 - sig
+        m += v["cast"][s] <= rec
+        m += v["cast"][s] <= 1 - drop
+        if not can_cast(stages, s, sharding(stages)):
+            v["cast"][s].ub = 0.0
         if s < 2:
             m += v["ahead"][s] == 0
         if closed[s].stream:
@@ -185,7 +197,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0
     m.threads = 1
-    v = _vars(m, stages)
+    v = _vars(m, stages, hw)
     # NOTE: [Disk steps not searched], NOTE: [Backward steps not searched]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
     unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", SEARCH_BACKWARD_STEPS)) if not searched]
@@ -236,7 +248,7 @@ def _decisions(v, S, val) -> list[StageDecision]:
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
         out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
-                                 on["disk"] or on["dstep"], on["bstep"]))
+                                 on["disk"] or on["dstep"], on["bstep"], on["free"], on["cast"]))
     return out
 
 
@@ -273,7 +285,8 @@ def _start(v, decisions: list[StageDecision]) -> dict:
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
         ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step))}
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step),
+        ("free", d.free_grads), ("cast", d.cast_weights))}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
@@ -317,8 +330,9 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.at_prefetch), default=0)  # NOTE: [Flushed updates]
     slot = disk_step_slot_bytes(stages, decisions)  # NOTE: [Disk-stepped stages] in step_model.py
     return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + slot + sum(
-        resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) + resident_grad_bytes(g.param_bytes, g.param_numel, M)
-        for g, r in zip(stages, resident) if r)
+        resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - (g.param_bytes if d.cast_weights else 0)
+        + (0 if d.free_grads else resident_grad_bytes(g.param_bytes, g.param_numel, M))
+        for g, r, d in zip(stages, resident, decisions) if r)
 
 
 def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:

@@ -15,6 +15,7 @@ from lazytrain.passes.footprint import (
     MASTER_BYTES,
     Layout,
     backward_workspace,
+    cast_s,
     chunk_workspace,
     cpu_step_s,
     deferred_step_bytes,
@@ -104,6 +105,7 @@ class StepModel:
         # on the optimizer stream beside backward (NOTE: [Device steps beside compute])
         on_stream = n == 1 and not exact and hw.gpu_step_pace > 0
         stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
+        step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
         self.optimizer = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
                                     len(stages.shared_params), hw, M)
         if on_stream:
@@ -141,11 +143,23 @@ class StepModel:
             if n > 1:
                 self._sharded(s, g, mem, comm, h2d, d2h, sig, gst)
             else:
+                # NOTE: [Resident weights cast on use] in footprint.py: no compute copy between uses
+                cast = vars_["cast"][s]
+                res = res * (1 - sig[s]) - g.param_bytes * cast
+                for t in (L.fw(s), L.bw(s)):
+                    mem[t] = mem[t] + g.param_bytes * cast
+                self.recompute = self.recompute + cast_s(g, hw, M) * cast * 2
+                cap[L.fw(s)] += cast_s(g, hw, M) * cast
+                cap[L.bw(s)] += cast_s(g, hw, M) * cast
                 for t in range(T):
-                    mem[t] = mem[t] + res * (1 - sig[s])
+                    mem[t] = mem[t] + res
+                # NOTE: [Resident gradients freed at their step] in footprint.py: until B(s-2), or the tail
+                freed = vars_["free"][s]
                 for t in range(L.bw(s), T):
-                    mem[t] = mem[t] + rgrad * (1 - sig[s])
-                tail = tail + (res + rgrad) * (1 - sig[s])
+                    mem[t] = mem[t] + rgrad * (1 - sig[s] - (freed if t > L.bw(s - 2) else 0))
+                if s >= 2:
+                    step_due[L.bw(s - 2)] += freed * step_s
+                tail = tail + res + rgrad * (1 - sig[s] - freed)
                 # its step follows its backward in B(s), once the backward's workspace is gone
                 bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
                 mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
@@ -256,7 +270,7 @@ class StepModel:
         self.beside = [0.0] * (T + 2)  # seconds a window runs longer for the steps beside or after it
         if on_stream:
             windows = [L.bw(w) for w in range(S - 2, -1, -1)] + [TAIL]
-            for w, done in backlog(m, stepped, windows, self.unit_s).items():
+            for w, done in backlog(m, stepped, windows, self.unit_s, step_due).items():
                 if w == TAIL:
                     self.beside[w] = done
                 else:

@@ -72,9 +72,11 @@ class Replay:
         self.sharding = self.sharded and optimize  # NOTE: [Sharded state] in sharding.py
         deferred, gathers = [], {}
         coef = self._early_coefficient() if optimize and not self.serial_optimizer else None  # None: steps wait
-        if optimize and self.stepper.backward:  # NOTE: [Backward steps]: they cannot wait for this step's norm
+        # NOTE: [Backward steps], [Resident gradients freed at their step]: they cannot wait for this step's norm
+        if optimize and (self.stepper.backward or self.grads_freed):
             coef = 1.0 if coef is None else coef  # previous-norm's first step: none to clip by yet
             self._record_backward_steps(coef)
+        self.issued: set[int] = set()  # stages whose device step was issued in this step
         self.streams.begin(self.record_timeline)
         for event in self.events:
             if event.kind is Kind.OPT_STEP and event.stage in self.stepper.backward:  # NOTE: [Backward steps]
@@ -323,10 +325,26 @@ class Replay:
             self.pending_gather.add(s)
 
     def _prefetch(self, e: Event):
+        if self.stages[e.stage].params and self.stages[e.stage].params[0] in self.store.cast:
+            self._cast_weights(e.stage)
+            return
         job = self.cpu_jobs.pop(e.stage, None)
         if job is not None:  # the previous step's host optimizer must finish updating the source
             job.result()
         self._fetch_stage(e.stage, update=e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending)
+
+    def _cast_weights(self, stage: int):
+        """NOTE: [Resident weights cast on use] in passes/footprint.py: on the compute stream, once
+        the stage's last step on the optimizer stream is done, its masters cast into a weight slot
+        from the compute stream's pool."""
+        self.streams.wait_aside(stage)
+        slot = self.store.take_slot(f"w:{stage}", lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
+        del slot
+        with torch.no_grad():
+            for p in self.stages[stage].params:
+                view = self.store.slot_view(stage, p)
+                view.copy_(self.store.home[p])
+                self.store.work[p].data = view
 
     def _fetch_stage(self, stage: int, update: bool):
         """A weight slot for `stage`; the weights copied in, or with a pending GPU step its master,
@@ -383,7 +401,10 @@ class Replay:
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
-        if kind in ("host", "rgrad"):  # host buffers are kept for the next step; resident gradients until it starts
+        if kind == "rgrad":  # resident gradients: kept until the next step starts, unless the plan frees them
+            self._free_resident_grads(e.frees)
+            return
+        if kind == "host":  # host buffers are kept for the next step
             return
         if kind == "sg":  # a streamed stage's gradient shard, offloaded; resident ones stay until the next step
             if idx.isdigit():
@@ -405,6 +426,15 @@ class Replay:
         elif kind == "grad":
             for name in stage.outputs:
                 self.grads.pop(name, None)
+
+    def _free_resident_grads(self, names) -> None:
+        """NOTE: [Resident gradients freed at their step] in passes/footprint.py: the gradients of a
+        stage whose step has been issued go now; the optimizer stream that reads them recorded its
+        use, so their memory is reused only once the step is done."""
+        for name in names:
+            idx = name.partition(":")[2]
+            if idx.isdigit() and int(idx) in self.grads_freed and int(idx) in self.issued:
+                self._clear_grads([int(idx)])
 
     def _take_slot(self, name: str) -> torch.Tensor:
         return self.store.take_slot(name, lambda n: self.streams.slot(n, self.device))

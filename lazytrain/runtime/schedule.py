@@ -42,8 +42,11 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
 # buffer; NOTE: [Disk-stepped stages] there); 10: `Stage.backward_step`, GPU steps right after the stage's
 # backward (NOTE: [Backward steps] there); 11: `Stage.from_master`, prefetches cast from the fp32 master
-# (NOTE: [Weights from the master] in passes/footprint.py)
-FORMAT_VERSION = 11
+# (NOTE: [Weights from the master] in passes/footprint.py); 12: `Stage.grads_freed`, a resident stage's
+# gradients dropped after B(s-2) (NOTE: [Resident gradients freed at their step] there), and
+# `Stage.cast_weights`, a resident stage's weights cast from its master before each use (NOTE:
+# [Resident weights cast on use] there)
+FORMAT_VERSION = 12
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -86,6 +89,8 @@ class Stage:
     disk: bool = False  # its optimizer states live in the offload file between steps (runtime/disk_states.py)
     backward_step: bool = False  # GPU-stepped right after its backward, on the gradient there (runtime/gpu_step.py)
     from_master: bool = False  # prefetched from its fp32 master, no compute-dtype host copy (runtime/store.py)
+    grads_freed: bool = False  # resident: its gradients dropped after B(s-2), its step issued by then (runtime/replay.py)
+    cast_weights: bool = False  # resident: no compute copy; cast from the master into a slot before each use (runtime/store.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

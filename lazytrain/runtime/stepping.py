@@ -229,5 +229,6 @@ class Stepping:
                     for g in grads:
                         g.record_stream(torch.cuda.current_stream())
             self.streams.run_aside(e, device_step, after_compute=True)
+            self.issued.add(s)
             if self.sharded:  # its GATHER event follows
                 self.pending_gather.add(s)

@@ -77,6 +77,8 @@ class ParamStore:
         streamed = streamed_params(module)
         # NOTE: [Weights from the master] in passes/footprint.py: prefetched through the slot's staging region
         self.from_master = {p for s in module.STAGES if getattr(s, "from_master", False) for p in s.params}
+        # NOTE: [Resident weights cast on use] in passes/footprint.py: no compute copy between uses
+        self.cast = {p for s in module.STAGES if getattr(s, "cast_weights", False) for p in s.params}
         for p, master in self.master.items():
             if p in streamed:
                 self.work[p] = torch.nn.Parameter(torch.empty(0, device=device, dtype=self.dtype[p]))
@@ -85,6 +87,10 @@ class ParamStore:
                 self.source[p] = master.detach() if same else self._host_copy(master, self.dtype[p])
             elif master.device == device and master.dtype == self.dtype[p]:
                 self.work[p] = self.home[p] = master
+            elif p in self.cast:  # the master is its home; the weights come into a slot before each use
+                self.work[p] = torch.nn.Parameter(torch.empty(0, device=device, dtype=self.dtype[p]))
+                self.home[p] = master if master.device == device else torch.nn.Parameter(
+                    master.detach().to(device, copy=True))
             else:
                 self.work[p] = torch.nn.Parameter(master.detach().to(device, self.dtype[p], copy=True))
                 if master.device == device:
@@ -129,7 +135,7 @@ class ParamStore:
         self.staging_at: dict[int, int] = {}  # a stage's staging region's offset in its weight slot
         self.slot_sizes: dict[str, int] = {}
         for s in module.STAGES:
-            if s.stream:
+            if s.stream or getattr(s, "cast_weights", False):
                 offset, layout = 0, {}
                 for p in s.params:
                     layout[p] = offset
@@ -193,5 +199,5 @@ class ParamStore:
             for p in names:
                 if p in self.separate:
                     self.mine(p, self.work[p].detach()).copy_(self.home[p])
-                elif p not in self.layout_of and self.work[p] is not self.home[p]:
+                elif p not in self.layout_of and self.work[p] is not self.home[p] and p not in self.cast:
                     self.work[p].copy_(self.home[p])

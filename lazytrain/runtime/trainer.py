@@ -115,9 +115,13 @@ class Trainer(Replay, Stepping, ShardedState):
                 f"max_grad_norm={max_grad_norm} asks for gradient clipping, but this schedule was compiled with "
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
-        if serial_optimizer and any(getattr(s, "backward_step", False) for s in self.stages):
+        # NOTE: [Resident gradients freed at their step] in passes/footprint.py
+        self.grads_freed = frozenset(s.index for s in self.stages if getattr(s, "grads_freed", False))
+        self.issued: set[int] = set()  # stages whose device step was issued in the running step
+        if serial_optimizer and (self.grads_freed or any(getattr(s, "backward_step", False) for s in self.stages)):
             raise ScheduleMismatch("serial_optimizer runs every optimizer step after backward, but this schedule steps "
-                                   "some blocks inside it (NOTE: [Backward steps]); bind without serial_optimizer")
+                                   "some blocks inside it (NOTE: [Backward steps], [Resident gradients freed at their "
+                                   "step]); bind without serial_optimizer")
         self.previous_norm_sq: torch.Tensor | None = None  # "previous-norm": the last step's squared global norm
         self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         chosen = getattr(module, "OPTIMIZER_STATES", "32bit")
