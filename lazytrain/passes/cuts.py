@@ -41,7 +41,7 @@ def modes(v) -> dict:
 
 def _live(x: mip.LinExpr) -> mip.LinExpr:
     """`x` without its terms in variables bounded to 0 (decisions a stage cannot take, or the search
-    leaves out: NOTE: [Backward steps not searched] in solve.py), which are 0 in every plan."""
+    leaves out: NOTE: [Disk steps not searched] in solve.py), which are 0 in every plan."""
     return mip.LinExpr(expr={var: a for var, a in x.expr.items() if not (var.lb == 0 and var.ub == 0)}, const=x.const)
 
 

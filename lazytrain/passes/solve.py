@@ -192,15 +192,19 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
     return exposed
 
 
-def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision] | None = None, cuts: bool = True):
-    """The MIP; `cuts`: with the valid rows of passes/cuts.py, which change no plan's value."""
+def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision] | None = None, cuts: bool = True,
+           backward_steps: bool | None = None):
+    """The MIP; `cuts`: with the valid rows of passes/cuts.py, which change no plan's value;
+    `backward_steps`: whether the search may step blocks in backward (NOTE: [Backward steps where
+    nothing else fits])."""
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0
     m.threads = 1
     v = _vars(m, stages, hw)
-    # NOTE: [Disk steps not searched], NOTE: [Backward steps not searched]: bounds at 0, as for the
+    # NOTE: [Disk steps not searched], NOTE: [Backward steps where nothing else fits]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
-    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", SEARCH_BACKWARD_STEPS)) if not searched]
+    backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
+    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps)) if not searched]
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
@@ -337,7 +341,7 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
 
 def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:
     """The least GPU memory any plan needs (a solve that minimises peak memory)."""
-    m, v, model, exposed = _build(stages, hw, None, minimise_memory=True)
+    m, v, model, exposed = _build(stages, hw, None, minimise_memory=True, backward_steps=True)
     # Min-max objectives have many near-ties; proving the last 1% can take CBC minutes. The plan
     # found is feasible either way, so the budget it names always works.
     r = milp.optimize(m, time_limit, 1e-2)
@@ -381,12 +385,15 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # A plan the runtime cannot keep is worse than a slower one, so the search keeps them out until a
 # searched plan holds on the device, host memory included.
 SEARCH_DISK_STEPS = False
-# NOTE: [Backward steps not searched]
-# Nor does it choose steps in backward (NOTE: [Backward steps] in step_model.py) yet: on the H200 box
-# (2026-12-01, bench/results/backward_steps) the 32B at max with them measured 8.97 s against 8.16
-# predicted, and the plan without them 8.72 s against 8.74, so where host memory does not bind they
-# were slower and 10 % off their plan. Where it binds (fp32 masters, the 72B shape) they are what
-# takes the gradient buffer off the host; the search waits for a plan with them that holds there.
+# NOTE: [Backward steps where nothing else fits]
+# Steps in backward (NOTE: [Backward steps] in step_model.py) are searched only where no plan without
+# them fits the budget (then also by `smallest_budget`, so a refusal names the least with them). On
+# the H200 box (2026-12-01, bench/results/backward_steps) the 32B at max (16 x 1024, bf16 masters),
+# where host memory does not bind, measured 8.97 s with them against 8.16 predicted, and the plan
+# without them 8.72 s against 8.74: slower, and 10 % off their plan, where the windows are short for
+# the state traffic they add. Where host memory binds they take the gradient buffer off the host:
+# the 32B with fp32 masters at 32 x 1024 fits the whole device only with them, and its plan (42 of
+# 64 blocks stepped in backward) measured 15.29 s against 14.47 predicted (4bbf465, bench/README.md).
 SEARCH_BACKWARD_STEPS = False
 FLOOR_WEIGHT = 1e-7  # per `unit` of bytes: under 1e-4 of a step for any plan (NOTE: [Floor variables])
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
@@ -402,6 +409,9 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
     t_build = time.perf_counter()
     r = milp.optimize(m, max(1.0, time_limit - (t_build - start)), gap,
                       _start(v, warm[1].decisions) if warm is not None else None)
+    if r.status == milp.INFEASIBLE and not SEARCH_BACKWARD_STEPS:  # NOTE: [Backward steps where nothing else fits]
+        m, v, model, exposed = _build(stages, hw, budget, minimise_memory=False, backward_steps=True)
+        r = milp.optimize(m, max(1.0, time_limit - (time.perf_counter() - start)), gap)
     took = time.perf_counter() - start
     times = ((("heuristics", t_warm - start),) if warm else ()) + (
         ("model", t_build - t_warm), ("handover", r.setup_s), ("search", r.search_s))
