@@ -57,7 +57,9 @@ def summary(schedule: ModuleType) -> str:
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
             f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}"
             + (", in its backward" if getattr(s, "backward_step", False) else "")
-            + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else ""))
+            + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else "")
+            + (", cast on use" if getattr(s, "cast_weights", False) else "")
+            + (", gradients freed at its step" if getattr(s, "grads_freed", False) else ""))
     limited = [s for s in m.STAGES if s.limits]
     if limited:  # pass `limits`: decisions a stage can never take
         lines.append("what no plan can change:")

@@ -66,7 +66,8 @@ def can_free_grads(stages: Stages, hw: Hardware, s: int, n: int) -> bool:
 # master by a cast on the compute stream before its forward and again before its backward, and
 # freed after each, as a streamed stage's slot is after its prefetch. It costs two casts a step
 # (`cast_s`: reading the master, writing the copy; a 32B block's 0.49 G parameters take about 1 ms
-# at the H200's 2.8 TB/s, against its 0.05 s forward at 32 x 1024 tokens) and saves the copy in every
+# at the H200's 2.8 TB/s, against its 0.05 s forward at 32 x 1024 tokens; the plan reports them as
+# recompute: the copy is recomputed from the master) and saves the copy in every
 # other window: 2 of the 8 bytes a resident parameter of fp32 masters and 8-bit states holds. It must
 # recompute (internals autograd saved would keep the slot alive: as for a streamed stage) and cannot
 # drop its outputs (their recompute at a later backward would find no weights). Not a chunked stage,
