@@ -171,6 +171,30 @@ def assert_adamw_weights(model: nn.Module, real: nn.Module, batch: dict, steps: 
             f"{name} differs from torch.optim.AdamW by {(got - want).abs().max().item():.3g}"
 
 
+def assert_previous_norm_steps(source_text: str, real: nn.Module, batch: dict, max_norm: float, steps: int = 3, **hp):
+    """`steps` steps of a previous-norm schedule give torch.optim.AdamW's weights with every step
+    clipped by the previous step's norm and the first, with none yet, not clipped (a schedule whose
+    steps cannot wait for this step's norm); the norms are large enough for clipping to bite."""
+    trainer, model = bind_source(source_text, real, max_grad_norm=max_norm, **hp)
+    ref = copy.deepcopy(real)
+    opt = torch.optim.AdamW(ref.parameters(), **hp)
+    previous = None
+    for _ in range(steps):
+        trainer.step(batch)
+        opt.zero_grad()
+        ref(**batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()  # the norm alone
+        coef = 1.0 if previous is None else min(1.0, max_norm / (previous + 1e-6))
+        for q in ref.parameters():
+            q.grad.mul_(coef)
+        opt.step()
+        previous = norm
+    trainer.synchronize()
+    assert previous > max_norm * 2  # the clipping bit
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), name
+
+
 def bind_source(source_text: str, real: nn.Module, **optimizer_args):
     """Load a schedule and bind it to a deepcopy of `real`: (trainer, bound model)."""
     module = load_source(source_text, unique_name())

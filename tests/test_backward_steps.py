@@ -6,11 +6,9 @@ refuses them."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +18,7 @@ from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode
 from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
-from models import assert_adamw_weights, bind_source, check_replay, decisions, examples, forced, repair, tiny_gpt_pair
+from models import assert_adamw_weights, assert_previous_norm_steps, bind_source, check_replay, decisions, examples, forced, repair, tiny_gpt_pair
 from test_forced_plans import check_forced
 
 HW = hardware.load("cpu")
@@ -78,24 +76,7 @@ def test_previous_norm_clipping(gpt):
     first, with none yet, not clipped."""
     graph, stages, batch, real = gpt
     text = forced(graph, dataclasses.replace(stages, clipping="previous-norm"), batch, decisions(SPEC), HW).source_text
-    trainer, model = bind_source(text, real, max_grad_norm=0.05, **HP)
-    ref = copy.deepcopy(real)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
-    previous = None
-    for _ in range(3):
-        trainer.step(batch)
-        opt.zero_grad()
-        ref(**batch).backward()
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()  # the norm alone
-        coef = 1.0 if previous is None else min(1.0, 0.05 / (previous + 1e-6))
-        for q in ref.parameters():
-            q.grad.mul_(coef)
-        opt.step()
-        previous = norm
-    trainer.synchronize()
-    assert previous > 0.05 * 2  # the clipping bit
-    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), name
+    assert_previous_norm_steps(text, real, batch, 0.05, **HP)
 
 
 def test_exact_clipping_refuses_backward_steps(gpt):

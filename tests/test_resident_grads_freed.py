@@ -6,11 +6,9 @@ its losses and weights stay eager's and torch.optim.AdamW's. Exact clipping keep
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
-import torch
 
 from lazytrain import hardware
 from lazytrain.errors import PlanError, ScheduleMismatch
@@ -18,7 +16,7 @@ from lazytrain.ir.events import Kind, Phase
 from lazytrain.passes.footprint import resident_grad_bytes
 from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
-from models import assert_adamw_weights, bind_source, check_replay, decisions, forced, tiny_gpt_pair
+from models import assert_adamw_weights, assert_previous_norm_steps, bind_source, check_replay, decisions, forced, tiny_gpt_pair
 
 # steps beside backward need a measured pace (the cpu profile has none: every step after backward),
 # and steps that fit the tiny model's windows
@@ -129,24 +127,7 @@ def test_previous_norm_clipping_leaves_the_first_step_unclipped(gpt):
     resident steps cannot wait for this step's norm once their gradients are gone."""
     graph, stages, batch, real = gpt
     text = forced(graph, dataclasses.replace(stages, clipping="previous-norm"), batch, freeing(), HW).source_text
-    trainer, model = bind_source(text, real, max_grad_norm=0.05, **HP)
-    ref = copy.deepcopy(real)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
-    previous = None
-    for _ in range(3):
-        trainer.step(batch)
-        opt.zero_grad()
-        ref(**batch).backward()
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
-        coef = 1.0 if previous is None else min(1.0, 0.05 / (previous + 1e-6))
-        for q in ref.parameters():
-            q.grad.mul_(coef)
-        opt.step()
-        previous = norm
-    trainer.synchronize()
-    assert previous > 0.05 * 2  # the clipping bit
-    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), name
+    assert_previous_norm_steps(text, real, batch, 0.05, **HP)
 
 
 def test_serial_optimizer_refuses_such_a_schedule(gpt):

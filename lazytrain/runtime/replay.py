@@ -325,7 +325,7 @@ class Replay:
             self.pending_gather.add(s)
 
     def _prefetch(self, e: Event):
-        if self.stages[e.stage].params and self.stages[e.stage].params[0] in self.store.cast:
+        if getattr(self.stages[e.stage], "cast_weights", False):
             self._cast_weights(e.stage)
             return
         job = self.cpu_jobs.pop(e.stage, None)
@@ -338,8 +338,7 @@ class Replay:
         the stage's last step on the optimizer stream is done, its masters cast into a weight slot
         from the compute stream's pool."""
         self.streams.wait_aside(stage)
-        slot = self.store.take_slot(f"w:{stage}", lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
-        del slot
+        self.store.take_slot(f"w:{stage}", lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
         with torch.no_grad():
             for p in self.stages[stage].params:
                 view = self.store.slot_view(stage, p)
