@@ -271,10 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except LazytrainError as exc:
-        from lazytrain.train.distributed import PeerFailed
+        from lazytrain.train import distributed
 
-        if not isinstance(exc, PeerFailed):  # rank 0 says what another rank's failure was
-            print(f"lazytrain: error: {exc}", file=sys.stderr)
+        if isinstance(exc, distributed.PeerFailed):  # rank 0 says what another rank's failure was
+            distributed.await_report()
+        else:
+            print(f"lazytrain: error: {exc}", file=sys.stderr, flush=True)
+            distributed.reported()
         return 2
     except OSError as exc:  # NOTE: [Full disk] in files.py: writes that know no size end here
         from lazytrain.files import is_disk_full

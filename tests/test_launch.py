@@ -452,3 +452,29 @@ def test_profile_under_torchrun_measures_as_a_rank_trains(monkeypatch):
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)
+
+
+def test_other_ranks_wait_for_rank_0_to_report(monkeypatch):
+    """A rank stopped by another's failure exits only once rank 0 has printed why, or after the
+    bound when rank 0 never does (NOTE: [Launching])."""
+    import time
+
+    import torch.distributed as dist
+
+    from lazytrain.train import distributed
+
+    store = dist.HashStore()
+    monkeypatch.setattr(distributed, "REPORT_WAIT_S", 0.5)
+    monkeypatch.setattr(distributed, "_STORE", store)
+    monkeypatch.setattr(distributed, "_RANK", 1)
+    start = time.monotonic()
+    distributed.await_report()  # no mark: waits out the bound
+    assert time.monotonic() - start >= 0.5
+    distributed.reported()  # rank 1 does not mark
+    assert not store.check([distributed.REPORTED])
+    monkeypatch.setattr(distributed, "_RANK", 0)
+    distributed.reported()
+    assert store.check([distributed.REPORTED])
+    start = time.monotonic()
+    distributed.await_report()
+    assert time.monotonic() - start < 0.5

@@ -23,6 +23,12 @@ reason the others cannot see (reading the data, the compile, a checkpoint's file
 for the first rank that failed), so no rank goes on into a collective that would never be answered.
 A rank that dies outright is caught by the launcher (torchrun stops the others) or, where it is
 not, by the next collective, which fails when the connection closes or at the timeout.
+
+When `together` stops every rank, the others must not exit before rank 0 has printed why: the
+launcher stops the remaining ranks as soon as one exits with an error, and rank 0, stopped
+mid-report, said nothing (a world size that does not divide the batch went unexplained in about 1
+run of 4). Rank 0 marks the report in the process group's store once it is printed (`reported`);
+the others wait for that mark, at most REPORT_WAIT_S, before they exit (`await_report`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from lazytrain.errors import DistributedError, LazytrainError
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 DEFAULT_TIMEOUT_S = 600.0
+REPORTED = "lazytrain/rank0-reported"
+REPORT_WAIT_S = 30.0  # NOTE: [Launching]: a bound, so a rank 0 that died of a bug holds no one up for long
+_STORE = None  # the process group's store and this rank, kept past the group's teardown (the CLI reports after it)
+_RANK = -1
 
 
 class PeerFailed(DistributedError):
@@ -98,6 +108,9 @@ def from_env(nproc_per_node: int | None, device: str, timeout_s: float) -> Ranks
         raise DistributedError(f"rank {rank} of {world} could not join the process group ({type(exc).__name__}: "
                                f"{_first_line(exc)}); check MASTER_ADDR/MASTER_PORT (torchrun sets them) and that "
                                "every rank was started") from None
+    global _STORE, _RANK
+    if dist.is_initialized():
+        _STORE, _RANK = dist.distributed_c10d._get_default_store(), rank
     return Ranks(rank, world, local, backend)
 
 
@@ -105,6 +118,21 @@ def quiet_others(ranks: Ranks | None) -> None:
     """Ranks other than 0 print nothing (NOTE: [Launching])."""
     if ranks is not None and not ranks.main:
         sys.stdout = open(os.devnull, "w")
+
+
+def reported() -> None:
+    """On rank 0, once its error is printed: the other ranks may exit (NOTE: [Launching])."""
+    if _STORE is not None and _RANK == 0:
+        with contextlib.suppress(Exception):  # the others are gone: nothing waits for the mark
+            _STORE.set(REPORTED, "1")
+
+
+def await_report() -> None:
+    """On a rank that stops because another failed (`PeerFailed`): wait until rank 0 has said why,
+    so the launcher does not stop rank 0 mid-report (NOTE: [Launching])."""
+    if _STORE is not None:
+        with contextlib.suppress(Exception):  # rank 0 exited, or took longer than the bound: stop anyway
+            _STORE.wait([REPORTED], datetime.timedelta(seconds=REPORT_WAIT_S))
 
 
 def relaunch(nproc: int, argv: list[str]) -> None:
