@@ -31,7 +31,7 @@ def _disk_text(predicted: dict) -> str:
         return ""
     seconds = predicted.get("disk_s", 0.0)
     took = f"{seconds:.2f} s" if seconds >= 1 else _ms(seconds)
-    return f"; disk {format_size(nbytes)} (read and written each step: {took} of host work)"
+    return f"; disk {format_size(nbytes)} (read and written each step: {took} of the disk's time)"
 
 
 def summary(schedule: ModuleType) -> str:

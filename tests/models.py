@@ -222,6 +222,21 @@ def assert_disk_steps_equal_adamw(source_text: str, real: nn.Module, batch: dict
     return trainer
 
 
+def assert_same_steps(texts, real: nn.Module, batch: dict, tmp_path, steps: int = 3, **bind) -> None:
+    """Each schedule in `texts`, bound to `real` with `tmp_path` as its offload directory, `steps`
+    steps: the same weights after them, to the bit, every one of them stepped."""
+    weights = []
+    for text in texts:
+        trainer, model = bind_source(text, real, offload_dir=str(tmp_path), **bind)
+        for _ in range(steps):
+            trainer.step(batch)
+        trainer.sync_model()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for (name, before), *got in zip(real.named_parameters(), *weights):
+        assert all(torch.equal(got[0], w) for w in got[1:]), name
+        assert not torch.equal(got[0], before), f"{name} was not stepped"
+
+
 def assert_disk_resume_bit_identical(source_text: str, real: nn.Module, batch: dict, tmp_path, **hp) -> None:
     """A schedule with states on disk: 2 steps, a checkpoint (model weights and optimizer state), a
     new trainer loading it, 1 step give the same weights as 3 uninterrupted steps, to the bit; the
@@ -324,14 +339,15 @@ def decisions(spec) -> list[StageDecision]:
     """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
     (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; B: the
     same, stepped right after its backward; D: streamed, stepped on the host with its states on disk;
-    X: streamed, stepped on the GPU by a job that reads its states from disk),
+    X: streamed, stepped on the GPU by a job that reads its states from disk; K: the same as B, its
+    states on disk),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SGEDXB", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
-                                 stream in "GEXB", 2 if stream == "E" else 1, stream in "DX", stream == "B"))
+        out.append(StageDecision(stream in "SGEDXBK", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+                                 stream in "GEXBK", 2 if stream == "E" else 1, stream in "DXK", stream in "BK"))
     return out
 
 

@@ -22,7 +22,7 @@ from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
-from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, bind_source, decisions, forced,
+from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, decisions, forced,
                     offload_files, tiny_gpt_pair, unique_name)
 
 HW = hardware.load("cpu")
@@ -122,17 +122,8 @@ def test_8bit_steps_from_disk_equal_those_at_the_prefetch(tmp_path):
     """The same bitsandbytes step, run by a disk job instead of at the next prefetch: the same
     weights after 3 steps, to the bit."""
     graph, stages, batch, real = _stages("8bit")
-    weights = []
-    for spec in (IN_MEMORY, SPEC):
-        text = forced(graph, stages, batch, decisions(spec), HW).source_text
-        trainer, model = bind_source(text, real, offload_dir=str(tmp_path), **HP)
-        for _ in range(3):
-            trainer.step(batch)
-        trainer.sync_model()
-        weights.append([p.detach().clone() for p in model.parameters()])
-    for (name, before), a, b in zip(real.named_parameters(), *weights):
-        assert torch.equal(a, b), name
-        assert not torch.equal(a, before), f"{name} was not stepped"
+    texts = [forced(graph, stages, batch, decisions(spec), HW).source_text for spec in (IN_MEMORY, SPEC)]
+    assert_same_steps(texts, real, batch, tmp_path, **HP)
 
 
 def test_resume_stepped_from_disk_is_bit_identical(gpt, tmp_path):

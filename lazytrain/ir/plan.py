@@ -32,7 +32,9 @@ class StageDecision:
     disk: bool = False
     # GPU-stepped only: the step runs right after the stage's backward, on the gradient there (no host
     # copy of it), with master and states fetched beside the backward prefetch and written back
-    # after (NOTE: [Backward steps] in passes/step_model.py); needs clipping off or previous-norm
+    # after (NOTE: [Backward steps] in passes/step_model.py); needs clipping off or previous-norm. With
+    # `disk`, its states pass through host memory only around that step (NOTE: [Backward steps from
+    # disk] there)
     backward_step: bool = False
     # Resident only: its gradients go after B(s-2), its step beside backward done by then (NOTE:
     # [Resident gradients freed at their step] in passes/footprint.py); else they stay to the next step
@@ -50,7 +52,13 @@ class StageDecision:
     @property
     def disk_step(self) -> bool:
         """Stepped on the GPU by a job that reads its states from disk and writes them back."""
-        return self.gpu_step and self.disk
+        return self.gpu_step and self.disk and not self.backward_step
+
+    @property
+    def disk_backward(self) -> bool:
+        """Stepped in backward, its states read from disk before and written back after (NOTE:
+        [Backward steps from disk] in passes/step_model.py)."""
+        return self.backward_step and self.disk
 
     @property
     def optimizer(self) -> str:
@@ -89,4 +97,4 @@ class Plan:
     windows: tuple[tuple[str, int, float], ...]  # (label, predicted GPU bytes, seconds) in time order
     solver: SolverInfo
     disk_bytes: int = 0  # optimizer states on disk, each read and written once a step
-    disk_s: float = 0.0  # seconds of host work reading and writing them (NOTE: [Disk-resident states])
+    disk_s: float = 0.0  # seconds of the disk's time reading and writing them each step (NOTE: [Disk-resident states])

@@ -118,6 +118,11 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
+# NOTE: [Backward steps from disk] in step_model.py: one buffer being read, one whose states are on
+# the GPU for the step, one being written back, so the disk never waits on the ring
+DISK_RING = 3
+
+
 def disk_available(hw: Hardware) -> bool:
     """Whether the profile measured a disk the tier can plan with: space, and both rates."""
     return hw.disk_bytes > 0 and hw.disk_read_bandwidth > 0 and hw.disk_write_bandwidth > 0

@@ -103,7 +103,7 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "free", "cast")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "bdisk", "free", "cast")
 
 
 def _vars(m: mip.Model, stages: Stages, hw: Hardware):
@@ -123,6 +123,7 @@ def _vars(m: mip.Model, stages: Stages, hw: Hardware):
         m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
         if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
             v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
+        m += v["bdisk"][s] <= v["bstep"][s]  # NOTE: [Backward steps from disk] in step_model.py
         # NOTE: [Resident gradients freed at their step] in footprint.py
         m += v["free"][s] <= 1 - sig
         if not can_free_grads(stages, hw, s, sharding(stages)):
@@ -182,6 +183,7 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
         m += e >= d * (k / hw.d2h_bandwidth) - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
         m += e >= c * k - cap * k
+        m += e >= model.disk_io[t] * k - cap * k  # NOTE: [Backward steps from disk] in step_model.py
         if isinstance(model.beside[t], mip.LinExpr):  # NOTE: [Device steps beside compute]
             m += e >= model.beside[t] * k
         if cuts:  # NOTE: [Exposure cuts] in cuts.py
@@ -204,7 +206,8 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     # NOTE: [Disk steps not searched], NOTE: [Backward steps where nothing else fits]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
     backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
-    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps)) if not searched]
+    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps), ("bdisk", backward_steps))
+                  if not searched]
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
@@ -252,7 +255,7 @@ def _decisions(v, S, val) -> list[StageDecision]:
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
         out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
-                                 on["disk"] or on["dstep"], on["bstep"], on["free"], on["cast"]))
+                                 on["disk"] or on["dstep"] or on["bdisk"], on["bstep"], on["free"], on["cast"]))
     return out
 
 
@@ -288,8 +291,8 @@ def _start(v, decisions: list[StageDecision]) -> dict:
     """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan)."""
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step),
+        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk_step), ("ahead", d.lookahead == 2),
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step), ("bdisk", d.disk_backward),
         ("free", d.free_grads), ("cast", d.cast_weights))}
 
 

@@ -11,6 +11,7 @@ from lazytrain.hardware import Hardware
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
     CPU_STATE_BYTES,
+    DISK_RING,
     HOST_STEP_BYTES,
     MASTER_BYTES,
     Layout,
@@ -22,6 +23,7 @@ from lazytrain.passes.footprint import (
     disk_available,
     disk_gpu_job_s,
     disk_gpu_state_bytes,
+    disk_io_s,
     disk_state_bytes,
     disk_step_slot,
     disk_step_s,
@@ -306,10 +308,13 @@ class StepModel:
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
         # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
-        disk = vars_["disk"]
+        disk, bdk = vars_["disk"], vars_["bdisk"]
         on_disk = [disk_state_bytes(g.param_numel) * disk[s] + disk_gpu_state_bytes(g.param_numel, stages.state_bytes) * dst[s]
                    for s, g in enumerate(stages)]
-        self.disk = mip.xsum(x * (1.0 / self.unit) for x in on_disk) * self.unit
+        # NOTE: [Backward steps from disk]: their states, which pass through the ring, not the staging buffer
+        in_ring = [disk_gpu_state_bytes(g.param_numel, stages.state_bytes) * bdk[s] for s, g in enumerate(stages)]
+        self.disk = mip.xsum(x * (1.0 / self.unit) for x in on_disk + in_ring) * self.unit
+        self.disk_io = [0.0] * (T + 2)  # seconds of disk reads and writes in a window
         if disk_ok:
             self.floors.append(self.disk * (1.0 / self.unit))  # among equally fast plans, the least on disk
             staging = m.add_var("disk_staging", lb=0.0)  # in units of `unit` bytes
@@ -329,6 +334,10 @@ class StepModel:
                 m += slot >= (disk_step_slot(stages, s) / self.unit) * dst[s]
             self.mem = [t + slot * self.unit for t in self.mem]
             self.tail = self.tail + slot * self.unit
+            self._backward_from_disk(bdk, PRE, TAIL)
+        else:
+            for x in bdk:
+                m += x == 0
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
             buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
             self.floors.append(buffers)
@@ -336,6 +345,24 @@ class StepModel:
                 m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s] - dst[s])
             self.host = self.host + buffers * self.unit
         self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
+
+    def _backward_from_disk(self, bdk, PRE: int, TAIL: int) -> None:
+        """NOTE: [Backward steps from disk]: the ring their states pass through on the host, and the
+        disk's reads and writes, each stage's done by the window before its backward prefetch."""
+        st, m, L, S = self.st, self.m, self.L, len(self.st)
+        ring = m.add_var("disk_ring", lb=0.0)  # one buffer, in units of `unit` bytes
+        self.floors.append(ring)
+        released, due = [0.0] * (TAIL + 1), [0.0] * (TAIL + 1)
+        for s, g in enumerate(st):
+            state = disk_gpu_state_bytes(g.param_numel, st.state_bytes)
+            m += ring >= (state / self.unit) * bdk[s]
+            io = disk_io_s(state, self.hw) * bdk[s]
+            released[L.bw(S - 1)] += io
+            due[L.bw(min(s + 2, S - 1))] += io
+        self.host = self.host + (DISK_RING * self.unit) * ring
+        windows = [L.bw(w) for w in range(S - 1, -1, -1)] + [TAIL]
+        for w, done in backlog(m, released, windows, self.unit_s, due).items():
+            self.disk_io[w] = self.disk_io[w] + done
 
     def _sharded(self, s, g, mem, comm, h2d, d2h, sig, gst):
         """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
@@ -403,6 +430,22 @@ class StepModel:
 # Not the first two stages: B(s-2) is a window of backward. The step cannot know this step's global norm, so
 # it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
 # state keeps its REDUCE path.
+# NOTE: [Backward steps from disk]
+# A stage stepped in backward (NOTE: [Backward steps]) may keep its optimizer states in the offload
+# file (`bdisk`, a `StageDecision` with `backward_step` and `disk`): they come into host memory only
+# around the step, into one of DISK_RING page-locked buffers (footprint.py), which the H2D beside
+# the backward prefetch reads and the write-back after the step fills; a disk thread reads them in
+# before B(s+1), in the order backward needs them, and writes them back once the write-back has
+# landed, so the host holds neither the gradient (as any step in backward) nor the states: only the
+# weights (the master, for bf16 masters). Of the 4 bytes a parameter a streamed stage in backward
+# keeps on the host with 8-bit states and bf16 masters, that takes 2 to the disk. It is the only
+# kind whose disk bytes leave host memory altogether: a disk-stepped or host-stepped stage keeps a
+# gradient buffer for its job, as large as the states a bf16 master's 8-bit step moves to the disk.
+# The disk's time is counted as a worker of its own (`backlog`): every such stage's read and write
+# is released as backward starts, and by the end of B(s+2) the disk must have done the reads and
+# writes of stages s and up (a write happens after its step, a read of a later stage before it: the
+# total, which is what binds, is the disk's). Reads the ring lets run during the forward are not
+# counted (at most DISK_RING of them), so a disk-bound plan is predicted a little long.
 # NOTE: [Resident masters on the device]
 # A resident stage's master is its home on the GPU (NOTE: [Parameter homes] in runtime/store.py):
 # `bind` moves it there (`lazytrain train` loads it there: NOTE: [Masters built in place]), and the

@@ -17,6 +17,8 @@ other state, and a resumed run continues from them.
 from __future__ import annotations
 
 import contextlib
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,13 +39,15 @@ def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int
 class DiskStates:
     def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path,
                  pinned: PinnedArena | None = None, always_fresh: frozenset[int] = frozenset(),
-                 ahead: frozenset[int] = frozenset()):
+                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(), ring_size: int = 3):
         """`homes`: stage (its optimizer group) -> the parameters its step updates. `pinned`: the
         arena the staging buffers come from, page-locked at their size where it pins (GPU jobs copy
         from them; NOTE: [Pinned arena] in pinned.py). `always_fresh`: stages whose first step makes
         every parameter's states (GPU steps: their gradients are not in `.grad`). `ahead`: stages
-        whose states may be read ahead, into a second buffer (NOTE: [Disk reads ahead])."""
-        self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh
+        whose states may be read ahead, into a second buffer (NOTE: [Disk reads ahead]). `ring`:
+        stages stepped in backward whose states pass through `ring_size` buffers of their own, read
+        and written on threads of their own (NOTE: [Backward steps from disk] in passes/step_model.py)."""
+        self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh | ring
         self.pin = pinned is not None and pinned.pin
         self.layout = {(s, i): _layout(optimizer, s, p) for s, ps in homes.items() for i, p in enumerate(ps)}
         sizes = {self._region(s, i, k): nbytes(shape, dtype)
@@ -56,6 +60,7 @@ class DiskStates:
         self.held: dict[int, int] = {}  # stage -> the buffer its states are in (loaded, or being read ahead)
         self.reads: dict[int, list] = {}  # stage -> its reads ahead still to be waited for
         self.on_disk: set[tuple[int, int]] = set()  # (stage, parameter index) whose states are in the file
+        self.ring = _Ring(self, ring, ring_size, pinned) if ring else None
 
     @staticmethod
     def _region(stage: int, index: int, key: str) -> str:
@@ -74,7 +79,11 @@ class DiskStates:
                 self._drop_ahead(other)
             buffer = self._free(self.stage_bytes[stage])
         self.held[stage] = buffer
-        carver = Carver(self.buffers[buffer], ALIGN)
+        self._fill(stage, self.buffers[buffer])
+
+    def _fill(self, stage: int, buffer: torch.Tensor) -> None:
+        """`stage`'s states in `buffer`: read from the file, or on its first step made there."""
+        carver = Carver(buffer, ALIGN)
         reads = []
         for i, p in enumerate(self.homes[stage]):
             state = self.optimizer.state[p]
@@ -127,6 +136,10 @@ class DiskStates:
 
     def store(self, stage: int) -> None:
         """After `stage`'s step: its states back to the file, and out of the optimizer's state."""
+        self._write_out(stage)
+        self.held.pop(stage, None)
+
+    def _write_out(self, stage: int) -> None:
         writes = []
         for i, p in enumerate(self.homes[stage]):
             state, keys = self.optimizer.state.get(p, {}), self.layout[stage, i]
@@ -138,7 +151,6 @@ class DiskStates:
         for i, p in enumerate(self.homes[stage]):
             for k in self.layout[stage, i]:
                 self.optimizer.state.get(p, {}).pop(k, None)
-        self.held.pop(stage, None)
 
     def _read(self, stage: int, index: int, make) -> list:
         """Parameter `index` of `stage`: its states read from the file into tensors `make(shape,
@@ -154,6 +166,7 @@ class DiskStates:
     def materialized(self):
         """Every state on disk read into the optimizer's state (fresh tensors) while the block runs,
         and dropped again after: for `state_dict()`, whose result keeps them."""
+        self.drain()
         reads = []
         for s, i in sorted(self.on_disk):
             reads += self._read(s, i, lambda shape, dtype: torch.empty(shape, dtype=dtype))
@@ -166,11 +179,79 @@ class DiskStates:
                 p, keys = self.homes[s][i], self.layout[s, i]
                 self.optimizer.state[p] = {k: v for k, v in self.optimizer.state[p].items() if k not in keys}
 
+    def drain(self) -> None:
+        """Every write the ring has in flight, done (between steps: before the file is read whole)."""
+        if self.ring is not None:
+            self.ring.drain()
+
     def absorb(self) -> None:
         """After the optimizer loaded a state dict: the states it holds for disk stages go to the file."""
+        self.drain()
         self.on_disk.clear()
         for s in self.homes:
             self.store(s)
+
+
+class _Ring:
+    """The buffers stages stepped in backward take their states through (NOTE: [Backward steps from
+    disk] in passes/step_model.py). A reader thread reads each stage's states, in the order backward
+    steps them, into the next free buffer (waiting for one); the step's fetch waits for its read
+    (`load`); once the write-back after the step has landed, a writer thread writes them to the file
+    and frees the buffer (`store`). Two threads, so a read waiting for a buffer never holds up the
+    write that frees one: with 3 buffers, stage s's write-back is issued (in B(s-1)) before the fetch
+    of any stage three or more places after it in backward (at B(s-2) or later) waits for its read."""
+
+    WAIT_S = 600.0  # a read or write that takes longer is a failure, not a wait
+
+    def __init__(self, states: DiskStates, stages: frozenset[int], size: int, pinned: PinnedArena | None):
+        self.states, self.stages = states, stages
+        self.buffers = [_staging(max(states.stage_bytes[s] for s in stages), pinned) for _ in range(size)]
+        self.free: queue.Queue[int] = queue.Queue()
+        for b in range(size):
+            self.free.put(b)
+        self.held: dict[int, int] = {}  # stage -> its buffer
+        self.reads: dict[int, Future] = {}
+        self.writes: list[Future] = []
+        self.written: dict[int, Future] = {}  # stage -> its last write, which its next read waits for
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="lazytrain-ring-read")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="lazytrain-ring-write")
+
+    def read(self, order) -> None:
+        """This step's reads, in the order its backward steps the stages."""
+        for s in order:
+            self.reads[s] = self.reader.submit(self._read, s, self.written.get(s))
+
+    def _read(self, stage: int, written: Future | None) -> None:
+        if written is not None:  # the last step's states of this stage, in the file first
+            written.result(timeout=self.WAIT_S)
+        try:
+            buffer = self.free.get(timeout=self.WAIT_S)
+        except queue.Empty:
+            raise RuntimeError(f"no ring buffer came free for stage {stage}'s states in {self.WAIT_S:.0f} s "
+                               f"(held: {self.held})") from None
+        self.held[stage] = buffer
+        self.states._fill(stage, self.buffers[buffer])
+
+    def load(self, stage: int) -> None:
+        """Before `stage`'s fetch: its states in a ring buffer."""
+        self.reads.pop(stage).result(timeout=self.WAIT_S)
+
+    def store(self, stage: int, landed=None) -> None:
+        """After `stage`'s write-back was issued: once `landed` (a CUDA event after it; None when the
+        copies were synchronous) has passed, its states to the file and its buffer free."""
+        self.written[stage] = self.writer.submit(self._write, stage, landed)
+        self.writes.append(self.written[stage])
+
+    def _write(self, stage: int, landed) -> None:
+        if landed is not None:
+            landed.synchronize()
+        self.states._write_out(stage)
+        self.free.put(self.held.pop(stage))
+
+    def drain(self) -> None:
+        for w in self.writes:
+            w.result(timeout=self.WAIT_S)
+        self.writes.clear()
 
 
 def _staging(nbytes: int, pinned: PinnedArena | None) -> torch.Tensor:

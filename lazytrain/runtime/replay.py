@@ -76,6 +76,8 @@ class Replay:
         if optimize and (self.stepper.backward or self.grads_freed):
             coef = 1.0 if coef is None else coef  # previous-norm's first step: none to clip by yet
             self._record_backward_steps(coef)
+            if self.ring is not None:  # NOTE: [Backward steps from disk]: their states read in backward's order
+                self.ring.read(sorted(self.ring.stages, reverse=True))
         self.issued: set[int] = set()  # stages whose device step was issued in this step
         self.streams.begin(self.record_timeline)
         for event in self.events:
@@ -350,6 +352,8 @@ class Replay:
         states and gradient into an optimizer slot (the step writes the weights)."""
         self._take_slot(f"w:{stage}")
         if update:
+            if self.ring is not None and stage in self.ring.stages:  # NOTE: [Backward steps from disk]
+                self.ring.load(stage)
             self.stepper.fetch(stage, self._take_slot(f"opt:{stage}"))
         own = stage in self.pending_gather  # sharded: this rank's piece; the GATHER brings the rest
         stepped_here = update and stage not in self.stepper.backward  # else the weights come as they are
@@ -372,6 +376,8 @@ class Replay:
             self.stepper.write_weights(e.stage)
         elif buf.startswith("opt:"):
             self.stepper.write_back(e.stage)
+            if self.ring is not None and e.stage in self.ring.stages:  # NOTE: [Backward steps from disk]
+                self.ring.store(e.stage, self._landed())
         elif buf.startswith(("g:", "sg:")):  # gradients of streamed weights (sharded: this rank's shard) to the host
             for name, g in self.gbuf[e.stage].items():
                 if g is None:
@@ -434,6 +440,19 @@ class Replay:
             idx = name.partition(":")[2]
             if idx.isdigit() and int(idx) in self.grads_freed and int(idx) in self.issued:
                 self._clear_grads([int(idx)])
+
+    @property
+    def ring(self):
+        """The ring stages stepped in backward take their states through, if any."""
+        return self.disk_states.ring if self.disk_states is not None else None
+
+    def _landed(self):
+        """An event after the work queued so far on the current stream (None on the CPU, where it is done)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _take_slot(self, name: str) -> torch.Tensor:
         return self.store.take_slot(name, lambda n: self.streams.slot(n, self.device))

@@ -45,8 +45,10 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # (NOTE: [Weights from the master] in passes/footprint.py); 12: `Stage.grads_freed`, a resident stage's
 # gradients dropped after B(s-2) (NOTE: [Resident gradients freed at their step] there), and
 # `Stage.cast_weights`, a resident stage's weights cast from its master before each use (NOTE:
-# [Resident weights cast on use] there)
-FORMAT_VERSION = 12
+# [Resident weights cast on use] there); 13: `Stage.disk` with `backward_step`, a stage stepped in backward
+# whose states pass through a ring of host buffers from the offload file (NOTE: [Backward steps from disk]
+# in passes/step_model.py)
+FORMAT_VERSION = 13
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

@@ -137,19 +137,22 @@ class Trainer(Replay, Stepping, ShardedState):
                                           foreach=foreach)
         # NOTE: [Disk-resident states] and [Disk-stepped stages] in passes/step_model.py: under
         # `offload_dir` (default: the temp directory)
+        # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
         on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
-        disk_stepped = {s.index: s.params for s in self.stages if getattr(s, "disk", False) and s.gpu_step}
+        in_backward = frozenset(s.index for s in self.stages if getattr(s, "backward_step", False))
+        disk_stepped = {s: ps for s, ps in ((s.index, s.params) for s in self.stages if getattr(s, "disk", False)
+                                            and s.gpu_step) if s not in in_backward}
         self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
-                                      always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped)) if on_disk else None
+                                      always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),
+                                      ring=frozenset(on_disk) & in_backward) if on_disk else None
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.stepper = GpuStepper(self.store, self.optimizer, {s.index: s.params for s in self.stages
-                                                               if s.gpu_step and not getattr(s, "disk", False)},
-                                  self.host_grad, self.pinned,
-                                  frozenset(s.index for s in self.stages if getattr(s, "backward_step", False)))
+                                                               if s.gpu_step and s.index not in disk_stepped},
+                                  self.host_grad, self.pinned, in_backward)
         # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
         self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.host_grad, self.pinned)
         dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if disk_stepped else []
@@ -285,6 +288,8 @@ class Trainer(Replay, Stepping, ShardedState):
         self._wait_host_steps()
         if self.cuda:  # every stream: what follows may read on any of them
             torch.cuda.synchronize(self.device)
+        if self.disk_states is not None:  # the ring's writes after the last step's backward
+            self.disk_states.drain()
         if self.stepper.pending:
             self._flush_gpu_steps()
         if self.pending_gather:  # NOTE: [Sharded state] in sharding.py: a collective
