@@ -18,7 +18,8 @@ from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.plan import OutMode
 from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
-from models import assert_adamw_weights, assert_previous_norm_steps, bind_source, check_replay, decisions, examples, forced, repair, tiny_gpt_pair
+from models import (assert_adamw_weights, assert_previous_norm_steps, assert_same_steps, bind_source, check_replay, decisions,
+                    examples, forced, repair, tiny_gpt_pair)
 from test_forced_plans import check_forced
 
 HW = hardware.load("cpu")
@@ -95,3 +96,36 @@ def test_random_decisions_with_backward_steps(gpt, data):
     raw = data.draw(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans(),
                                        st.booleans(), st.booleans()), min_size=len(stages), max_size=len(stages)))
     check_forced(graph, stages, batch, real, repair(stages, raw))
+
+
+def test_a_step_in_backward_holds_twins_of_its_largest_tensor_only(gpt):
+    """NOTE: [Backward step twins] in passes/footprint.py: the `opt:S` buffer of a stage stepped in
+    backward holds its master, states and the fp32 twins of its largest tensor, not of the whole stage."""
+    from lazytrain.passes.footprint import backward_step_bytes, gpu_step_bytes
+
+    graph, stages, batch, _ = gpt
+    schedule = forced(graph, stages, batch, decisions(SPEC), HW).schedule
+    buffers = {b.name: b.bytes for b in schedule.buffers}
+    for s in (2, 3):
+        g = stages[s]
+        assert buffers[f"opt:{s}"] == backward_step_bytes(g.param_numel, stages.state_bytes, stages.master_bytes,
+                                                          g.largest_numel)
+        assert buffers[f"opt:{s}"] < gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes,
+                                                    stages.master_bytes, g.largest_numel) - 4 * (g.param_numel - g.largest_numel)
+    assert buffers["opt:1"] == gpu_step_bytes(stages[1].param_bytes, stages[1].param_numel, stages.state_bytes,
+                                              stages.master_bytes, stages[1].largest_numel)
+
+
+@pytest.mark.parametrize("states", ["32bit", "8bit"])
+def test_bf16_masters_step_in_backward_as_at_the_prefetch(tmp_path, states):
+    """bf16 masters, each tensor stepped through the twins of the largest (NOTE: [Backward step
+    twins]): 3 steps give the weights the same stages stepped at the next prefetch give, to the bit."""
+    import torch
+
+    meta, real, batch = tiny_gpt_pair()
+    meta, real = meta.to(torch.bfloat16), real.to(torch.bfloat16)
+    graph, stages = analyse(meta, batch, HW, optimizer_states=states, master_weights="bf16")
+    stages = dataclasses.replace(stages, clipping="off")
+    texts = [forced(graph, stages, batch, decisions(spec), HW).source_text
+             for spec in (["-rk", "GRk", "GRk", "GRk", "-rk"], SPEC)]
+    assert_same_steps(texts, real, batch, tmp_path, **HP)

@@ -28,6 +28,7 @@ from lazytrain.passes.shards import (
     sharding,
 )
 from lazytrain.passes.footprint import (
+    backward_step_bytes,
     backward_workspace,
     cast_s,
     chunk_workspace,
@@ -201,7 +202,9 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].at_prefetch)
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
-            if dec[s].gpu_step and not dec[s].disk_step:  # at the prefetch, or in backward
+            if dec[s].backward_step:  # NOTE: [Backward step twins] in footprint.py
+                b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_numel, stages.state_bytes, M, g.largest_numel))
+            elif dec[s].gpu_step and not dec[s].disk_step:  # at the prefetch
                 b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
                                                                  g.largest_numel), g.param_numel, P, n))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)

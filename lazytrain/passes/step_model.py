@@ -15,6 +15,7 @@ from lazytrain.passes.footprint import (
     HOST_STEP_BYTES,
     MASTER_BYTES,
     Layout,
+    backward_step_bytes,
     backward_workspace,
     cast_s,
     chunk_workspace,
@@ -206,6 +207,7 @@ class StepModel:
             d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out - copy) * fwd
             opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
                               g.param_numel, P, n)
+            back_bytes = backward_step_bytes(g.param_numel, stages.state_bytes, M, g.largest_numel)  # NOTE: [Backward step twins]
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
                 mem[t] = mem[t] + opt_bytes * fwd
             if 2 <= s < S - 1:  # NOTE: [Backward steps]
@@ -214,7 +216,7 @@ class StepModel:
                 d2h[L.bw(s - 1)] -= g.param_bytes * bst[s]
                 self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], (out - copy) * bst[s], f"back{s}")
                 for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1), L.bw(s - 2)):
-                    mem[t] = mem[t] + opt_bytes * bst[s]
+                    mem[t] = mem[t] + back_bytes * bst[s]
                 for t in (L.bw(s - 1), L.bw(s - 2)):  # the weights until written back, the gradient until stepped
                     mem[t] = mem[t] + (g.param_bytes + staging) * bst[s]
                 mem[L.bw(s - 2)] = mem[L.bw(s - 2)] + g.param_bytes * bst[s]

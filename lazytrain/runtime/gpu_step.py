@@ -37,6 +37,10 @@ class _Update:
     arrived: dict[str, torch.Tensor] = field(default_factory=dict)  # bf16 masters as they arrived
     state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
     noise: torch.Tensor | None = None  # bf16 masters: int32 rounding noise of the largest tensor, from the slot
+    # a step in backward: the fp32 twins of its largest tensor, reused tensor after tensor (NOTE:
+    # [Backward step twins] in passes/footprint.py); None for a bf16 master's or where unused
+    twin: torch.Tensor | None = None
+    grad_twin: torch.Tensor | None = None
     names: tuple[str, ...] = ()  # the parameters fetched: the stage's, or one of them (`step_from_disk`)
 
 
@@ -64,8 +68,14 @@ class GpuStepper:
         u = self.pending.pop(stage)
         u.names = tuple(names) if names is not None else self.params[stage]
         carve = Carver(slot)
-        if any(self.store.home[p].dtype != torch.float32 for p in u.names):  # planned: NOISE_BYTES in solve.py
-            u.noise = carve.take((max(self.store.home[p].numel() for p in u.names),), torch.int32)
+        largest = max(self.store.home[p].numel() for p in u.names)
+        bf16 = any(self.store.home[p].dtype != torch.float32 for p in u.names)
+        if bf16:  # planned: NOISE_BYTES in solve.py
+            u.noise = carve.take((largest,), torch.int32)
+        in_backward = stage in self.backward  # NOTE: [Backward step twins] in passes/footprint.py
+        if in_backward:
+            u.twin = carve.take((largest,), torch.float32) if bf16 else None
+            u.grad_twin = carve.take((largest,), torch.float32)
         for p in u.names:
             master = self.store.home[p].detach()  # the master, or this rank's piece (NOTE: [Sharded state])
             if master.dtype == torch.float32:
@@ -73,11 +83,13 @@ class GpuStepper:
             else:  # a bf16 master comes in as it is; step() widens it into an fp32 twin (the copy
                 # streams run copies only: a kernel there waits for SMs and holds up the copies behind it)
                 u.arrived[p] = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
-                u.master[p] = carve.take(master.shape, torch.float32)
-            if stage not in self.backward:  # a step in backward reads the gradient on the device (`step`)
+                u.master[p] = u.twin[:master.numel()].view(master.shape) if in_backward else \
+                    carve.take(master.shape, torch.float32)
+            if not in_backward:  # a step in backward reads the gradient on the device (`step`)
                 host = self.host_grad[p]
                 u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
-            u.grad32[p] = carve.take(master.shape, torch.float32)
+            u.grad32[p] = u.grad_twin[:master.numel()].view(master.shape) if in_backward else \
+                carve.take(master.shape, torch.float32)
             home = self.optimizer.state.get(self.store.home[p], {})
             if home:
                 u.state[p] = {k: carve.take(v.shape, v.dtype).copy_(v, non_blocking=True) if torch.is_tensor(v) else v
@@ -94,9 +106,17 @@ class GpuStepper:
         u = self.live.get(stage)
         if u is None:
             return False
-        names = u.names
         if grads is not None:
             u.grad.update(grads)
+        if stage in self.backward:  # NOTE: [Backward step twins] in passes/footprint.py: one tensor at a time
+            for p in u.names:
+                self._step(stage, group, u, (p,), into)
+            return True
+        self._step(stage, group, u, u.names, into)
+        return True
+
+    def _step(self, stage: int, group: int, u: _Update, names: tuple[str, ...], into) -> None:
+        """`step` of the parameters `names` of `u`, in one call of the optimizer."""
         with torch.no_grad():
             for p in names:
                 if p in u.arrived:
@@ -122,7 +142,6 @@ class GpuStepper:
                     seed = self.optimizer.sr_seed(group, i, u.state[p])
                     rounded = round_stochastic_(u.arrived[p], u.master[p], seed, u.noise, self.store.offset(p))
                     weights.copy_(rounded.view(weights.shape))
-        return True
 
     def write_weights(self, stage: int, into: dict[str, torch.Tensor] | None = None) -> None:
         """New compute-dtype weights (in the stage's weight slot, or in `into`'s tensors) to the host
