@@ -116,11 +116,19 @@ def test_a_step_in_backward_holds_twins_of_its_largest_tensor_only(gpt):
                                               stages.master_bytes, stages[1].largest_numel)
 
 
+@pytest.mark.parametrize("chunk", [None, 1024])
 @pytest.mark.parametrize("states", ["32bit", "8bit"])
-def test_bf16_masters_step_in_backward_as_at_the_prefetch(tmp_path, states):
-    """bf16 masters, each tensor stepped through the twins of the largest (NOTE: [Backward step
-    twins]): 3 steps give the weights the same stages stepped at the next prefetch give, to the bit."""
+def test_bf16_masters_step_in_backward_as_at_the_prefetch(tmp_path, monkeypatch, states, chunk):
+    """bf16 masters, each tensor stepped through the update's twins (NOTE: [Backward step twins]),
+    whole or (`chunk`) in pieces of 1024 elements: 3 steps give the weights the same stages stepped
+    at the next prefetch give, to the bit."""
     import torch
+
+    from lazytrain.runtime import gpu_step, optim
+
+    if chunk is not None:  # the tiny model's 3072-element tensors step in 3 pieces
+        monkeypatch.setattr(optim, "TWIN_CHUNK", chunk)
+        monkeypatch.setattr(gpu_step, "TWIN_CHUNK", chunk)
 
     meta, real, batch = tiny_gpt_pair()
     meta, real = meta.to(torch.bfloat16), real.to(torch.bfloat16)

@@ -246,7 +246,7 @@ def test_large_tensors_step_in_pieces_as_one_step_would(states, monkeypatch):
             for p, g in zip(params, step):
                 p.grad = g.clone()
             opt.step_group(0)
-        pieces = len(optim._twin_pieces(opt.state[params[0]], params[0].numel()))
+        pieces = len(optim.twin_pieces(opt.state[params[0]], params[0].numel()))
         results.append((pieces, [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()["state"])))
     (one, whole, whole_state), (many, cut, cut_state) = results
     assert one == 1 and many == 4096 * 96 // 1024

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lazytrain.runtime.optim import round_stochastic_
+from lazytrain.runtime.optim import TWIN_CHUNK, round_stochastic_, state_piece, twin_pieces
 from lazytrain.runtime.carve import Carver
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.store import ParamStore
@@ -70,12 +70,13 @@ class GpuStepper:
         carve = Carver(slot)
         largest = max(self.store.home[p].numel() for p in u.names)
         bf16 = any(self.store.home[p].dtype != torch.float32 for p in u.names)
-        if bf16:  # planned: NOISE_BYTES in solve.py
-            u.noise = carve.take((largest,), torch.int32)
         in_backward = stage in self.backward  # NOTE: [Backward step twins] in passes/footprint.py
+        twin = min(largest, TWIN_CHUNK) if in_backward and bf16 else largest
+        if bf16:  # planned: NOISE_BYTES in solve.py
+            u.noise = carve.take((twin,), torch.int32)
         if in_backward:
-            u.twin = carve.take((largest,), torch.float32) if bf16 else None
-            u.grad_twin = carve.take((largest,), torch.float32)
+            u.twin = carve.take((twin,), torch.float32) if bf16 else None
+            u.grad_twin = carve.take((twin,), torch.float32)
         for p in u.names:
             master = self.store.home[p].detach()  # the master, or this rank's piece (NOTE: [Sharded state])
             if master.dtype == torch.float32:
@@ -83,19 +84,23 @@ class GpuStepper:
             else:  # a bf16 master comes in as it is; step() widens it into an fp32 twin (the copy
                 # streams run copies only: a kernel there waits for SMs and holds up the copies behind it)
                 u.arrived[p] = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
-                u.master[p] = u.twin[:master.numel()].view(master.shape) if in_backward else \
-                    carve.take(master.shape, torch.float32)
+                if not in_backward:  # a step in backward takes its twins tensor by tensor (`_step_in_pieces`)
+                    u.master[p] = carve.take(master.shape, torch.float32)
             if not in_backward:  # a step in backward reads the gradient on the device (`step`)
                 host = self.host_grad[p]
                 u.grad[p] = carve.take(host.shape, host.dtype).copy_(host, non_blocking=True)
-            u.grad32[p] = u.grad_twin[:master.numel()].view(master.shape) if in_backward else \
-                carve.take(master.shape, torch.float32)
+                u.grad32[p] = carve.take(master.shape, torch.float32)
+            elif master.dtype == torch.float32:
+                u.grad32[p] = u.grad_twin[:master.numel()].view(master.shape)
             home = self.optimizer.state.get(self.store.home[p], {})
             if home:
                 u.state[p] = {k: carve.take(v.shape, v.dtype).copy_(v, non_blocking=True) if torch.is_tensor(v) else v
                               for k, v in home.items()}
             else:  # NOTE: [First step's states]
-                u.state[p] = self.optimizer.fresh_state(stage, u.master[p], carve.take)
+                fp32 = u.master.get(p)  # the twin's shape and dtype, where it has no twin of its own yet
+                if fp32 is None:
+                    fp32 = torch.empty(master.shape, dtype=torch.float32, device="meta")
+                u.state[p] = self.optimizer.fresh_state(stage, fp32, carve.take)
         self.live[stage] = u
 
     def step(self, stage: int, group: int, into: dict[str, torch.Tensor] | None = None,
@@ -110,10 +115,50 @@ class GpuStepper:
             u.grad.update(grads)
         if stage in self.backward:  # NOTE: [Backward step twins] in passes/footprint.py: one tensor at a time
             for p in u.names:
-                self._step(stage, group, u, (p,), into)
+                if p in u.arrived:
+                    self._step_in_pieces(stage, group, u, p, into)
+                else:
+                    self._step(stage, group, u, (p,), into)
             return True
         self._step(stage, group, u, u.names, into)
         return True
+
+    def _step_in_pieces(self, stage: int, group: int, u: _Update, p: str, into) -> None:
+        """A bf16 master's tensor `p` stepped in backward through the update's twins, `TWIN_CHUNK`
+        elements at a time where its state can be cut there (NOTE: [Twin chunks] in optim.py), then
+        its compute copy written."""
+        if u.grad.get(p) is None:  # no gradient (not stepped, as torch skips it)
+            return
+        arrived, grad, whole = u.arrived[p].view(-1), u.grad[p].reshape(-1), u.state[p]
+        numel, i, seed = arrived.numel(), self.params[stage].index(p), None
+        pieces = twin_pieces(whole, numel)
+        for lo, hi in pieces:
+            # a piece larger than the twins (a state that cannot be cut) takes memory of its own
+            twin = u.twin[:hi - lo] if hi - lo <= u.twin.numel() else torch.empty(hi - lo, device=arrived.device)
+            grad32 = u.grad_twin[:hi - lo] if hi - lo <= u.grad_twin.numel() else torch.empty_like(twin)
+            if len(pieces) == 1:  # the tensor whole, in its shape (its state's)
+                twin, grad32 = twin.view(u.arrived[p].shape), grad32.view(u.arrived[p].shape)
+            with torch.no_grad():
+                twin.copy_(arrived[lo:hi].view(twin.shape))
+                twin.grad = grad32.copy_(grad[lo:hi].view(twin.shape))
+                if u.coef != 1.0:
+                    twin.grad.mul_(u.coef)
+            piece = whole if len(pieces) == 1 else state_piece(whole, lo, hi, numel)
+            state = defaultdict(dict, {twin: piece})
+            self.optimizer.step_on(group, [twin], state, u.hyper)
+            stepped = state[twin]
+            twin.grad = None
+            seed = self.optimizer.sr_seed(group, i, stepped) if seed is None else seed
+            with torch.no_grad():
+                round_stochastic_(arrived[lo:hi], twin.view(-1), seed, u.noise if hi - lo <= u.noise.numel() else None,
+                                  self.store.offset(p) + lo)
+        if len(pieces) == 1:
+            u.state[p] = stepped  # the first step creates the state
+        else:
+            whole["step"] = stepped["step"]  # every piece stepped the count it started from once
+        weights = into[p] if into is not None else self.store.mine(p, self.store.work[p].data)
+        with torch.no_grad():
+            weights.copy_(u.arrived[p].view(weights.shape))
 
     def _step(self, stage: int, group: int, u: _Update, names: tuple[str, ...], into) -> None:
         """`step` of the parameters `names` of `u`, in one call of the optimizer."""

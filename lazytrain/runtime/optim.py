@@ -186,7 +186,7 @@ class _Staged:
         passes/footprint.py). `offset`: where `p` starts in its whole parameter (NOTE: [Sharded
         state] in sharding.py)."""
         numel = p.numel()
-        pieces = _twin_pieces(view.state[p], numel)
+        pieces = twin_pieces(view.state[p], numel)
         if len(pieces) == 1:  # the tensor whole, in its shape (its state's shape)
             view.state[p], _ = self._step_piece(view, index, i, p.detach(), p.grad, view.state[p], offset)
             return
@@ -196,7 +196,7 @@ class _Staged:
             view.state[p] = self.fresh_state(index, p.detach(), widen)
         whole, flat, grad, seed = view.state[p], p.detach().view(-1), p.grad.view(-1), None
         for lo, hi in pieces:
-            stepped, seed = self._step_piece(view, index, i, flat[lo:hi], grad[lo:hi], _state_piece(whole, lo, hi, numel),
+            stepped, seed = self._step_piece(view, index, i, flat[lo:hi], grad[lo:hi], state_piece(whole, lo, hi, numel),
                                              offset + lo, seed)
         whole["step"] = stepped["step"]  # every piece stepped the count it started from once
 
@@ -244,7 +244,7 @@ class _Staged:
 TWIN_CHUNK = 1 << 24
 
 
-def _twin_pieces(state: dict, numel: int) -> list[tuple[int, int]]:
+def twin_pieces(state: dict, numel: int) -> list[tuple[int, int]]:
     """[lo, hi) element ranges a bf16 master steps in: one piece up to `TWIN_CHUNK`, else pieces of
     `TWIN_CHUNK` when its state can be cut there (NOTE: [Twin chunks])."""
     if numel <= TWIN_CHUNK or not _cuttable(state, numel):
@@ -270,7 +270,7 @@ def _cuttable(state: dict, numel: int) -> bool:
                for key, v in state.items() if _sliced(key, v) and v.numel() != numel)
 
 
-def _state_piece(state: dict, lo: int, hi: int, numel: int) -> dict:
+def state_piece(state: dict, lo: int, hi: int, numel: int) -> dict:
     """Elements [lo, hi) of a parameter's optimizer state: views of its per-element and per-block
     tensors, a copy of its step count (each piece counts the step once), the rest shared."""
     piece = {}
