@@ -108,7 +108,7 @@ def test_a_step_in_backward_holds_twins_of_its_largest_tensor_only(gpt):
     buffers = {b.name: b.bytes for b in schedule.buffers}
     for s in (2, 3):
         g = stages[s]
-        assert buffers[f"opt:{s}"] == backward_step_bytes(g.param_numel, stages.state_bytes, stages.master_bytes,
+        assert buffers[f"opt:{s}"] == backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, stages.master_bytes,
                                                           g.largest_numel)
         assert buffers[f"opt:{s}"] < gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes,
                                                     stages.master_bytes, g.largest_numel) - 4 * (g.param_numel - g.largest_numel)

@@ -238,17 +238,21 @@ def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int
 # gradient where its backward left it, and steps one tensor at a time through fp32 twins of that
 # tensor alone (its master's, for a bf16 master, and its gradient's), reused tensor after tensor on
 # the optimizer stream; a bf16 master's tensor larger than `TWIN_CHUNK` steps in pieces of it
-# (NOTE: [Twin chunks] in runtime/optim.py). So the `opt:S` buffer holds the master as it came, the
-# states, and twins of `TWIN_CHUNK` elements at most (of the largest tensor, for an fp32 master's
-# gradient). Its buffer lives four windows, B(s+1) to B(s-2), so consecutive such stages hold up to
+# (NOTE: [Twin chunks] in runtime/optim.py). A master in the compute dtype is the weights the stage's
+# backward prefetch brought into its weight slot, and the step rounds into them there. So the
+# `opt:S` buffer holds an fp32 master, the states, and twins of `TWIN_CHUNK` elements at most (of
+# the largest tensor, for an fp32 master's gradient). Its buffer lives four windows, B(s+1) to B(s-2), so consecutive such stages hold up to
 # four at once: with twins of the whole stage (a 72B layer's 0.88 G parameters, 12 bytes each) that
 # was 7 GB a buffer more, and the 72B's least budget on the H200 box 159 GiB at 4 x 1024.
-def backward_step_bytes(numel: int, state_bytes: float, master: int = MASTER_BYTES, largest_numel: int = 0) -> int:
-    """The `opt:S` GPU buffer of a stage stepped in backward: master and states, and the fp32
-    twins and rounding noise a tensor steps through."""
+def backward_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES,
+                        largest_numel: int = 0) -> int:
+    """The `opt:S` GPU buffer of a stage stepped in backward: the master (none where it is the
+    weights, which the weight slot holds), the states, and the fp32 twins and rounding noise a
+    tensor steps through."""
     largest = largest_numel or numel
     twins = TWIN_BYTES * min(largest, TWIN_CHUNK) if master != MASTER_BYTES else MASTER_BYTES * largest
-    return gpu_step_state_bytes(numel, state_bytes, master) + twins
+    weights = param_bytes if param_bytes == master * numel else 0
+    return gpu_step_state_bytes(numel, state_bytes, master) - weights + twins
 
 
 # NOTE: [Flushed updates] A GPU-stepped streamed stage's update waits for its next prefetch; anything

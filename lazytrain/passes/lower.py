@@ -203,7 +203,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
             if dec[s].backward_step:  # NOTE: [Backward step twins] in footprint.py
-                b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_numel, stages.state_bytes, M, g.largest_numel))
+                b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel))
             elif dec[s].gpu_step and not dec[s].disk_step:  # at the prefetch
                 b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
                                                                  g.largest_numel), g.param_numel, P, n))

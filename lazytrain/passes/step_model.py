@@ -207,7 +207,7 @@ class StepModel:
             d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out - copy) * fwd
             opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
                               g.param_numel, P, n)
-            back_bytes = backward_step_bytes(g.param_numel, stages.state_bytes, M, g.largest_numel)  # NOTE: [Backward step twins]
+            back_bytes = backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel)  # NOTE: [Backward step twins]
             for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
                 mem[t] = mem[t] + opt_bytes * fwd
             if 2 <= s < S - 1:  # NOTE: [Backward steps]

@@ -81,6 +81,9 @@ class GpuStepper:
             master = self.store.home[p].detach()  # the master, or this rank's piece (NOTE: [Sharded state])
             if master.dtype == torch.float32:
                 u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
+            elif in_backward and self.store.source_is_master(p):  # NOTE: [Backward step twins]: the
+                # weight slot's prefetch brings the master itself; the step rounds into it
+                u.arrived[p] = self.store.slot_view(stage, p)
             else:  # a bf16 master comes in as it is; step() widens it into an fp32 twin (the copy
                 # streams run copies only: a kernel there waits for SMs and holds up the copies behind it)
                 u.arrived[p] = carve.take(master.shape, master.dtype).copy_(master, non_blocking=True)
@@ -157,8 +160,9 @@ class GpuStepper:
         else:
             whole["step"] = stepped["step"]  # every piece stepped the count it started from once
         weights = into[p] if into is not None else self.store.mine(p, self.store.work[p].data)
-        with torch.no_grad():
-            weights.copy_(u.arrived[p].view(weights.shape))
+        if weights.data_ptr() != u.arrived[p].data_ptr():  # else the step rounded into the weights
+            with torch.no_grad():
+                weights.copy_(u.arrived[p].view(weights.shape))
 
     def _step(self, stage: int, group: int, u: _Update, names: tuple[str, ...], into) -> None:
         """`step` of the parameters `names` of `u`, in one call of the optimizer."""
