@@ -74,6 +74,7 @@ def _cases() -> list[Case]:
             Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="104GB")]
     # issue targets on the whole box (128 GB host, its 64 GB disk): fp32 masters of the 32B, the 72B
     out += [Case("qwen2.5-32b", 32, 1024, "8bit", "fp32", "max", host="128GB"),
+            Case("qwen2.5-72b", 8, 1024, "8bit", "bf16", "max", host="128GB"),
             Case("qwen2.5-72b", 16, 1024, "8bit", "bf16", "max", host="128GB"),
             Case("qwen2.5-72b", 32, 1024, "8bit", "bf16", "max", host="128GB")]
     return out
