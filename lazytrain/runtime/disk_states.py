@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -213,8 +214,7 @@ class _Ring:
         self.reads: dict[int, Future] = {}
         self.writes: list[Future] = []
         self.written: dict[int, Future] = {}  # stage -> its last write, which its next read waits for
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="lazytrain-ring-read")
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="lazytrain-ring-write")
+        self.reader, self.writer = _Worker("lazytrain-ring-read"), _Worker("lazytrain-ring-write")
 
     def read(self, order) -> None:
         """This step's reads, in the order its backward steps the stages."""
@@ -252,6 +252,31 @@ class _Ring:
         for w in self.writes:
             w.result(timeout=self.WAIT_S)
         self.writes.clear()
+
+
+class _Worker:
+    """One daemon thread running what is submitted, in order: a read left waiting for a buffer by a
+    step that failed does not hold the process's exit (a pool's threads are joined at exit)."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        self.jobs.put((f, fn, args))
+        return f
+
+    def _loop(self) -> None:
+        while True:
+            f, fn, args = self.jobs.get()
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 -- the waiting thread re-raises it
+                f.set_exception(exc)
+            del f, fn, args  # no reference to the ring left while idle: its file goes with it
 
 
 def _staging(nbytes: int, pinned: PinnedArena | None) -> torch.Tensor:

@@ -100,9 +100,9 @@ class GpuStepper:
                 u.state[p] = {k: carve.take(v.shape, v.dtype).copy_(v, non_blocking=True) if torch.is_tensor(v) else v
                               for k, v in home.items()}
             else:  # NOTE: [First step's states]
-                fp32 = u.master.get(p)  # the twin's shape and dtype, where it has no twin of its own yet
-                if fp32 is None:
-                    fp32 = torch.empty(master.shape, dtype=torch.float32, device="meta")
+                fp32 = u.master.get(p)  # the twin's shape, dtype and device, where it has no twin of its own:
+                if fp32 is None:  # a view of one element of the twins (bitsandbytes reads the device)
+                    fp32 = u.grad_twin.as_strided(master.shape, (0,) * master.dim())
                 u.state[p] = self.optimizer.fresh_state(stage, fp32, carve.take)
         self.live[stage] = u
 
