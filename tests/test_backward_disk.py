@@ -21,7 +21,7 @@ from lazytrain.summary import summary
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.pipeline import for_states
-from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, decisions, forced,
+from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
                     model_pair, offload_files, token_batch, unique_name)
 
 HW = hardware.load("cpu")
@@ -112,3 +112,12 @@ def test_resume_is_bit_identical(gpt, tmp_path):
     graph, stages, batch, real = gpt
     text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
     assert_disk_resume_bit_identical(text, real, batch, tmp_path, **HP)
+
+
+def test_only_the_ring_holds_their_states_on_the_host(gpt, tmp_path):
+    """The ring's three buffers, and no staging buffer of the host-stepped kind beside them (the
+    plan counts none)."""
+    graph, stages, batch, real = gpt
+    trainer, _ = bind_source(forced(graph, stages, batch, decisions(SPEC), HW).source_text, real,
+                             offload_dir=str(tmp_path), **HP)
+    assert trainer.disk_states.buffers == [] and len(trainer.disk_states.ring.buffers) == DISK_RING
