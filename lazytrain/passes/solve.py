@@ -389,8 +389,9 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # searched plan holds on the device, host memory included.
 SEARCH_DISK_STEPS = False
 # NOTE: [Backward steps where nothing else fits]
-# Steps in backward (NOTE: [Backward steps] in step_model.py) are searched only where no plan without
-# them fits the budget (then also by `smallest_budget`, so a refusal names the least with them). On
+# Steps in backward (NOTE: [Backward steps] in step_model.py), and with the disk tier their states on
+# disk (NOTE: [Backward steps from disk] there), are searched only where no plan without them fits
+# the budget (then also by `smallest_budget`, so a refusal names the least with them). On
 # the H200 box (2026-12-01, bench/results/backward_steps) the 32B at max (16 x 1024, bf16 masters),
 # where host memory does not bind, measured 8.97 s with them against 8.16 predicted, and the plan
 # without them 8.72 s against 8.74: slower, and 10 % off their plan, where the windows are short for

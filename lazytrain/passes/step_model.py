@@ -447,7 +447,9 @@ class StepModel:
 # is released as backward starts, and by the end of B(s+2) the disk must have done the reads and
 # writes of stages s and up (a write happens after its step, a read of a later stage before it: the
 # total, which is what binds, is the disk's). Reads the ring lets run during the forward are not
-# counted (at most DISK_RING of them), so a disk-bound plan is predicted a little long.
+# counted (at most DISK_RING of them), and reads and writes count in series at the profile's rates,
+# so a disk-bound plan is predicted long: the 72B shape at 8 x 1024 on the H200 box (32 such blocks,
+# 57 GB read and written a step) measured 57.82 s against 62.76 predicted (bench/README.md).
 # NOTE: [Resident masters on the device]
 # A resident stage's master is its home on the GPU (NOTE: [Parameter homes] in runtime/store.py):
 # `bind` moves it there (`lazytrain train` loads it there: NOTE: [Masters built in place]), and the
