@@ -208,7 +208,7 @@ def test_a_job_released_last_and_due_first_gets_time_of_its_own():
     fit between k's release and its deadline, in the plan's windows. With
     compute 10 times slower and the disk 4 times, block 1's job fits in its own long backward
     window, and block 0's job, released last, must not count on that time."""
-    from lazytrain.passes.step_model import job_intervals
+    from lazytrain.passes.backlog import job_intervals
 
     slow = dataclasses.replace(HW, achieved_fraction=HW.achieved_fraction / 10,
                                disk_read_bandwidth=HW.disk_read_bandwidth / 4,

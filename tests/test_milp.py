@@ -220,9 +220,9 @@ def test_plan_windows_are_the_bytes_the_schedule_holds():
 def _host_work(jobs, caps, costs, *, split: bool, deadlines: bool = False) -> float:
     """The least sum over the windows of costs[w] * done[w] + max(0, done[w] - caps[w]), where each
     job (release, due, seconds) runs in windows release..due (due: the last window, unless
-    `deadlines`): through `step_model.backlog`, or (`split`) one part per (job, window) as each
+    `deadlines`): through `backlog.backlog`, or (`split`) one part per (job, window) as each
     stage's own split would place it."""
-    from lazytrain.passes.step_model import backlog
+    from lazytrain.passes.backlog import backlog
 
     n = len(caps)
     windows = list(range(n))

@@ -98,7 +98,8 @@ from lazytrain.passes.footprint import (
 )
 from lazytrain.passes.limits import limits
 from lazytrain.passes.shards import sharded_deferred_bytes, sharded_tail, sharding
-from lazytrain.passes.step_model import StepModel, byte_unit, job_intervals
+from lazytrain.passes.backlog import job_intervals
+from lazytrain.passes.step_model import StepModel, byte_unit
 from lazytrain.units import format_size
 
 
@@ -217,7 +218,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
             m += x == value
     model = StepModel(stages, hw, v, m)
     exposed = _exposure(m, model, hw, v, cuts)
-    intervals = job_intervals(model)  # NOTE: [Jobs due in release order's reverse] in step_model.py
+    intervals = job_intervals(model)  # NOTE: [Jobs due in release order's reverse] in backlog.py
     if intervals:
         block = m.add_var("job_block", lb=0.0)  # the longest disk-stepped job, in units of `unit_s`
         for *_, job in model.host_jobs:
@@ -383,7 +384,7 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # predicted (5.08 before the jobs ran by deadline and read ahead), and the 32B at max on a 104 GB
 # host 11.51 s against 10.72 with its host peak 1.2 GiB over the plan's (98.0 of 96.8 GiB, the
 # reserve included), not yet explained. The 7B's remaining wait was a job released last and due
-# first, behind a running one; with both in the plan (NOTE: [Jobs due in release order's reverse]),
+# first, behind a running one; with both in the plan (NOTE: [Jobs due in release order's reverse] in backlog.py),
 # the two measured plans re-evaluate at 4.55 and 11.73 s, but plans made with them are unmeasured.
 # A plan the runtime cannot keep is worse than a slower one, so the search keeps them out until a
 # searched plan holds on the device, host memory included.
