@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lazytrain.hardware import Hardware
 from lazytrain.passes.blocks import STATE_BYTES, Stages
 from lazytrain.runtime.carve import aligned
+from lazytrain.runtime.disk_states import RING_SIZE
 from lazytrain.runtime.optim import TWIN_CHUNK
 
 LOSS_BYTES = 4
@@ -118,9 +119,7 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
-# NOTE: [Backward steps from disk] in step_model.py: one buffer being read, one whose states are on
-# the GPU for the step, one being written back, so the disk never waits on the ring
-DISK_RING = 3
+DISK_RING = RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in step_model.py)
 
 
 def disk_available(hw: Hardware) -> bool:

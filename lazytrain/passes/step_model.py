@@ -338,7 +338,7 @@ class StepModel:
                 m += slot >= (disk_step_slot(stages, s) / self.unit) * dst[s]
             self.mem = [t + slot * self.unit for t in self.mem]
             self.tail = self.tail + slot * self.unit
-            self._backward_from_disk(bdk, PRE, TAIL)
+            self._backward_from_disk(bdk, TAIL)
         else:
             for x in bdk:
                 m += x == 0
@@ -350,7 +350,7 @@ class StepModel:
             self.host = self.host + buffers * self.unit
         self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
 
-    def _backward_from_disk(self, bdk, PRE: int, TAIL: int) -> None:
+    def _backward_from_disk(self, bdk, TAIL: int) -> None:
         """NOTE: [Backward steps from disk]: the ring their states pass through on the host, and the
         disk's reads and writes, each stage's done by the window before its backward prefetch."""
         st, m, L, S = self.st, self.m, self.L, len(self.st)

@@ -29,6 +29,11 @@ from lazytrain.runtime.disk import ALIGN, OffloadFile, aligned_empty
 from lazytrain.runtime.pinned import PinnedArena
 
 
+# NOTE: [Backward steps from disk] in passes/step_model.py: one buffer being read, one whose states
+# are on the GPU for the step, one being written back, so the disk never waits on the ring
+RING_SIZE = 3
+
+
 def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors of `p`'s state that its first step makes (and `fresh_state` cuts with `take`),
     by key: (shape, dtype). Probed on the meta device, so nothing is allocated."""
@@ -40,7 +45,7 @@ def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int
 class DiskStates:
     def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path,
                  pinned: PinnedArena | None = None, always_fresh: frozenset[int] = frozenset(),
-                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(), ring_size: int = 3):
+                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(), ring_size: int = RING_SIZE):
         """`homes`: stage (its optimizer group) -> the parameters its step updates. `pinned`: the
         arena the staging buffers come from, page-locked at their size where it pins (GPU jobs copy
         from them; NOTE: [Pinned arena] in pinned.py). `always_fresh`: stages whose first step makes
