@@ -69,7 +69,7 @@ def _cases() -> list[Case]:
     out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "min"), Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "max")]
     for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32)):  # clipped runs: host steps after backward
         out += [Case(model, batch, 1024, "8bit", "bf16", "24GiB", clip) for clip in ("exact", "previous-norm")]
-    # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in passes/step_model.py)
+    # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in passes/disk_model.py)
     out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="44GB"),
             Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="104GB")]
     # issue targets on the whole box (128 GB host, its 64 GB disk): fp32 masters of the 32B, the 72B
@@ -207,7 +207,7 @@ def _run_schedule(case: Case, path: Path, model, data, args) -> dict:
 
 def _time_disk_jobs(trainer) -> list | None:
     """Disk-stepped stages' jobs timed in their phases (NOTE: [Disk-stepped stages] in
-    passes/step_model.py): the states' read, the GPU part as issued, the write back; rows (phase,
+    passes/disk_model.py): the states' read, the GPU part as issued, the write back; rows (phase,
     stage, start, end) on `time.perf_counter`, beside each step's start. From the GPU part's issue
     to the write back, the job waits for the GPU part."""
     if getattr(trainer, "disk_stepper", None) is None or not trainer.disk_stepper.params:

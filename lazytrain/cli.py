@@ -177,8 +177,9 @@ def parser() -> argparse.ArgumentParser:
                         "the host wait for the end of backward), previous-norm (clip by the previous step's norm; "
                         "steps run during backward), or off (no clipping)")
     c.add_argument("--disk", action="store_true",
-                   help="let the plan keep host-stepped stages' optimizer states on disk where host memory runs short "
-                        "(the profile's disk_bytes and disk rates; bind's offload_dir holds them)")
+                   help="let the plan keep optimizer states, and stage outputs between forward and backward, on disk "
+                        "where host memory runs short (the profile's disk_bytes and disk rates; bind's offload_dir "
+                        "holds them)")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")
@@ -210,10 +211,10 @@ def parser() -> argparse.ArgumentParser:
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
     t.add_argument("--disk", action="store_true",
-                   help="when compiling on the fly: let the plan keep host-stepped stages' optimizer states on disk "
-                        "where host memory runs short")
+                   help="when compiling on the fly: let the plan keep optimizer states, and stage outputs between "
+                        "forward and backward, on disk where host memory runs short")
     t.add_argument("--offload-dir", default=None,
-                   help="an existing directory for optimizer states a schedule keeps on disk (default: the run "
+                   help="an existing directory for what a schedule keeps on disk (default: the run "
                         "directory's offload/); the file is preallocated before training and removed at the end")
     t.add_argument("--steps", type=_at_least(1), default=None,
                    help="steps the run ends at (default 200; on --resume, the run's own)")

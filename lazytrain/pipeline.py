@@ -132,7 +132,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
     runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
     previous step's) or "off" (bind then refuses `max_grad_norm`). `disk` lets the plan keep host-stepped
     stages' optimizer states on disk where host memory runs short (NOTE: [Disk-resident states] in
-    passes/step_model.py); the runtime keeps them under bind's `offload_dir`."""
+    passes/disk_model.py); the runtime keeps them under bind's `offload_dir`."""
     hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
     if dtype is not None:
         model = model.to(dtype)

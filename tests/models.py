@@ -310,7 +310,8 @@ def repair(stages, raw) -> list[StageDecision]:
     stream only with weights, and (but for the last stage) only when recomputing; chunked stages do
     not recompute; offload or drop only when the stage recomputes (a saving stage's autograd graph
     holds its outputs until its backward); offload only when every
-    consumer recomputes and the last consumer is not the last stage; drop only for chain stages with
+    consumer recomputes and the last consumer is not the last stage; to disk only as offload, with
+    the disk tier, and when the last consumer is stage S-3 or earlier; drop only for chain stages with
     resident weights whose next stage recomputes and none of whose producers offload."""
     S = len(stages)
     rec = [bool(r[1]) and stages[s].chunks == 1 for s, r in enumerate(raw)]
@@ -318,15 +319,17 @@ def repair(stages, raw) -> list[StageDecision]:
     stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]
     for s, g in enumerate(stages):
+        if outs[s] is OutMode.DISK and (not stages.disk or not g.consumers or g.consumers[-1] > S - 3):
+            outs[s] = OutMode.OFFLOAD
         if outs[s] is not OutMode.KEEP and g.chunks == 1 and g.consumers and not rec[s]:
             outs[s] = OutMode.KEEP
-        if outs[s] is OutMode.OFFLOAD and (
+        if outs[s].offloaded and (
                 not g.consumers or g.consumers[-1] == S - 1 or not all(rec[c] for c in g.consumers)):
             outs[s] = OutMode.KEEP
         if outs[s] is OutMode.DROP and (not g.chain or stream[s] or not rec[s + 1]):
             outs[s] = OutMode.KEEP
     for s in range(S):
-        if outs[s] is OutMode.DROP and any(outs[p] is OutMode.OFFLOAD for p in producers(stages, s)):
+        if outs[s] is OutMode.DROP and any(outs[p].offloaded for p in producers(stages, s)):
             outs[s] = OutMode.KEEP
     gpu_step = [stream[s] and len(r) > 3 and bool(r[3]) for s, r in enumerate(raw)]
     ahead = [2 if gpu_step[s] and s >= 2 and len(r) > 4 and r[4] else 1 for s, r in enumerate(raw)]
@@ -341,12 +344,13 @@ def decisions(spec) -> list[StageDecision]:
     same, stepped right after its backward; D: streamed, stepped on the host with its states on disk;
     X: streamed, stepped on the GPU by a job that reads its states from disk; K: the same as B, its
     states on disk),
-    "r"/"R": internals saved/recomputed, "k"/"o"/"d": outputs kept/offloaded/dropped.
+    "r"/"R": internals saved/recomputed, "k"/"o"/"d"/"f": outputs kept/offloaded/dropped/offloaded
+    on to the offload file.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SGEDXBK", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP}[mode],
+        out.append(StageDecision(stream in "SGEDXBK", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP, "f": OutMode.DISK}[mode],
                                  stream in "GEXBK", 2 if stream == "E" else 1, stream in "DXK", stream in "BK"))
     return out
 

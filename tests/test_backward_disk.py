@@ -1,5 +1,5 @@
 """Steps in backward whose states live on disk (NOTE: [Backward steps from disk] in
-passes/step_model.py): the plan takes their states off the host, puts them on the disk, keeps a
+passes/disk_model.py): the plan takes their states off the host, puts them on the disk, keeps a
 ring of three buffers on the host and counts the disk's seconds; replay equals eager, 8-bit steps
 equal the same steps with the states in memory to the bit, AdamW steps equal torch's, and a resumed
 run is bit-identical. The solver chooses them only where nothing else fits."""

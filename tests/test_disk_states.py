@@ -1,4 +1,4 @@
-"""The disk tier (NOTE: [Disk-resident states] in passes/step_model.py): host-stepped stages' AdamW
+"""The disk tier (NOTE: [Disk-resident states] in passes/disk_model.py): host-stepped stages' AdamW
 moments kept in the offload file between steps. The plan counts them off the host and on the disk,
 with one staging buffer and the disk's time in the host step; the runtime's steps equal
 torch.optim.AdamW's, a resumed run is bit-identical, and a bad offload directory or a small disk

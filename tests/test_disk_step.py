@@ -1,4 +1,4 @@
-"""Disk-stepped stages (NOTE: [Disk-stepped stages] in passes/step_model.py): streamed stages whose
+"""Disk-stepped stages (NOTE: [Disk-stepped stages] in passes/disk_model.py): streamed stages whose
 optimizer states live in the offload file and whose step is a job on the host worker that reads
 them, steps on the device in one shared slot, and writes them back. The plan counts the states off
 the host and on the disk, the slot in every window and the job's seconds; the runtime's steps
@@ -203,7 +203,7 @@ def test_host_jobs_with_a_deadline_run_the_most_urgent_ready_one_first():
 
 
 def test_a_job_released_last_and_due_first_gets_time_of_its_own():
-    """NOTE: [Jobs due in release order's reverse] in passes/step_model.py: for each stage k, the
+    """NOTE: [Jobs due in release order's reverse] in passes/backlog.py: for each stage k, the
     host work of stages 0..k and the longest disk-stepped job (one running when k's is released)
     fit between k's release and its deadline, in the plan's windows. With
     compute 10 times slower and the disk 4 times, block 1's job fits in its own long backward

@@ -13,7 +13,7 @@ import jinja2
 from lazytrain.codegen.printers import print_event
 from lazytrain.ir.dump import format_arg, format_call, format_value
 from lazytrain.ir.graph import Graph, OpKind
-from lazytrain.ir.plan import Plan
+from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.footprint import weights_from_master
@@ -179,6 +179,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         + (", from_master=True" if from_master[s.index] else "")
         + (", grads_freed=True" if s.index in schedule.grads_freed else "")
         + (", cast_weights=True" if d.cast_weights else "")
+        + (f", out_bytes={s.out_bytes}" if d.outputs is OutMode.DISK else "")
         + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"

@@ -11,6 +11,14 @@ class OutMode(enum.Enum):
     KEEP = "keep"  # stay in GPU memory
     OFFLOAD = "offload"  # copied to host after the forward consumers, reloaded before backward
     DROP = "drop"  # freed after the next stage's forward, recomputed in backward
+    # offloaded as OFFLOAD is, then written from host memory to the offload file, and read back into
+    # host memory before the reload (NOTE: [Activations on disk] in passes/disk_model.py)
+    DISK = "disk"
+
+    @property
+    def offloaded(self) -> bool:
+        """Leaves the GPU between its forward consumers and its reload: to host memory or to disk."""
+        return self in (OutMode.OFFLOAD, OutMode.DISK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +35,7 @@ class StageDecision:
     lookahead: int = 1
     # Streamed only: its optimizer states live on disk between steps. Host-stepped: its AdamW moments,
     # read in before its host step and written back after it (NOTE: [Disk-resident states] in
-    # passes/step_model.py); with `gpu_step`, its states, and its step is a job of its own that reads
+    # passes/disk_model.py); with `gpu_step`, its states, and its step is a job of its own that reads
     # them, steps on the GPU and writes them back (NOTE: [Disk-stepped stages] there)
     disk: bool = False
     # GPU-stepped only: the step runs right after the stage's backward, on the gradient there (no host
@@ -57,7 +65,7 @@ class StageDecision:
     @property
     def disk_backward(self) -> bool:
         """Stepped in backward, its states read from disk before and written back after (NOTE:
-        [Backward steps from disk] in passes/step_model.py)."""
+        [Backward steps from disk] in passes/disk_model.py)."""
         return self.backward_step and self.disk
 
     @property

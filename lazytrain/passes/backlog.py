@@ -1,6 +1,6 @@
 """The workers the step model schedules work on besides the GPU's streams: the host worker (host
 optimizer steps, disk-stepped jobs) and the disk (NOTE: [Backward steps from disk] in
-step_model.py). `backlog` spreads a worker's work over the windows it may run in; `job_intervals`
+disk_model.py). `backlog` spreads a worker's work over the windows it may run in; `job_intervals`
 checks the host worker's jobs that are due in the reverse of their release order.
 """
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # NOTE: [Jobs due in release order's reverse]
 # The backlog (NOTE: [Host step backlog]) checks that by each window the host worker has had the
 # time for what is due by then, whichever job it ran; that is the whole story only when no job
-# released later is due sooner. A disk-stepped stage's job (NOTE: [Disk-stepped stages] in step_model.py) is
+# released later is due sooner. A disk-stepped stage's job (NOTE: [Disk-stepped stages] in disk_model.py) is
 # released at B(s-2) and due before its prefetch at F(s-2) of the next step: the last released is
 # due first, and the worker runs the most urgent ready job (NOTE: [Host jobs by deadline] in
 # runtime/streams.py). Work done before a job's release does not help it: on the H200 (7B at 24

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazytrain.hardware import Hardware
-from lazytrain.passes.blocks import STATE_BYTES, Stages
+from lazytrain.passes.blocks import STATE_BYTES, Stage, Stages
 from lazytrain.runtime.carve import aligned
+from lazytrain.runtime.disk_acts import RING_SIZE as ACT_RING_SIZE
+from lazytrain.runtime.disk_acts import region_bytes
 from lazytrain.runtime.disk_states import RING_SIZE
 from lazytrain.runtime.optim import TWIN_CHUNK
 
@@ -119,7 +121,14 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
-DISK_RING = RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in step_model.py)
+DISK_RING = RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in disk_model.py)
+ACT_RING = ACT_RING_SIZE  # the runtime's ring of outputs on disk (NOTE: [Activations on disk] in disk_model.py)
+
+
+def disk_act_bytes(g: Stage) -> int:
+    """Stage `g`'s outputs in the offload file and in a ring buffer, as the runtime carves them
+    (NOTE: [Activations on disk] in disk_model.py)."""
+    return region_bytes(g.out_bytes, len(g.outputs))
 
 
 def disk_available(hw: Hardware) -> bool:
@@ -129,7 +138,7 @@ def disk_available(hw: Hardware) -> bool:
 
 def disk_state_bytes(numel: int) -> int:
     """A host-stepped stage's AdamW moments, which the disk tier may hold (NOTE: [Disk-resident
-    states] in step_model.py): fp32, as a host step keeps them."""
+    states] in disk_model.py): fp32, as a host step keeps them."""
     return int(CPU_STATE_BYTES * numel)
 
 
@@ -145,7 +154,7 @@ def disk_step_s(numel: int, hw: Hardware) -> float:
 
 def disk_gpu_state_bytes(numel: int, state_bytes: float) -> int:
     """A disk-stepped stage's optimizer states, which live in the offload file between its steps
-    (NOTE: [Disk-stepped stages] in step_model.py): in the precision a GPU step keeps them."""
+    (NOTE: [Disk-stepped stages] in disk_model.py): in the precision a GPU step keeps them."""
     return int(state_bytes * numel)
 
 
@@ -153,7 +162,7 @@ def disk_gpu_job_s(param_bytes: int, numel: int, tensors: int, hw: Hardware, sta
                    master: int = MASTER_BYTES) -> float:
     """One disk-stepped stage's job on the host worker, in series: its states read from disk, its
     master, states and gradient to the GPU, the step, new weights, master and states back, and the
-    states written to disk (NOTE: [Disk-stepped stages] in step_model.py)."""
+    states written to disk (NOTE: [Disk-stepped stages] in disk_model.py)."""
     fetch = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
     out = gpu_step_out_bytes(param_bytes, numel, state_bytes, master)
     return (disk_io_s(disk_gpu_state_bytes(numel, state_bytes), hw) + fetch / hw.h2d_bandwidth
@@ -268,7 +277,7 @@ def flush_bytes(stages: Stages, s: int) -> int:
 
 def disk_step_slot(stages: Stages, s: int) -> int:
     """What stage `s`'s disk job holds on the GPU: it steps one tensor at a time, so the optimizer
-    slot and new weights of its largest tensor (NOTE: [Disk-stepped stages] in step_model.py)."""
+    slot and new weights of its largest tensor (NOTE: [Disk-stepped stages] in disk_model.py)."""
     g = stages[s]
     numel = g.largest_numel or g.param_numel
     nbytes = -(-g.param_bytes * numel // max(1, g.param_numel))

@@ -210,10 +210,10 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
-        if dec[s].outputs is OutMode.OFFLOAD:
+        if dec[s].outputs.offloaded:
             b.buffer(f"host:act:{s}", "host", g.out_bytes)
 
-    slot = disk_step_slot_bytes(stages, dec)  # NOTE: [Disk-stepped stages] in step_model.py
+    slot = disk_step_slot_bytes(stages, dec)  # NOTE: [Disk-stepped stages] in disk_model.py
     if slot:
         b.buffer("dstep", "gpu", slot, persistent=True)
     producers = {s: g.producers for s, g in enumerate(stages)}
@@ -281,7 +281,6 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 gather(s, f"w:{s}", after=(stepped[s],))
 
     def step_out(s: int):
-        g = stages[s]
         if dec[s].at_prefetch:
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],), moved=weights_bytes(s))
@@ -291,7 +290,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     def host_step(s: int):
         """A streamed stage's step on the host worker once its gradient has landed: AdamW on the CPU,
-        or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in step_model.py)."""
+        or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in disk_model.py)."""
         if not dec[s].gpu_step or dec[s].disk_step:
             b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="disk" if dec[s].disk_step else "cpu")
 
@@ -336,7 +335,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             gpu_step(s)
         step_out(s)
         for p in producers[s]:
-            if dec[p].outputs is OutMode.OFFLOAD and s == p + 1:
+            if dec[p].outputs.offloaded and s == p + 1:
                 b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
         save = not dec[s].recompute and g.chunks == 1
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
@@ -350,7 +349,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
         for p in producers[s]:
             mode = dec[p].outputs
-            if (mode is OutMode.OFFLOAD and stages[p].consumers[-1] == s) or (mode is OutMode.DROP and s == p + 1):
+            if (mode.offloaded and stages[p].consumers[-1] == s) or (mode is OutMode.DROP and s == p + 1):
                 b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
 
     # ---- backward ---------------------------------------------------------------------------
@@ -363,7 +362,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         elif s - 1 >= 0 and dec[s - 1].stream:
             b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",), moved=weights_bytes(s - 1))
         for p in range(S):
-            if dec[p].outputs is OutMode.OFFLOAD and stages[p].consumers[-1] + 1 == s:
+            if dec[p].outputs.offloaded and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
         if s + 1 < S and n > 1:  # NOTE: [Sharded state] in runtime/sharding.py
             reduce(s + 1)

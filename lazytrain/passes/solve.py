@@ -83,6 +83,7 @@ from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
     deferred_step_bytes,
+    disk_act_bytes,
     disk_available,
     disk_gpu_state_bytes,
     disk_io_s,
@@ -104,7 +105,7 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "bdisk", "free", "cast")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "bdisk", "adisk", "free", "cast")
 
 
 def _vars(m: mip.Model, stages: Stages, hw: Hardware):
@@ -124,7 +125,10 @@ def _vars(m: mip.Model, stages: Stages, hw: Hardware):
         m += v["bstep"][s] <= v["gstep"][s] - v["ahead"][s]
         if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
             v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
-        m += v["bdisk"][s] <= v["bstep"][s]  # NOTE: [Backward steps from disk] in step_model.py
+        m += v["bdisk"][s] <= v["bstep"][s]  # NOTE: [Backward steps from disk] in disk_model.py
+        m += v["adisk"][s] <= off  # NOTE: [Activations on disk] in disk_model.py: read back by the window before their reload
+        if not g.consumers or g.consumers[-1] > len(stages) - 3:
+            v["adisk"][s].ub = 0.0
         # NOTE: [Resident gradients freed at their step] in footprint.py
         m += v["free"][s] <= 1 - sig
         if not can_free_grads(stages, hw, s, sharding(stages)):
@@ -184,7 +188,7 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
         m += e >= d * (k / hw.d2h_bandwidth) - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
         m += e >= c * k - cap * k
-        m += e >= model.disk_io[t] * k - cap * k  # NOTE: [Backward steps from disk] in step_model.py
+        m += e >= model.disk_io[t] * k - cap * k  # NOTE: [Backward steps from disk] in disk_model.py
         if isinstance(model.beside[t], mip.LinExpr):  # NOTE: [Device steps beside compute]
             m += e >= model.beside[t] * k
         if cuts:  # NOTE: [Exposure cuts] in cuts.py
@@ -207,8 +211,8 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     # NOTE: [Disk steps not searched], NOTE: [Backward steps where nothing else fits]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
     backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
-    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps), ("bdisk", backward_steps))
-                  if not searched]
+    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps), ("bdisk", backward_steps),
+                                        ("adisk", backward_steps)) if not searched]
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
@@ -254,7 +258,7 @@ def _decisions(v, S, val) -> list[StageDecision]:
     out = []
     for s in range(S):
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
-        mode = OutMode.OFFLOAD if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
+        mode = (OutMode.DISK if on["adisk"] else OutMode.OFFLOAD) if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
         out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
                                  on["disk"] or on["dstep"] or on["bdisk"], on["bstep"], on["free"], on["cast"]))
     return out
@@ -291,9 +295,9 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 def _start(v, decisions: list[StageDecision]) -> dict:
     """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan)."""
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
-        ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs is OutMode.OFFLOAD),
+        ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs.offloaded),
         ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk_step), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step), ("bdisk", d.disk_backward),
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step), ("bdisk", d.disk_backward), ("adisk", d.outputs is OutMode.DISK),
         ("free", d.free_grads), ("cast", d.cast_weights))}
 
 
@@ -319,12 +323,14 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
 
 
 def disk_bytes(stages: Stages, s: int, d: StageDecision) -> int:
-    """What stage `s` keeps on disk: a host-stepped stage's fp32 moments, a disk-stepped stage's
-    states (NOTE: [Disk-resident states], NOTE: [Disk-stepped stages] in step_model.py)."""
-    if not d.disk:
-        return 0
+    """What stage `s` keeps on disk: a host-stepped stage's fp32 moments, a GPU-stepped stage's
+    states (NOTE: [Disk-resident states], NOTE: [Disk-stepped stages] in disk_model.py), and its
+    outputs between forward and backward (NOTE: [Activations on disk] there)."""
     g = stages[s]
-    return disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step else disk_state_bytes(g.param_numel)
+    acts = disk_act_bytes(g) if d.outputs is OutMode.DISK else 0
+    if not d.disk:
+        return acts
+    return acts + (disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step else disk_state_bytes(g.param_numel))
 
 
 def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
@@ -336,7 +342,7 @@ def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     if n > 1:
         return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
     flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.at_prefetch), default=0)  # NOTE: [Flushed updates]
-    slot = disk_step_slot_bytes(stages, decisions)  # NOTE: [Disk-stepped stages] in step_model.py
+    slot = disk_step_slot_bytes(stages, decisions)  # NOTE: [Disk-stepped stages] in disk_model.py
     return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + slot + sum(
         resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - (g.param_bytes if d.cast_weights else 0)
         + (0 if d.free_grads else resident_grad_bytes(g.param_bytes, g.param_numel, M))
@@ -377,7 +383,7 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 
 
 # NOTE: [Disk steps not searched]
-# The solver does not choose disk-stepped stages (NOTE: [Disk-stepped stages] in step_model.py) yet;
+# The solver does not choose disk-stepped stages (NOTE: [Disk-stepped stages] in disk_model.py) yet;
 # plans with them are evaluated (`evaluate`, the tests' forced plans) and the runtime runs them. On
 # the H200 box (2026-12-01, bench/README.md) both searched plans that ran keep their GPU budgets,
 # but neither is the truth yet: the 7B at 24 GiB on a 44 GB host took 4.47 s a step against 3.95

@@ -10,9 +10,9 @@ import mip
 from lazytrain.hardware import Hardware
 from lazytrain.passes.backlog import backlog
 from lazytrain.passes.blocks import Stages
+from lazytrain.passes.disk_model import disk_tier
 from lazytrain.passes.footprint import (
     CPU_STATE_BYTES,
-    DISK_RING,
     HOST_STEP_BYTES,
     MASTER_BYTES,
     Layout,
@@ -24,10 +24,6 @@ from lazytrain.passes.footprint import (
     deferred_step_bytes,
     disk_available,
     disk_gpu_job_s,
-    disk_gpu_state_bytes,
-    disk_io_s,
-    disk_state_bytes,
-    disk_step_slot,
     disk_step_s,
     fixed_bytes,
     flush_bytes,
@@ -185,8 +181,8 @@ class StepModel:
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
             host_s = (sig[s] - gst[s] - dst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
-            job_s = 0.0  # a disk-stepped stage's job: due only before its next prefetch (NOTE: [Disk-stepped stages])
-            if disk_ok:  # NOTE: [Disk-resident states]
+            job_s = 0.0  # a disk-stepped stage's job: due only before its next prefetch (NOTE: [Disk-stepped stages] in disk_model.py)
+            if disk_ok:  # NOTE: [Disk-resident states] in disk_model.py
                 host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw)
                 job_s = dst[s] * disk_gpu_job_s(g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
                 self.optimizer = self.optimizer + dst[s] * step_s
@@ -264,7 +260,7 @@ class StepModel:
         # NOTE: [Host step deadlines] in runtime/stepping.py's [Gradient clipping]: unclipped, host
         # steps end by the step's end (the runtime waits for them there); with exact clipping they
         # start after backward and run on into the next step's forward, each done before its prefetch;
-        # disk-stepped stages' jobs may always do so (NOTE: [Disk-stepped stages])
+        # disk-stepped stages' jobs may always do so (NOTE: [Disk-stepped stages] in disk_model.py)
         into_forward = [PRE] + [L.fw(j) for j in range(S - 2)]
         hosted = [TAIL] + into_forward if exact else list(range(S, T)) + [TAIL] + (into_forward if disk_ok else [])
         for w, done in backlog(m, released, hosted, self.unit_s, due if exact or disk_ok else None).items():
@@ -311,37 +307,7 @@ class StepModel:
                 - bst[s] * g.param_bytes + off[s] * g.out_bytes
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
-        # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
-        disk, bdk = vars_["disk"], vars_["bdisk"]
-        on_disk = [disk_state_bytes(g.param_numel) * disk[s] + disk_gpu_state_bytes(g.param_numel, stages.state_bytes) * dst[s]
-                   for s, g in enumerate(stages)]
-        # NOTE: [Backward steps from disk]: their states, which pass through the ring, not the staging buffer
-        in_ring = [disk_gpu_state_bytes(g.param_numel, stages.state_bytes) * bdk[s] for s, g in enumerate(stages)]
-        self.disk = mip.xsum(x * (1.0 / self.unit) for x in on_disk + in_ring) * self.unit
-        self.disk_io = [0.0] * (T + 2)  # seconds of disk reads and writes in a window
-        if disk_ok:
-            self.floors.append(self.disk * (1.0 / self.unit))  # among equally fast plans, the least on disk
-            staging = m.add_var("disk_staging", lb=0.0)  # in units of `unit` bytes
-            self.floors.append(staging)
-            for x in on_disk:
-                m += staging >= x * (1.0 / self.unit)
-            # NOTE: [Disk reads ahead] in runtime/disk_states.py: the next job's, disk-stepped
-            ahead = m.add_var("disk_staging_ahead", lb=0.0)  # in units of `unit` bytes
-            self.floors.append(ahead)
-            for s, g in enumerate(stages):
-                m += ahead >= (disk_gpu_state_bytes(g.param_numel, stages.state_bytes) / self.unit) * dst[s]
-            self.host = self.host + (staging + ahead) * self.unit - self.disk
-            # NOTE: [Disk-stepped stages] one GPU slot the jobs take turns in, for the whole step
-            slot = m.add_var("disk_step_slot", lb=0.0)  # in units of `unit` bytes
-            self.floors.append(slot)
-            for s in range(S):
-                m += slot >= (disk_step_slot(stages, s) / self.unit) * dst[s]
-            self.mem = [t + slot * self.unit for t in self.mem]
-            self.tail = self.tail + slot * self.unit
-            self._backward_from_disk(bdk, TAIL)
-        else:
-            for x in bdk:
-                m += x == 0
+        disk_tier(self, disk_ok, TAIL)  # the offload file: its bytes, the host they free, the disk's seconds
         if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
             buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
             self.floors.append(buffers)
@@ -349,24 +315,6 @@ class StepModel:
                 m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s] - dst[s])
             self.host = self.host + buffers * self.unit
         self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
-
-    def _backward_from_disk(self, bdk, TAIL: int) -> None:
-        """NOTE: [Backward steps from disk]: the ring their states pass through on the host, and the
-        disk's reads and writes, each stage's done by the window before its backward prefetch."""
-        st, m, L, S = self.st, self.m, self.L, len(self.st)
-        ring = m.add_var("disk_ring", lb=0.0)  # one buffer, in units of `unit` bytes
-        self.floors.append(ring)
-        released, due = [0.0] * (TAIL + 1), [0.0] * (TAIL + 1)
-        for s, g in enumerate(st):
-            state = disk_gpu_state_bytes(g.param_numel, st.state_bytes)
-            m += ring >= (state / self.unit) * bdk[s]
-            io = disk_io_s(state, self.hw) * bdk[s]
-            released[L.bw(S - 1)] += io
-            due[L.bw(min(s + 2, S - 1))] += io
-        self.host = self.host + (DISK_RING * self.unit) * ring
-        windows = [L.bw(w) for w in range(S - 1, -1, -1)] + [TAIL]
-        for w, done in backlog(m, released, windows, self.unit_s, due).items():
-            self.disk_io[w] = self.disk_io[w] + done
 
     def _sharded(self, s, g, mem, comm, h2d, d2h, sig, gst):
         """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
@@ -434,24 +382,6 @@ class StepModel:
 # Not the first two stages: B(s-2) is a window of backward. The step cannot know this step's global norm, so
 # it needs clipping off or previous-norm (NOTE: [Gradient clipping] in runtime/stepping.py). Sharded
 # state keeps its REDUCE path.
-# NOTE: [Backward steps from disk]
-# A stage stepped in backward (NOTE: [Backward steps]) may keep its optimizer states in the offload
-# file (`bdisk`, a `StageDecision` with `backward_step` and `disk`): they come into host memory only
-# around the step, into one of DISK_RING page-locked buffers (footprint.py), which the H2D beside
-# the backward prefetch reads and the write-back after the step fills; a disk thread reads them in
-# before B(s+1), in the order backward needs them, and writes them back once the write-back has
-# landed, so the host holds neither the gradient (as any step in backward) nor the states: only the
-# weights (the master, for bf16 masters). Of the 4 bytes a parameter a streamed stage in backward
-# keeps on the host with 8-bit states and bf16 masters, that takes 2 to the disk. It is the only
-# kind whose disk bytes leave host memory altogether: a disk-stepped or host-stepped stage keeps a
-# gradient buffer for its job, as large as the states a bf16 master's 8-bit step moves to the disk.
-# The disk's time is counted as a worker of its own (`backlog`): every such stage's read and write
-# is released as backward starts, and by the end of B(s+2) the disk must have done the reads and
-# writes of stages s and up (a write happens after its step, a read of a later stage before it: the
-# total, which is what binds, is the disk's). Reads the ring lets run during the forward are not
-# counted (at most DISK_RING of them), and reads and writes count in series at the profile's rates,
-# so a disk-bound plan is predicted long: the 72B shape at 8 x 1024 on the H200 box (32 such blocks,
-# 57 GB read and written a step) measured 57.82 s against 62.76 predicted (bench/README.md).
 # NOTE: [Resident masters on the device]
 # A resident stage's master is its home on the GPU (NOTE: [Parameter homes] in runtime/store.py):
 # `bind` moves it there (`lazytrain train` loads it there: NOTE: [Masters built in place]), and the
@@ -459,44 +389,6 @@ class StepModel:
 # streamed stages' masters. (Counted for every stage, the 32B disk plan at 104 GB spent 41.0 of its
 # 94.8 GiB of host on masters the device also held.) On a CPU the device is host memory: every
 # master counts. Sharded state keeps the full weights in the model's parameters (its own branch).
-# NOTE: [Disk-stepped stages]
-# The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a `StageDecision`
-# with both `gpu_step` and `disk`): their optimizer states (8-bit or 32-bit, as a GPU step keeps
-# them) live in the offload file. A GPU step at the next prefetch (`gstep`) cannot use the disk:
-# the prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
-# reading a layer's states takes far longer (1 GB at 2 GB/s), so every state would sit in host
-# memory from a read long before its window to a write long after it. Instead such a stage's step
-# is a job on the host worker. It may start once its gradient has landed (after backward with exact
-# clipping) and must end before its next prefetch, which waits for it; unlike a host step it may
-# run on into the next forward whatever the clipping, as it is I/O and holds no CPU the launching
-# thread needs (NOTE: [Host step deadlines] in runtime/stepping.py). The job reads the states into
-# the staging buffer (page-locked), sends master, states and gradient to one GPU slot
-# (`disk_step_slot`, held for the whole step), one tensor at a time, steps it there on the
-# optimizer stream, brings the new weights (and a separate master) back to the host copies
-# the prefetches read and the states to the staging buffer, and writes them to disk. All of it in
-# series (the next job's read may overlap it: NOTE: [Disk reads ahead] in runtime/disk_states.py, not
-# counted), so its seconds (`disk_gpu_job_s`, mostly the disk's) enter the host backlog; the step
-# itself runs beside compute, which loses `gpu_step_lost` of it. The job's own PCIe copies (a 32B
-# layer's 3 GB in and 2 GB out take 0.1 s against its disk's 1 s) are not in the windows' link
-# rows. The host keeps the master, the compute copy (none with fp32 masters: NOTE: [Weights from the
-# master] in footprint.py) and the gradient buffer; the disk the states.
-# Measured on the 1-GPU H200 box's disk (a virtio block device, bench/disk_engines.py, 2026-12-01:
-# 4.3 GB a pass of 256 MiB regions, direct, page-locked), 16 threads of 8 MiB chunks wrote 2.94 GB/s
-# and read 1.96, and the two at once moved 2.30 GB/s together: each byte of state read and written
-# back a step costs about 0.85 s per GB, so a step of P seconds hides about P / 0.85 GB of it.
-# NOTE: [Disk-resident states]
-# The third tier, for host-stepped streamed stages (`Stages.disk`, `lazytrain compile --disk`): such a
-# stage's fp32 AdamW moments (8 bytes a parameter, `disk_state_bytes`) may live in the offload file
-# (runtime/disk.py) instead of host memory. Its host step reads them into one page-aligned staging
-# buffer, steps, and writes them back before the next host step starts (runtime/disk_states.py), so
-# host memory holds the largest such stage's moments once (`disk_staging`) and the disk holds the
-# rest, within the profile's `disk_bytes`. The reads and writes run in series with the step, on the
-# host worker: the job's seconds grow by the moments over the disk's read and write rates, and so
-# enter the host backlog and its windows like the step itself. (On the H200 box's disk, 1.74 GB/s
-# read and 2.16 GB/s write sustained, a 7B layer's 1.87 GB of moments take 1.9 s to read and write
-# back against its step's 0.05 s: the solver keeps them on disk only where host memory binds. A
-# 1.5B plan with 5 such blocks measured within 6 % of its step with the box's own disk rates.)
-# Sharded data parallel keeps them in host memory (each rank's share is already 1/N).
 # NOTE: [Replicated all-reduce]
 # Without sharded state (8-bit states, `--replicate-state`) each stage's gradients are all-reduced
 # in place as its backward ends, on the compute stream (NOTE: [Data parallel] in

@@ -32,18 +32,23 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import queue
 import threading
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lazytrain import files
 from lazytrain.errors import ResourceError
 from lazytrain.runtime.carve import aligned
+
+if TYPE_CHECKING:
+    from lazytrain.runtime.pinned import PinnedArena
 
 ALIGN = 4096
 # NOTE: [Offload chunks] A transfer is cut into chunks of CHUNK_BYTES run on `threads` threads, so
@@ -304,3 +309,40 @@ def _open_direct(path: Path) -> int | None:
         if exc.errno in _UNSUPPORTED:
             return None
         raise
+
+
+class Worker:
+    """One daemon thread running what is submitted, in order, for the rings of disk_states.py and
+    disk_acts.py: a read left waiting for a buffer by a step that failed does not hold the process's
+    exit (a pool's threads are joined at exit)."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        self.jobs.put((f, fn, args))
+        return f
+
+    def _loop(self) -> None:
+        while True:
+            f, fn, args = self.jobs.get()
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 -- the waiting thread re-raises it
+                f.set_exception(exc)
+            del f, fn, args  # no reference to the ring left while idle: its file goes with it
+
+
+def staging_buffer(nbytes: int, pinned: PinnedArena | None) -> torch.Tensor:
+    """`nbytes` at a page-aligned address (direct transfers), from `pinned` where given: at their
+    size, not the pinned allocator's next power of two (a 32B layer's 0.99 GB of 8-bit states held
+    1 GiB, twice, beside the plan's count)."""
+    if pinned is None:
+        return aligned_empty(nbytes)
+    buf = pinned.empty((nbytes + ALIGN,), torch.uint8)
+    skip = -buf.data_ptr() % ALIGN
+    return buf[skip:skip + nbytes]

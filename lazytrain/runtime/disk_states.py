@@ -1,5 +1,5 @@
 """Optimizer states on disk: the states of the streamed stages a plan keeps in the offload file between
-steps (NOTE: [Disk-resident states] and NOTE: [Disk-stepped stages] in passes/step_model.py).
+steps (NOTE: [Disk-resident states] and NOTE: [Disk-stepped stages] in passes/disk_model.py).
 
 Each such stage's step (a host step, or a disk-stepped stage's GPU job, on the single host worker,
 so one at a time) runs between `load` and `store`: `load` reads its states from the file into a
@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from lazytrain.runtime.carve import Carver, aligned, nbytes
-from lazytrain.runtime.disk import ALIGN, OffloadFile, aligned_empty
+from lazytrain.runtime.disk import ALIGN, OffloadFile, Worker, staging_buffer
 from lazytrain.runtime.pinned import PinnedArena
 
 
-# NOTE: [Backward steps from disk] in passes/step_model.py: one buffer being read, one whose states
+# NOTE: [Backward steps from disk] in passes/disk_model.py: one buffer being read, one whose states
 # are on the GPU for the step, one being written back, so the disk never waits on the ring
 RING_SIZE = 3
 
@@ -52,7 +51,7 @@ class DiskStates:
         every parameter's states (GPU steps: their gradients are not in `.grad`). `ahead`: stages
         whose states may be read ahead, into a second buffer (NOTE: [Disk reads ahead]). `ring`:
         stages stepped in backward whose states pass through `ring_size` buffers of their own, read
-        and written on threads of their own (NOTE: [Backward steps from disk] in passes/step_model.py)."""
+        and written on threads of their own (NOTE: [Backward steps from disk] in passes/disk_model.py)."""
         self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh | ring
         self.pin = pinned is not None and pinned.pin
         self.layout = {(s, i): _layout(optimizer, s, p) for s, ps in homes.items() for i, p in enumerate(ps)}
@@ -65,7 +64,7 @@ class DiskStates:
         # over its plan with an unused staging buffer the size of a layer's states)
         sizes = [max((b for s, b in self.stage_bytes.items() if s not in ring), default=0),
                  max((self.stage_bytes[s] for s in ahead), default=0)]
-        self.buffers = [_staging(n, pinned) for n in sizes if n]
+        self.buffers = [staging_buffer(n, pinned) for n in sizes if n]
         self.held: dict[int, int] = {}  # stage -> the buffer its states are in (loaded, or being read ahead)
         self.reads: dict[int, list] = {}  # stage -> its reads ahead still to be waited for
         self.on_disk: set[tuple[int, int]] = set()  # (stage, parameter index) whose states are in the file
@@ -203,7 +202,7 @@ class DiskStates:
 
 class _Ring:
     """The buffers stages stepped in backward take their states through (NOTE: [Backward steps from
-    disk] in passes/step_model.py). A reader thread reads each stage's states, in the order backward
+    disk] in passes/disk_model.py). A reader thread reads each stage's states, in the order backward
     steps them, into the next free buffer (waiting for one); the step's fetch waits for its read
     (`load`); once the write-back after the step has landed, a writer thread writes them to the file
     and frees the buffer (`store`). Two threads, so a read waiting for a buffer never holds up the
@@ -214,7 +213,7 @@ class _Ring:
 
     def __init__(self, states: DiskStates, stages: frozenset[int], size: int, pinned: PinnedArena | None):
         self.states, self.stages = states, stages
-        self.buffers = [_staging(max(states.stage_bytes[s] for s in stages), pinned) for _ in range(size)]
+        self.buffers = [staging_buffer(max(states.stage_bytes[s] for s in stages), pinned) for _ in range(size)]
         self.free: queue.Queue[int] = queue.Queue()
         for b in range(size):
             self.free.put(b)
@@ -222,7 +221,7 @@ class _Ring:
         self.reads: dict[int, Future] = {}
         self.writes: list[Future] = []
         self.written: dict[int, Future] = {}  # stage -> its last write, which its next read waits for
-        self.reader, self.writer = _Worker("lazytrain-ring-read"), _Worker("lazytrain-ring-write")
+        self.reader, self.writer = Worker("lazytrain-ring-read"), Worker("lazytrain-ring-write")
 
     def read(self, order) -> None:
         """This step's reads, in the order its backward steps the stages."""
@@ -260,42 +259,6 @@ class _Ring:
         for w in self.writes:
             w.result(timeout=self.WAIT_S)
         self.writes.clear()
-
-
-class _Worker:
-    """One daemon thread running what is submitted, in order: a read left waiting for a buffer by a
-    step that failed does not hold the process's exit (a pool's threads are joined at exit)."""
-
-    def __init__(self, name: str):
-        self.jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def submit(self, fn, *args) -> Future:
-        f: Future = Future()
-        self.jobs.put((f, fn, args))
-        return f
-
-    def _loop(self) -> None:
-        while True:
-            f, fn, args = self.jobs.get()
-            if not f.set_running_or_notify_cancel():
-                continue
-            try:
-                f.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 -- the waiting thread re-raises it
-                f.set_exception(exc)
-            del f, fn, args  # no reference to the ring left while idle: its file goes with it
-
-
-def _staging(nbytes: int, pinned: PinnedArena | None) -> torch.Tensor:
-    """`nbytes` at a page-aligned address (direct transfers), from `pinned` where given: at their
-    size, not the pinned allocator's next power of two (a 32B layer's 0.99 GB of 8-bit states held
-    1 GiB, twice, beside the plan's count)."""
-    if pinned is None:
-        return aligned_empty(nbytes)
-    buf = pinned.empty((nbytes + ALIGN,), torch.uint8)
-    skip = -buf.data_ptr() % ALIGN
-    return buf[skip:skip + nbytes]
 
 
 def staging_bytes(layouts) -> int:

@@ -207,7 +207,7 @@ class GpuStepper:
 
     def step_from_disk(self, stage: int, group: int, hyper: dict, coef: float, slot: torch.Tensor) -> None:
         """A disk-stepped stage's update in `slot` (NOTE: [Disk-stepped stages] in
-        passes/step_model.py), its states already loaded into host memory: one parameter at a time,
+        passes/disk_model.py), its states already loaded into host memory: one parameter at a time,
         its master, states and gradient in, the step, its new weights, master and states out, all on
         the current stream (which orders each parameter's use of the slot after the last one's), and
         the caller synchronizes it before the states go back to disk."""

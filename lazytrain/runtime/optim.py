@@ -344,7 +344,7 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
             # NOTE: [Shared quantisation maps] bitsandbytes' `init_state` moves the optimizer's shared
             # quantisation maps to the device of the parameter it initialises, then puts them in that
             # parameter's state: the maps follow whichever parameter was initialised last. A disk job
-            # (NOTE: [Disk-stepped stages] in passes/step_model.py) makes a stage's first states for its
+            # (NOTE: [Disk-stepped stages] in passes/disk_model.py) makes a stage's first states for its
             # host master on the host worker while the main thread makes a GPU-stepped stage's on the
             # device; on the H200 the 32B plan with disk-stepped blocks stopped in its first steps with
             # a host map in a device step's state. `fresh_state` initialises on its own copy of the maps.

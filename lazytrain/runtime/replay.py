@@ -70,6 +70,8 @@ class Replay:
             Kind.RELOAD: self._reload, Kind.FREE: self._free, Kind.REDUCE: self._reduce, Kind.GATHER: self._gather,
         }
         self.sharding = self.sharded and optimize  # NOTE: [Sharded state] in sharding.py
+        if self.act_disk is not None:  # NOTE: [Activations on disk] in passes/disk_model.py
+            self.act_disk.begin()
         deferred, gathers = [], {}
         coef = self._early_coefficient() if optimize and not self.serial_optimizer else None  # None: steps wait
         # NOTE: [Backward steps], [Resident gradients freed at their step]: they cannot wait for this step's norm
@@ -387,6 +389,9 @@ class Replay:
                     host = self.host_grad[name] = self.pinned.empty(g.shape, g.dtype)
                 host.copy_(g, non_blocking=True)
                 self.fresh.add(name)
+        elif self.stages[e.stage].outputs_mode == "disk":  # NOTE: [Activations on disk] in passes/disk_model.py
+            outputs = {name: self.env[name] for name in self.stages[e.stage].outputs if name in self.env}
+            self.act_disk.offload(e.stage, outputs, self._landed)
         else:
             for name in self.stages[e.stage].outputs:
                 if name in self.env:
@@ -397,12 +402,22 @@ class Replay:
                     host.copy_(t, non_blocking=True)
 
     def _reload(self, e: Event):
+        if self.stages[e.stage].outputs_mode == "disk":  # NOTE: [Activations on disk] in passes/disk_model.py
+            for name, host in self.act_disk.reload(e.stage).items():
+                self.env[name] = self._to_device(host, copy=True)  # the buffer goes back to the ring
+            self.act_disk.release(e.stage, self._landed())
+            return
         for name in self.stages[e.stage].outputs:
             if name in self.host_act:
-                t = self.host_act[name].to(self.device, non_blocking=True)
-                if self.cuda:
-                    t.record_stream(self.streams.stream(Stream.COMPUTE))
-                self.env[name] = t
+                self.env[name] = self._to_device(self.host_act[name])
+
+    def _to_device(self, host: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """A reloaded output on the device, for compute; `copy`: a tensor of its own even on a CPU
+        (where `.to` would return `host` itself)."""
+        t = host.to(self.device, non_blocking=True, copy=copy)
+        if self.cuda:
+            t.record_stream(self.streams.stream(Stream.COMPUTE))
+        return t
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")

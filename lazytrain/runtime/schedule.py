@@ -38,7 +38,7 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
 # stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py); 7: `CLIPPING`,
 # the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py); 8: `Stage.disk`, optimizer
-# states kept on disk (NOTE: [Disk-resident states] in passes/step_model.py); 9: `Stage.disk` with `gpu_step`,
+# states kept on disk (NOTE: [Disk-resident states] in passes/disk_model.py); 9: `Stage.disk` with `gpu_step`,
 # a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
 # buffer; NOTE: [Disk-stepped stages] there); 10: `Stage.backward_step`, GPU steps right after the stage's
 # backward (NOTE: [Backward steps] there); 11: `Stage.from_master`, prefetches cast from the fp32 master
@@ -47,8 +47,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # `Stage.cast_weights`, a resident stage's weights cast from its master before each use (NOTE:
 # [Resident weights cast on use] there); 13: `Stage.disk` with `backward_step`, a stage stepped in backward
 # whose states pass through a ring of host buffers from the offload file (NOTE: [Backward steps from disk]
-# in passes/step_model.py)
-FORMAT_VERSION = 13
+# in passes/disk_model.py); 14: `outputs_mode` "disk" with `Stage.out_bytes`, outputs kept in the offload file
+# between forward and backward (NOTE: [Activations on disk] in passes/disk_model.py)
+FORMAT_VERSION = 14
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -93,6 +94,7 @@ class Stage:
     from_master: bool = False  # prefetched from its fp32 master, no compute-dtype host copy (runtime/store.py)
     grads_freed: bool = False  # resident: its gradients dropped after B(s-2), its step issued by then (runtime/replay.py)
     cast_weights: bool = False  # resident: no compute copy; cast from the master into a slot before each use (runtime/store.py)
+    out_bytes: int = 0  # with outputs_mode "disk": its outputs' bytes, which size its region of the offload file (runtime/disk_acts.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

@@ -26,7 +26,7 @@ Letting them run on into the next forward measured slower than the plan on the H
 launching thread sharing the CPU). With exact clipping they start after backward and run beside the
 next step's forward, each done before its stage's prefetch, which waits for it. A disk-stepped
 stage's job, which waits on its disk and holds little CPU, always may (NOTE: [Disk-stepped stages] in
-passes/step_model.py).
+passes/disk_model.py).
 
 NOTE: [Optimizer stream]
 Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
@@ -199,7 +199,7 @@ class Stepping:
                         self.store.home[p].grad.mul_(coef)
             self.optimizer.step_group(self._group(s), hyper)
 
-        if e.device == "disk":  # NOTE: [Disk-stepped stages] in passes/step_model.py
+        if e.device == "disk":  # NOTE: [Disk-stepped stages] in passes/disk_model.py
             self.fresh.difference_update(names)  # its job consumes the gradients in the host buffers
             # the next forward reads stage s at its prefetch: the lower, the sooner (NOTE: [Host jobs by deadline])
             self.cpu_jobs[s] = self.streams.host(e, lambda: self._disk_step(s, hyper, coef), due=s)

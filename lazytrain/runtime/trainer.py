@@ -28,11 +28,12 @@ from types import ModuleType
 import torch
 
 from lazytrain.errors import ScheduleMismatch
-from lazytrain.ir.events import Event
+from lazytrain.ir.events import Event, Kind
 from lazytrain.runtime import model_sync
 from lazytrain.runtime.data_parallel import DataParallel
-from lazytrain.runtime.gpu_step import GpuStepper
+from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.disk_states import DiskStates
+from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
@@ -135,8 +136,7 @@ class Trainer(Replay, Stepping, ShardedState):
             groups.append(group)
         self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
-        # NOTE: [Disk-resident states] and [Disk-stepped stages] in passes/step_model.py: under
-        # `offload_dir` (default: the temp directory)
+        # NOTE: [Disk-resident states] and [Disk-stepped stages] in passes/disk_model.py: under
         # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
         on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
         in_backward = frozenset(s.index for s in self.stages if getattr(s, "backward_step", False))
@@ -145,6 +145,10 @@ class Trainer(Replay, Stepping, ShardedState):
         self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
                                       always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),
                                       ring=frozenset(on_disk) & in_backward) if on_disk else None
+        # NOTE: [Activations on disk] in passes/disk_model.py: outputs through a ring of their own
+        acts = [s for s in self.stages if s.outputs_mode == "disk"]
+        reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in {s.index for s in acts}]
+        self.act_disk = DiskActivations(acts, reloads, offload_dir or tempfile.gettempdir(), self.pinned) if acts else None
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
         self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed

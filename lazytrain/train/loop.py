@@ -264,9 +264,11 @@ def _train(args, ranks: Ranks | None) -> dict:
 
 
 def _offload_dir(args, run_dir, schedule) -> str | None:
-    """Where a schedule with optimizer states on disk keeps them (NOTE: [Disk-resident states] in
-    passes/step_model.py): --offload-dir, else the run directory's `offload/`, else the temp directory."""
-    if args.offload_dir is not None or not any(getattr(s, "disk", False) for s in schedule.STAGES):
+    """Where a schedule with optimizer states or stage outputs on disk keeps them (NOTE: [Disk-resident
+    states], NOTE: [Activations on disk] in passes/disk_model.py): --offload-dir, else the run
+    directory's `offload/`, else the temp directory."""
+    if args.offload_dir is not None or not any(getattr(s, "disk", False) or s.outputs_mode == "disk"
+                                               for s in schedule.STAGES):
         return args.offload_dir
     if run_dir is None:
         return None
