@@ -72,6 +72,9 @@ def _cases() -> list[Case]:
     # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in passes/disk_model.py)
     out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="44GB"),
             Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="104GB")]
+    # stage outputs on disk (NOTE: [Activations on disk] in passes/disk_model.py): long rows on a small
+    # host, beside the same budget with the whole host, where they go to host memory
+    out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "40GiB", host=host) for host in ("128GB", "36GB")]
     # issue targets on the whole box (128 GB host, its 64 GB disk): fp32 masters of the 32B, the 72B
     out += [Case("qwen2.5-32b", 32, 1024, "8bit", "fp32", "max", host="128GB"),
             Case("qwen2.5-72b", 8, 1024, "8bit", "bf16", "max", host="128GB"),
@@ -131,6 +134,17 @@ def _status_kib(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     return -1
+
+
+def _io_bytes() -> tuple[int, int] | None:
+    """Bytes this process has read from and written to storage so far (/proc/self/io's read_bytes
+    and write_bytes: what reached the block layer, so direct transfers count and page-cache hits
+    do not); None where the kernel does not say."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def _clear_host_peak() -> bool:
@@ -237,14 +251,20 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     times, losses = [], []
     jobs = _time_disk_jobs(trainer) if args.events else None
+    io = None
     for i in range(args.warmup + args.steps):
         trainer.record_timeline = i == args.warmup + args.steps - 1
+        if i == args.warmup:
+            io = _io_bytes()
         start = time.perf_counter()
         if jobs is not None:
             jobs.append(("step", i, start, start))
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    io_after = _io_bytes()
+    # storage read and written per timed step (its last writes may land after it: `synchronize` drains them)
+    disk_io = [(b - a) / args.steps for a, b in zip(io, io_after)] if io and io_after else None
     # the allocator freed its cache and retried (a device-wide sync): a plan at its cap stalls there
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     windows = _windows(module, trainer.timeline)
@@ -280,7 +300,9 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "host_reserve_bytes": HOST_RESERVE,
         "step_s": step_s, "step_times_s": times[args.warmup:], "losses": losses, "bind_s": bind_s,
         "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved, "host_peak_bytes": host_peak,
-        "alloc_retries": retries,
+        "alloc_retries": retries, "predicted_disk_bytes": module.PREDICTED.get("disk_bytes", 0),
+        "disk_read_bytes_per_step": disk_io[0] if disk_io else None,
+        "disk_written_bytes_per_step": disk_io[1] if disk_io else None,
         "windows": windows, **({"events": events} if events is not None else {}),
         **({"disk_jobs": jobs} if jobs else {}), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "commit": _commit(),

@@ -24,7 +24,7 @@ from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.units import format_size
-from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, bind_source, decisions, forced,
+from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
                     offload_files, tiny_gpt_pair, unique_name)
 
 HW = hardware.load("cpu")
@@ -191,3 +191,15 @@ def test_a_refused_budget_names_the_disk_where_it_would_fit(gpt):
     with pytest.raises(InfeasibleBudget) as plain_refusal:
         solve(stages, small, with_disk - 4096, time_limit=20)
     assert "--disk" not in str(plain_refusal.value)
+
+
+def test_bf16_masters_keep_fp32_moments_on_disk(tmp_path):
+    """A bf16 master's host step runs through an fp32 twin (NOTE: [bf16 master weights] in
+    runtime/optim.py), so its moments are fp32, as the plan counts them: the file's regions hold
+    them, and the steps equal those with the moments in host memory, to the bit."""
+    meta, real, batch = tiny_gpt_pair()
+    graph, stages = analyse(meta, batch, HW, master_weights="bf16")
+    stages = dataclasses.replace(stages, disk=True)
+    texts = [forced(graph, stages, batch, decisions(spec), HW).source_text
+             for spec in (["-rk", "SRk", "SRk", "SRk", "-rk"], SPEC)]
+    assert_same_steps(texts, real.to(torch.bfloat16), batch, tmp_path, **HP)

@@ -287,16 +287,20 @@ def state_piece(state: dict, lo: int, hi: int, numel: int) -> dict:
 
 def _adamw_fresh_state(group: dict, param: torch.Tensor, take) -> dict:
     """`torch.optim.AdamW`'s lazy state initialisation (`Adam._init_group`), with the moments cut by
-    `take`: `step` on the parameter's device when fused or capturable, else a host scalar."""
+    `take`: `step` on the parameter's device when fused or capturable, else a host scalar. The
+    moments are those of the fp32 twin a 16-bit master steps through (NOTE: [bf16 master weights]):
+    fp32. (Made in the master's dtype, a bf16 master's moments on disk had regions half their size:
+    the 7B at 1 x 65536 on the H200, 2026-12-02.)"""
     from torch.optim.optimizer import _get_scalar_dtype
 
     on_device = bool(group.get("fused") or group.get("capturable"))
+    dtype = torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
     state = {"step": take((), _get_scalar_dtype(is_fused=bool(group.get("fused")))).zero_() if on_device
              else torch.tensor(0.0, dtype=_get_scalar_dtype()),
-             "exp_avg": take(param.shape, param.dtype).zero_(),
-             "exp_avg_sq": take(param.shape, param.dtype).zero_()}
+             "exp_avg": take(param.shape, dtype).zero_(),
+             "exp_avg_sq": take(param.shape, dtype).zero_()}
     if group.get("amsgrad"):
-        state["max_exp_avg_sq"] = take(param.shape, param.dtype).zero_()
+        state["max_exp_avg_sq"] = take(param.shape, dtype).zero_()
     return state
 
 
