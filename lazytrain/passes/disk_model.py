@@ -85,7 +85,7 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
     """The disk as a worker of its own (`backlog`): outputs written in the forward, each by the time
     the ring needs its buffer again; states and outputs read (and states written) in backward, each
     by the window before the one that needs it (NOTE: [Backward steps from disk], NOTE: [Activations
-    on disk])."""
+    on disk]); and the reads and writes of the host worker's jobs (NOTE: [One disk])."""
     st, L, S, hw = model.st, model.L, len(model.st), model.hw
     released, due = [0.0] * (TAIL + 1), [0.0] * (TAIL + 1)
     for s, g in enumerate(st):
@@ -102,6 +102,10 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
             due[L.bw(last + 2)] += read
     windows = list(range(S)) + [L.bw(w) for w in range(S - 1, -1, -1)] + [TAIL]
     for w, done in backlog(model.m, released, windows, model.unit_s, due).items():
+        model.disk_io[w] = model.disk_io[w] + done
+    # NOTE: [One disk]: the host worker's jobs' reads and writes, in the windows those jobs may run in
+    # (into the next forward: the same windows, a step later)
+    for w, done in backlog(model.m, model.job_disk_released, model.hosted, model.unit_s, model.job_disk_due).items():
         model.disk_io[w] = model.disk_io[w] + done
 
 
@@ -125,6 +129,19 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
 # on a GPU yet: on the H200 box neither plan that ran lets host memory bind on activations (the
 # 72B at 8 x 1024 offloads none of them), and there each GB written and read back costs about
 # 1.4 s of disk (1.2 GB/s write, 1.7 read).
+# NOTE: [One disk]
+# Every kind of the tier reads and writes the same disk, so the disk's seconds in a window are the
+# sum of all of them, and a window lasts at least that long (`solve._exposure`): the outputs and the
+# states of steps in backward, which the disk worker schedules (`_disk_worker`), and the reads and
+# writes inside the host worker's jobs (host-stepped and disk-stepped stages'), spread by a backlog
+# of their own over the windows those jobs may run in, released and due with them. Those jobs still
+# count whole on the host worker too: each job's disk time holds the worker, and the same time holds
+# the disk. Counted on the host worker alone, the disk seemed free beside them: the 7B at 1 x 65536
+# with a 36 GB host on the H200 (2026-12-02, eaa5899; 3 host-stepped blocks' moments, 11 steps in
+# backward from disk and 8 blocks' outputs on disk, 14.1 GB read and 14.1 written a step, measured
+# with /proc/self/io to the plan's byte) was planned at 13.97 s with 14.62 s of disk time in it, and
+# took 17.01 s, the backward waiting at the reloads of outputs whose reads queued behind the host
+# steps' moments.
 # NOTE: [Backward steps from disk]
 # A stage stepped in backward (NOTE: [Backward steps] in step_model.py) may keep its optimizer states in the offload
 # file (`bdisk`, a `StageDecision` with `backward_step` and `disk`): they come into host memory only

@@ -22,6 +22,8 @@ from lazytrain.passes.footprint import (
     chunk_workspace,
     cpu_step_s,
     deferred_step_bytes,
+    disk_gpu_state_bytes,
+    disk_io_s,
     disk_available,
     disk_gpu_job_s,
     disk_step_s,
@@ -119,6 +121,8 @@ class StepModel:
         # per stage, with the disk tier: (window released, window due by, host worker seconds, of
         # them a disk-stepped job's)
         self.host_jobs: list[tuple[int, int, object, object]] = []
+        # of the host worker's jobs, the disk's seconds: released and due with their jobs (NOTE: [One disk] in disk_model.py)
+        self.job_disk_released, self.job_disk_due = [0.0] * (T + 2), [0.0] * (T + 2)
         from_master = [weights_from_master(stages, s) for s in range(S)]  # if GPU-stepped (gst, dst)
         for s, g in enumerate(stages):
             chunked = g.chunks > 1
@@ -185,6 +189,11 @@ class StepModel:
             if disk_ok:  # NOTE: [Disk-resident states] in disk_model.py
                 host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw)
                 job_s = dst[s] * disk_gpu_job_s(g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
+                host_disk = vars_["disk"][s] * disk_step_s(g.param_numel, hw)
+                job_disk = dst[s] * disk_io_s(disk_gpu_state_bytes(g.param_numel, stages.state_bytes), hw)
+                self.job_disk_released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_disk + job_disk
+                self.job_disk_due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += job_disk
+                self.job_disk_due[((TAIL, PRE)[s] if s < 2 else L.fw(s - 2)) if exact else TAIL] += host_disk
                 self.optimizer = self.optimizer + dst[s] * step_s
                 self.serial = self.serial + dst[s] * (step_s * hw.gpu_step_lost)  # beside compute
             else:
@@ -262,7 +271,7 @@ class StepModel:
         # start after backward and run on into the next step's forward, each done before its prefetch;
         # disk-stepped stages' jobs may always do so (NOTE: [Disk-stepped stages] in disk_model.py)
         into_forward = [PRE] + [L.fw(j) for j in range(S - 2)]
-        hosted = [TAIL] + into_forward if exact else list(range(S, T)) + [TAIL] + (into_forward if disk_ok else [])
+        hosted = self.hosted = [TAIL] + into_forward if exact else list(range(S, T)) + [TAIL] + (into_forward if disk_ok else [])
         for w, done in backlog(m, released, hosted, self.unit_s, due if exact or disk_ok else None).items():
             cpu[w] = cpu[w] + done
         # NOTE: [Device steps beside compute] in hardware/__init__.py: the optimizer stream runs its
