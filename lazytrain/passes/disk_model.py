@@ -125,10 +125,10 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
 # reader is stage S-3 or earlier go to disk. These are jobs of the disk worker, with the states of
 # steps in backward from disk (NOTE: [Backward steps from disk]); the disk's seconds enter each
 # window's exposure. The disk's other users (host-stepped and disk-stepped stages' jobs) count on
-# the host worker, not here: a plan with both is optimistic by their overlap. Nothing is measured
-# on a GPU yet: on the H200 box neither plan that ran lets host memory bind on activations (the
-# 72B at 8 x 1024 offloads none of them), and there each GB written and read back costs about
-# 1.4 s of disk (1.2 GB/s write, 1.7 read).
+# the host worker and on the disk (NOTE: [One disk]). On the H200 box (2026-12-02, 0dd0794, bench/
+# README.md) the 7B at 1 x 65536, 40 GiB, with a 36 GB host kept 12 blocks' outputs (470 MB each)
+# on disk beside other disk kinds, 12.21 GB read and written a step as planned, and took 14.34 s
+# against 13.98 predicted; with the whole host (outputs in host memory) 14.35 against 13.92.
 # NOTE: [One disk]
 # Every kind of the tier reads and writes the same disk, so the disk's seconds in a window are the
 # sum of all of them, and a window lasts at least that long (`solve._exposure`): the outputs and the
