@@ -65,8 +65,8 @@ class DiskActivations:
         """Before a step: whatever the last one left in flight done (reads still waiting for a
         buffer, after a step that failed, given up), every buffer free."""
         pending, self.pending = self.pending, []
-        if pending:
-            for _ in self.buffers:
+        if pending:  # one for every read that may wait: the old queue goes with this step
+            for _ in range(len(self.order) + len(self.buffers)):
                 self.free.put(_ABANDONED)
         for f in pending:
             f.exception(timeout=self.WAIT_S)  # a failed step's error was raised where it happened
