@@ -369,7 +369,7 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
 
 def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
     """Where the disk tier is off and would lower the smallest budget (host memory binds: with
-    optimizer states on disk more blocks can stream), by how much (NOTE: [Disk-resident states])."""
+    optimizer states on disk more blocks can stream), by how much (NOTE: [Disk-resident states] in disk_model.py)."""
     if stages.disk or sharding(stages) > 1 or not disk_available(hw):
         return ""
     try:
@@ -378,7 +378,7 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
         return ""
     if with_disk >= need:
         return ""
-    return (f", or let the plan keep optimizer states on disk (--disk), where the smallest feasible budget is "
+    return (f", or let the plan keep optimizer states and stage outputs on disk (--disk), where the smallest feasible budget is "
             f"{format_size(with_disk, round_up=True)}")
 
 
@@ -397,8 +397,9 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 SEARCH_DISK_STEPS = False
 # NOTE: [Backward steps where nothing else fits]
 # Steps in backward (NOTE: [Backward steps] in step_model.py), and with the disk tier their states on
-# disk (NOTE: [Backward steps from disk] there), are searched only where no plan without them fits
-# the budget (then also by `smallest_budget`, so a refusal names the least with them). On
+# disk (NOTE: [Backward steps from disk] in disk_model.py), are searched only where no plan without them fits
+# the budget (then also by `smallest_budget`, so a refusal names the least with them), and stage
+# outputs on disk with them (NOTE: [Activations on disk] there). On
 # the H200 box (2026-12-01, bench/results/backward_steps) the 32B at max (16 x 1024, bf16 masters),
 # where host memory does not bind, measured 8.97 s with them against 8.16 predicted, and the plan
 # without them 8.72 s against 8.74: slower, and 10 % off their plan, where the windows are short for

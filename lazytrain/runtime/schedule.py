@@ -41,7 +41,7 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # states kept on disk (NOTE: [Disk-resident states] in passes/disk_model.py); 9: `Stage.disk` with `gpu_step`,
 # a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
 # buffer; NOTE: [Disk-stepped stages] there); 10: `Stage.backward_step`, GPU steps right after the stage's
-# backward (NOTE: [Backward steps] there); 11: `Stage.from_master`, prefetches cast from the fp32 master
+# backward (NOTE: [Backward steps] in passes/step_model.py); 11: `Stage.from_master`, prefetches cast from the fp32 master
 # (NOTE: [Weights from the master] in passes/footprint.py); 12: `Stage.grads_freed`, a resident stage's
 # gradients dropped after B(s-2) (NOTE: [Resident gradients freed at their step] there), and
 # `Stage.cast_weights`, a resident stage's weights cast from its master before each use (NOTE:
