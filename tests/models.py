@@ -20,6 +20,7 @@ from torch import nn
 
 from lazytrain.codegen.render import render
 from lazytrain.ir.plan import OutMode, StageDecision
+from lazytrain.passes.footprint import can_put_outputs_on_disk
 from lazytrain.passes.lower import lower
 from lazytrain.passes.solve import evaluate
 from lazytrain.passes.verify import verify
@@ -319,7 +320,7 @@ def repair(stages, raw) -> list[StageDecision]:
     stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]
     for s, g in enumerate(stages):
-        if outs[s] is OutMode.DISK and (not stages.disk or not g.consumers or g.consumers[-1] > S - 3):
+        if outs[s] is OutMode.DISK and not (stages.disk and can_put_outputs_on_disk(stages, s)):
             outs[s] = OutMode.OFFLOAD
         if outs[s] is not OutMode.KEEP and g.chunks == 1 and g.consumers and not rec[s]:
             outs[s] = OutMode.KEEP

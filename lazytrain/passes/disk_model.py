@@ -14,6 +14,7 @@ from lazytrain.passes.backlog import backlog
 from lazytrain.passes.footprint import (
     ACT_RING,
     DISK_RING,
+    can_put_outputs_on_disk,
     disk_act_bytes,
     disk_gpu_state_bytes,
     disk_io_s,
@@ -35,8 +36,8 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
                for s, g in enumerate(st)]
     # NOTE: [Backward steps from disk]: their states, which pass through the ring, not the staging buffer
     in_ring = [disk_gpu_state_bytes(g.param_numel, st.state_bytes) * bdk[s] for s, g in enumerate(st)]
-    outputs = [disk_act_bytes(g) * adk[s] for s, g in enumerate(st)]  # NOTE: [Activations on disk]
-    model.disk = mip.xsum(x * (1.0 / unit) for x in on_disk + in_ring + outputs) * unit
+    states = mip.xsum(x * (1.0 / unit) for x in on_disk + in_ring) * unit  # all of it leaves the host
+    model.disk = states + mip.xsum(disk_act_bytes(g) * adk[s] for s, g in enumerate(st))  # NOTE: [Activations on disk]
     model.disk_io = [0.0] * (TAIL + 1)  # seconds of disk reads and writes in a window
     if not disk_ok:
         for x in bdk + adk:
@@ -53,8 +54,7 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
     for s, g in enumerate(st):
         m += ahead >= (disk_gpu_state_bytes(g.param_numel, st.state_bytes) / unit) * dst[s]
     # the host gives up what went to disk (outputs: only what offloading them had put there)
-    model.host = model.host + (staging + ahead) * unit - mip.xsum(x * (1.0 / unit) for x in on_disk + in_ring) * unit \
-        - mip.xsum(g.out_bytes * adk[s] for s, g in enumerate(st))
+    model.host = model.host + (staging + ahead) * unit - states - mip.xsum(g.out_bytes * adk[s] for s, g in enumerate(st))
     # NOTE: [Disk-stepped stages] one GPU slot the jobs take turns in, for the whole step
     slot = m.add_var("disk_step_slot", lb=0.0)  # in units of `unit` bytes
     model.floors.append(slot)
@@ -92,7 +92,7 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
         io = disk_io_s(disk_gpu_state_bytes(g.param_numel, st.state_bytes), hw) * bdk[s]
         released[L.bw(S - 1)] += io
         due[L.bw(min(s + 2, S - 1))] += io
-        if g.consumers and g.consumers[-1] <= S - 3:  # `solve._vars` allows no other
+        if can_put_outputs_on_disk(st, s):  # `solve._vars` allows no other
             last = g.consumers[-1]
             write = disk_act_bytes(g) / hw.disk_write_bandwidth * adk[s]
             released[L.fw(s + 1)] += write

@@ -125,6 +125,14 @@ DISK_RING = RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in
 ACT_RING = ACT_RING_SIZE  # the runtime's ring of outputs on disk (NOTE: [Activations on disk] in disk_model.py)
 
 
+def can_put_outputs_on_disk(stages: Stages, s: int) -> bool:
+    """Whether stage `s`'s outputs may go to disk: their read back is due by the window before their
+    reload at B(cmax+1), which must be a window of backward, so their last reader is stage S-3 or
+    earlier (NOTE: [Activations on disk] in disk_model.py)."""
+    g = stages[s]
+    return bool(g.consumers) and g.consumers[-1] <= len(stages) - 3
+
+
 def disk_act_bytes(g: Stage) -> int:
     """Stage `g`'s outputs in the offload file and in a ring buffer, as the runtime carves them
     (NOTE: [Activations on disk] in disk_model.py)."""

@@ -82,6 +82,7 @@ from lazytrain.passes import cuts as cuts_
 from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.footprint import (
+    can_put_outputs_on_disk,
     deferred_step_bytes,
     disk_act_bytes,
     disk_available,
@@ -127,7 +128,7 @@ def _vars(m: mip.Model, stages: Stages, hw: Hardware):
             v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
         m += v["bdisk"][s] <= v["bstep"][s]  # NOTE: [Backward steps from disk] in disk_model.py
         m += v["adisk"][s] <= off  # NOTE: [Activations on disk] in disk_model.py: read back by the window before their reload
-        if not g.consumers or g.consumers[-1] > len(stages) - 3:
+        if not can_put_outputs_on_disk(stages, s):
             v["adisk"][s].ub = 0.0
         # NOTE: [Resident gradients freed at their step] in footprint.py
         m += v["free"][s] <= 1 - sig

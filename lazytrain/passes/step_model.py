@@ -22,10 +22,10 @@ from lazytrain.passes.footprint import (
     chunk_workspace,
     cpu_step_s,
     deferred_step_bytes,
-    disk_gpu_state_bytes,
-    disk_io_s,
     disk_available,
     disk_gpu_job_s,
+    disk_gpu_state_bytes,
+    disk_io_s,
     disk_step_s,
     fixed_bytes,
     flush_bytes,
@@ -185,24 +185,24 @@ class StepModel:
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
             host_s = (sig[s] - gst[s] - dst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
+            release = L.bw(s - 2) if s >= 2 and not exact else TAIL
+            prefetched = (TAIL, PRE)[s] if s < 2 else L.fw(s - 2)  # the end of the window before its prefetch
             job_s = 0.0  # a disk-stepped stage's job: due only before its next prefetch (NOTE: [Disk-stepped stages] in disk_model.py)
             if disk_ok:  # NOTE: [Disk-resident states] in disk_model.py
-                host_s = host_s + vars_["disk"][s] * disk_step_s(g.param_numel, hw)
-                job_s = dst[s] * disk_gpu_job_s(g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
                 host_disk = vars_["disk"][s] * disk_step_s(g.param_numel, hw)
+                host_s = host_s + host_disk
+                job_s = dst[s] * disk_gpu_job_s(g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
                 job_disk = dst[s] * disk_io_s(disk_gpu_state_bytes(g.param_numel, stages.state_bytes), hw)
-                self.job_disk_released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_disk + job_disk
-                self.job_disk_due[(TAIL, PRE)[s] if s < 2 else L.fw(s - 2)] += job_disk
-                self.job_disk_due[((TAIL, PRE)[s] if s < 2 else L.fw(s - 2)) if exact else TAIL] += host_disk
+                self.job_disk_released[release] += host_disk + job_disk
+                self.job_disk_due[prefetched] += job_disk
+                self.job_disk_due[prefetched if exact else TAIL] += host_disk
                 self.optimizer = self.optimizer + dst[s] * step_s
                 self.serial = self.serial + dst[s] * (step_s * hw.gpu_step_lost)  # beside compute
+                self.host_jobs.append((release, prefetched, host_s + job_s, job_s))  # NOTE: [Jobs due in release order's reverse] in backlog.py
             else:
                 m += vars_["disk"][s] == 0
                 m += dst[s] == 0
-            released[L.bw(s - 2) if s >= 2 and not exact else TAIL] += host_s + job_s
-            prefetched = (TAIL, PRE)[s] if s < 2 else L.fw(s - 2)  # the end of the window before its prefetch
-            if disk_ok:  # NOTE: [Jobs due in release order's reverse] in backlog.py
-                self.host_jobs.append((L.bw(s - 2) if s >= 2 and not exact else TAIL, prefetched, host_s + job_s, job_s))
+            released[release] += host_s + job_s
             due[prefetched if exact else TAIL] += host_s
             due[prefetched] += job_s
             # GPU-stepped streamed at the next forward: state in at the prefetch, out one window later

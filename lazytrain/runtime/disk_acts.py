@@ -82,8 +82,8 @@ class DiskActivations:
         """`stage`'s outputs into a free buffer (copies queued on the current stream), then to the
         file once `landed()` (an event after the copies, or None where they were synchronous) has passed."""
         layout = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-        if _extent(layout) > self.sizes[stage]:
-            raise ScheduleMismatch(f"stage {stage}'s outputs take {_extent(layout)} bytes on disk, more than the "
+        if (need := _extent(layout)) > self.sizes[stage]:
+            raise ScheduleMismatch(f"stage {stage}'s outputs take {need} bytes on disk, more than the "
                                    f"{self.sizes[stage]} the schedule was compiled for; recompile it for this batch")
         buffer = self._take(stage, "offload")
         self.layout[stage] = layout
@@ -116,8 +116,7 @@ class DiskActivations:
         if landed is not None:
             landed.synchronize()
         self.file.write(self._region(stage), self._used(stage, buffer)).result(timeout=self.WAIT_S)
-        self.held.pop(stage)
-        self.free.put(buffer)
+        self._release(stage, None)
 
     def _read(self, stage: int, written) -> None:
         written.result(timeout=self.WAIT_S)  # in the file first

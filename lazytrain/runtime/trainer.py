@@ -147,7 +147,8 @@ class Trainer(Replay, Stepping, ShardedState):
                                       ring=frozenset(on_disk) & in_backward) if on_disk else None
         # NOTE: [Activations on disk] in passes/disk_model.py: outputs through a ring of their own
         acts = [s for s in self.stages if s.outputs_mode == "disk"]
-        reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in {s.index for s in acts}]
+        acts_on_disk = {s.index for s in acts}
+        reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in acts_on_disk]
         self.act_disk = DiskActivations(acts, reloads, offload_dir or tempfile.gettempdir(), self.pinned) if acts else None
         self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
         self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
