@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -76,6 +77,9 @@ def _cases() -> list[Case]:
     # host, beside the same budget with the whole host, where they go to host memory
     out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "40GiB", host=host) for host in ("128GB", "36GB")]
     # issue targets on the whole box (128 GB host, its 64 GB disk): fp32 masters of the 32B, the 72B
+    # fp32 masters on disk (NOTE: [Masters on disk] in passes/disk_model.py): a host too small for the
+    # 7B's fp32 masters at 24 GiB, beside the same budget with the whole host
+    out += [Case("qwen2.5-7b", 32, 1024, "8bit", "fp32", "24GiB", host=host) for host in ("128GB", "40GB")]
     out += [Case("qwen2.5-32b", 32, 1024, "8bit", "fp32", "max", host="128GB"),
             Case("qwen2.5-72b", 8, 1024, "8bit", "bf16", "max", host="128GB"),
             Case("qwen2.5-72b", 16, 1024, "8bit", "bf16", "max", host="128GB"),
@@ -191,7 +195,7 @@ def _window_of(module, t: float) -> str:
     return label
 
 
-def _run_schedule(case: Case, path: Path, model, data, args) -> dict:
+def _run_schedule(case: Case, path: Path, model, data, args, masters=None) -> dict:
     import torch
 
     from lazytrain.runtime.schedule import load_schedule
@@ -201,7 +205,8 @@ def _run_schedule(case: Case, path: Path, model, data, args) -> dict:
     current: list = [None]  # the event being issued: where an out-of-memory error happened
     cleared = _clear_host_peak()
     t0 = time.perf_counter()
-    trainer = module.bind(model, device="cuda", lr=1e-5, max_grad_norm=None if module.CLIPPING == "off" else 1.0)
+    trainer = module.bind(model, device="cuda", lr=1e-5, max_grad_norm=None if module.CLIPPING == "off" else 1.0,
+                          disk_masters=masters)
     bind_s = time.perf_counter() - t0
     issue = trainer.streams.run
 
@@ -315,36 +320,58 @@ def cmd_run(args) -> None:
     import torch
 
     from bench.shapes import batch, for_schedule
+    from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
     from lazytrain.runtime.schedule import load_schedule
 
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(args.out or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
+    cases = [c for c in _selected(args.only) if (CASE_DIR / f"{c.name}.py").is_file()]
+    if len(cases) > 1 and not args.in_process:  # each case in a process of its own (`_one_per_process`)
+        print("\n".join(_table(_one_per_process(cases, args, out))))
+        return
     rows = []
-    for case in _selected(args.only):
+    for case in cases:
         path = CASE_DIR / f"{case.name}.py"
-        if not path.is_file():
-            continue
         # each case's model is built in its schedule's tiers (resident masters straight onto the GPU):
         # the host never holds what the plan does not count on it
         start = time.perf_counter()
         torch.cuda.set_per_process_memory_fraction(1.0)  # the last case's trainer capped the allocator at its budget
-        model = for_schedule(load_schedule(path), case.model, case.seq,
-                             torch.bfloat16 if case.master == "bf16" else torch.float32)
+        module = load_schedule(path)  # NOTE: [Masters on disk] in passes/disk_model.py: built straight into their file
+        masters = DiskMasters(module) if masters_on_disk(module) else None
+        model = for_schedule(module, case.model, case.seq, torch.bfloat16 if case.master == "bf16" else torch.float32,
+                             masters=masters)
         print(f"[fidelity] built {case.model} ({case.master} masters) in {time.perf_counter() - start:.0f} s", flush=True)
         data = batch(case.model, case.batch, case.seq, "cuda")
         try:
-            row = _run_schedule(case, path, model, data, args)
+            row = _run_schedule(case, path, model, data, args, masters)
         except Exception as exc:  # an OOM is the finding this bench exists for: record it
             row = {"case": asdict(case), "failed": f"{type(exc).__name__}: {str(exc)[:400]}", "commit": _commit(),
                    "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name()}
-        del model
+        del model, masters
         gc.collect()  # the trainer (and, after a failure, the frames that held it) is gone
         torch.cuda.empty_cache()
         (out / f"{case.name}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
         print(f"[fidelity] {_line(row)}", flush=True)
     print("\n".join(_table(rows)))
+
+
+def _one_per_process(cases, args, out: Path) -> list[dict]:
+    """`run` of each case in a child process: a host peak measured after another case in the same
+    process carries what that case left behind (the 1.5B clipped by previous-norm on the H200 box,
+    2026-12-02: 7.4 GiB after another case, 3.7 GiB alone, against 4.1 planned)."""
+    rows = []
+    for case in cases:
+        argv = [sys.executable, __file__, "run", "--in-process", "--only", case.name, "--steps", str(args.steps),
+                "--warmup", str(args.warmup), "--out", str(out)] + ["--events"] * args.events + ["--trace"] * args.trace
+        done = subprocess.run(argv)
+        row = out / f"{case.name}.json"
+        if done.returncode == 0 and row.is_file():
+            rows.append(json.loads(row.read_text()))
+        else:
+            print(f"[fidelity] {case.name}: its process exited with {done.returncode}", flush=True)
+    return rows
 
 
 # ---- table ------------------------------------------------------------------------------------------
@@ -436,6 +463,8 @@ def main(argv=None):
                            "the optimizer's too) in the row")
             s.add_argument("--trace", action="store_true", help="also write <case>.trace.json: per-event memory and "
                            "times, and what is live at the peak (bench/trace.py)")
+            s.add_argument("--in-process", action="store_true", help="run every case in this process (default: "
+                           "each in a process of its own, so that no case's host peak carries an earlier one's)")
     args = p.parse_args(argv)
     args.fn(args)
 

@@ -62,22 +62,29 @@ def fill_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0,
-          places: dict[str, str] | None = None) -> torch.nn.Module:
+          places: dict | None = None) -> torch.nn.Module:
     """The model with random weights on `device`; a parameter `places` names goes to its device
-    there instead, made and filled in place, so the host never holds the whole model."""
+    there instead (or is made by its maker, `(shape, dtype) -> tensor`: a master on disk), made and
+    filled in place, so the host never holds the whole model."""
     model = meta_model(name, seq).to(dtype).to_empty(device=device) if not places else _placed(name, seq, dtype, device, places)
     model.tie_weights()  # to_empty() gives each module its own tensor: tie the embeddings again
     model.train()
     return fill_(model, seed)
 
 
-def for_schedule(module, name: str, seq: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def for_schedule(module, name: str, seq: int, dtype: torch.dtype, seed: int = 0, masters=None) -> torch.nn.Module:
     """`build` in the tiers a schedule keeps its masters in: resident blocks' on the GPU, streamed
-    blocks' on the host (NOTE: [Resident masters on the device] in passes/step_model.py)."""
+    blocks' on the host (NOTE: [Resident masters on the device] in passes/step_model.py), and those
+    on disk in `masters` (runtime/disk_masters.py), settled once filled."""
     from lazytrain.runtime.store import resident_targets
 
-    places = dict.fromkeys(resident_targets(module), "cuda") if module.DEVICE == "cuda" else None
-    return build(name, seq, "cpu", dtype, seed, places)
+    places = dict.fromkeys(resident_targets(module), "cuda") if module.DEVICE == "cuda" else {}
+    for p in masters.layout if masters is not None else ():
+        places[module.PLACEHOLDERS[p][1]] = masters.place(p)
+    model = build(name, seq, "cpu", dtype, seed, places or None)
+    if masters is not None:
+        masters.settle()
+    return model
 
 
 def _placed(name: str, seq: int, dtype: torch.dtype, device: str, places: dict[str, str]) -> torch.nn.Module:
@@ -85,8 +92,9 @@ def _placed(name: str, seq: int, dtype: torch.dtype, device: str, places: dict[s
     for full, p in list(model.named_parameters()):
         owner, _, leaf = full.rpartition(".")
         module = model.get_submodule(owner)
-        module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(p, device=places.get(full, device)),
-                                                      requires_grad=p.requires_grad)
+        place = places.get(full, device)
+        made = place(tuple(p.shape), p.dtype) if callable(place) else torch.empty_like(p, device=place)
+        module._parameters[leaf] = torch.nn.Parameter(made, requires_grad=p.requires_grad)
     for full, b in list(model.named_buffers()):
         owner, _, leaf = full.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = torch.empty_like(b, device=device)

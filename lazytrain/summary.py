@@ -58,6 +58,7 @@ def summary(schedule: ModuleType) -> str:
             f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}"
             + (", in its backward" if getattr(s, "backward_step", False) else "")
             + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else "")
+            + (", master on disk" if getattr(s, "master_disk", False) else "")
             + (", cast on use" if getattr(s, "cast_weights", False) else "")
             + (", gradients freed at its step" if getattr(s, "grads_freed", False) else ""))
     limited = [s for s in m.STAGES if s.limits]

@@ -81,6 +81,19 @@ def tiny_gpt_pair(seed: int = 0):
     return meta, real, token_batch(tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.VOCAB)
 
 
+def disk_gpt(hw, states: str = "32bit", clipping: str = "off", layers: int = 6, dim: int | None = None,
+             compute: torch.dtype | None = None):
+    """The tiny GPT with `layers` blocks, analysed on `hw` with the disk tier on: (graph, stages,
+    batch, real model). `compute`: the dtype it is captured in (bfloat16: fp32 masters of bf16 weights)."""
+    from lazytrain.examples import tiny_gpt
+    from lazytrain.pipeline import analyse
+
+    meta, real = model_pair(lambda: tiny_gpt.TinyGPT(dim=dim or tiny_gpt.DIM, layers=layers))
+    batch = token_batch(tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.VOCAB)
+    graph, stages = analyse(meta.to(compute) if compute else meta, batch, hw, optimizer_states=states)
+    return graph, dataclasses.replace(stages, disk=True, clipping=clipping), batch, real
+
+
 def tiny_qwen_pair(seed: int = 0):
     """The shipped example (lazytrain/examples/tiny_qwen.py: 4 layers, hidden 128, vocabulary 512)."""
     from lazytrain.examples import tiny_qwen
@@ -344,15 +357,16 @@ def decisions(spec) -> list[StageDecision]:
     (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; B: the
     same, stepped right after its backward; D: streamed, stepped on the host with its states on disk;
     X: streamed, stepped on the GPU by a job that reads its states from disk; K: the same as B, its
-    states on disk),
+    states on disk; M: the same as K, its fp32 master on disk too),
     "r"/"R": internals saved/recomputed, "k"/"o"/"d"/"f": outputs kept/offloaded/dropped/offloaded
     on to the offload file.
     E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
     out = []
     for item in spec:
         stream, rec, mode = item
-        out.append(StageDecision(stream in "SGEDXBK", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP, "f": OutMode.DISK}[mode],
-                                 stream in "GEXBK", 2 if stream == "E" else 1, stream in "DXK", stream in "BK"))
+        out.append(StageDecision(stream in "SGEDXBKM", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP, "f": OutMode.DISK}[mode],
+                                 stream in "GEXBKM", 2 if stream == "E" else 1, stream in "DXKM", stream in "BKM",
+                                 master_disk=stream == "M"))
     return out
 
 

@@ -15,14 +15,13 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.passes.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s
 from lazytrain.passes.solve import evaluate, solve
-from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.pipeline import for_states
-from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
-                    model_pair, offload_files, token_batch, unique_name)
+from models import (assert_disk_resume_bit_identical, disk_gpt, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
+                    offload_files, unique_name)
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -34,10 +33,7 @@ ON_DISK = range(2, 7)
 
 
 def _stages(states: str = "32bit", clipping: str = "off", hw=HW, layers: int = 6, dim: int = tiny_gpt.DIM):
-    meta, real = model_pair(lambda: tiny_gpt.TinyGPT(dim=dim, layers=layers))
-    batch = token_batch(tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.VOCAB)
-    graph, stages = analyse(meta, batch, hw, optimizer_states=states)
-    return graph, dataclasses.replace(stages, disk=True, clipping=clipping), batch, real
+    return disk_gpt(hw, states, clipping, layers, dim)
 
 
 @pytest.fixture(scope="module")

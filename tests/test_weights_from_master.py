@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from lazytrain import hardware
-from lazytrain.codegen import render as render_mod
-from lazytrain.passes import lower as lower_mod
+from lazytrain.passes import footprint
 from lazytrain.passes import step_model
 from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
@@ -39,7 +38,7 @@ def mixed():
 
 def _with_host_copy(monkeypatch):
     """The same passes with the rule off: every GPU-stepped stage keeps a bf16 host copy."""
-    for mod in (step_model, lower_mod, render_mod):
+    for mod in (step_model, footprint):  # lower and render ask `footprint.prefetches_from_master`
         monkeypatch.setattr(mod, "weights_from_master", lambda *args: False)
 
 

@@ -16,7 +16,7 @@ from lazytrain.ir.graph import Graph, OpKind
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
-from lazytrain.passes.footprint import weights_from_master
+from lazytrain.passes.footprint import prefetches_from_master
 from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
@@ -151,7 +151,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     names = [s.name for s in stages]
     closed = limits(stages)
     decision_lines = []
-    from_master = [d.stream and d.gpu_step and weights_from_master(stages, s) for s, d in enumerate(plan.decisions)]
+    from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(plan.decisions)]
     for s, d, lim in zip(stages, plan.decisions, closed):
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
@@ -159,7 +159,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
             f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
             + (", fetched 2 windows ahead" if d.lookahead == 2 else "") + (", in its backward" if d.backward_step else "")
-            + (", states on disk" if d.disk else "")
+            + (", states on disk" if d.disk else "") + (", master on disk" if d.master_disk else "")
             + (", weights fetched from its fp32 master" if from_master[s.index] else "")
             + (", weights cast from its master on use" if d.cast_weights else "")
             + (", gradients freed at its step" if d.free_grads else "")
@@ -176,6 +176,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
         f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "")
         + (", backward_step=True" if d.backward_step else "") + (", disk=True" if d.disk else "")
+        + (", master_disk=True" if d.master_disk else "")
         + (", from_master=True" if from_master[s.index] else "")
         + (", grads_freed=True" if s.index in schedule.grads_freed else "")
         + (", cast_weights=True" if d.cast_weights else "")

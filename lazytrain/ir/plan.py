@@ -51,6 +51,10 @@ class StageDecision:
     # from the master before its forward and its backward (NOTE: [Resident weights cast on use] in
     # passes/footprint.py)
     cast_weights: bool = False
+    # Stepped in backward from disk, fp32 masters of 16-bit weights: the master lives in the offload
+    # file too, passing through the ring with the states, and the host keeps the compute-dtype copy
+    # the prefetches read (NOTE: [Masters on disk] in passes/disk_model.py)
+    master_disk: bool = False
 
     @property
     def at_prefetch(self) -> bool:

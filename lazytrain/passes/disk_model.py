@@ -18,6 +18,7 @@ from lazytrain.passes.footprint import (
     disk_act_bytes,
     disk_gpu_state_bytes,
     disk_io_s,
+    disk_master_bytes,
     disk_state_bytes,
     disk_step_slot,
 )
@@ -30,17 +31,18 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
     """Adds to `model`: `disk` (bytes in the offload file), `disk_io` (the disk's seconds per window),
     and the host bytes and GPU slot of the disk's kinds; with no disk tier, bounds them at none."""
     st, m, v, unit = model.st, model.m, model.v, model.unit
-    disk, dst, bdk, adk = v["disk"], v["dstep"], v["bdisk"], v["adisk"]
+    disk, dst, bdk, adk, mdk = v["disk"], v["dstep"], v["bdisk"], v["adisk"], v["mdisk"]
     # NOTE: [Disk-resident states] the moments on disk, and the one staging buffer they pass through
     on_disk = [disk_state_bytes(g.param_numel) * disk[s] + disk_gpu_state_bytes(g.param_numel, st.state_bytes) * dst[s]
                for s, g in enumerate(st)]
     # NOTE: [Backward steps from disk]: their states, which pass through the ring, not the staging buffer
     in_ring = [disk_gpu_state_bytes(g.param_numel, st.state_bytes) * bdk[s] for s, g in enumerate(st)]
     states = mip.xsum(x * (1.0 / unit) for x in on_disk + in_ring) * unit  # all of it leaves the host
-    model.disk = states + mip.xsum(disk_act_bytes(g) * adk[s] for s, g in enumerate(st))  # NOTE: [Activations on disk]
+    masters = mip.xsum(disk_master_bytes(g) * mdk[s] for s, g in enumerate(st))  # NOTE: [Masters on disk]
+    model.disk = states + masters + mip.xsum(disk_act_bytes(g) * adk[s] for s, g in enumerate(st))  # NOTE: [Activations on disk]
     model.disk_io = [0.0] * (TAIL + 1)  # seconds of disk reads and writes in a window
     if not disk_ok:
-        for x in bdk + adk:
+        for x in bdk + adk + mdk:
             m += x == 0
         return
     model.floors.append(model.disk * (1.0 / unit))  # among equally fast plans, the least on disk
@@ -62,26 +64,28 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
         m += slot >= (disk_step_slot(st, s) / unit) * dst[s]
     model.mem = [t + slot * unit for t in model.mem]
     model.tail = model.tail + slot * unit
-    _rings(model, bdk, adk)
-    _disk_worker(model, bdk, adk, TAIL)
+    _rings(model, bdk, adk, mdk)
+    _disk_worker(model, bdk, adk, mdk, TAIL)
 
 
-def _rings(model: StepModel, bdk, adk) -> None:
+def _rings(model: StepModel, bdk, adk, mdk) -> None:
     """The page-locked buffers on the host that states stepped in backward (NOTE: [Backward steps
-    from disk]) and outputs on disk (NOTE: [Activations on disk]) pass through: a ring of each,
-    its buffers as large as the largest of what passes."""
+    from disk]), with their masters where those are on disk too (NOTE: [Masters on disk]), and
+    outputs on disk (NOTE: [Activations on disk]) pass through: a ring of each, its buffers as
+    large as the largest of what passes."""
     st, m, unit = model.st, model.m, model.unit
-    for name, size, per_stage, chosen in (
-            ("disk_ring", DISK_RING, lambda g: disk_gpu_state_bytes(g.param_numel, st.state_bytes), bdk),
-            ("act_ring", ACT_RING, disk_act_bytes, adk)):
+    for name, size, passing in (
+            ("disk_ring", DISK_RING, lambda s, g: disk_gpu_state_bytes(g.param_numel, st.state_bytes) * bdk[s]
+             + disk_master_bytes(g) * mdk[s]),
+            ("act_ring", ACT_RING, lambda s, g: disk_act_bytes(g) * adk[s])):
         ring = m.add_var(name, lb=0.0)  # one buffer, in units of `unit` bytes
         model.floors.append(ring)
         for s, g in enumerate(st):
-            m += ring >= (per_stage(g) / unit) * chosen[s]
+            m += ring >= passing(s, g) * (1.0 / unit)
         model.host = model.host + (size * unit) * ring
 
 
-def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
+def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
     """The disk as a worker of its own (`backlog`): outputs written in the forward, each by the time
     the ring needs its buffer again; states and outputs read (and states written) in backward, each
     by the window before the one that needs it (NOTE: [Backward steps from disk], NOTE: [Activations
@@ -89,7 +93,8 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
     st, L, S, hw = model.st, model.L, len(model.st), model.hw
     released, due = [0.0] * (TAIL + 1), [0.0] * (TAIL + 1)
     for s, g in enumerate(st):
-        io = disk_io_s(disk_gpu_state_bytes(g.param_numel, st.state_bytes), hw) * bdk[s]
+        io = (disk_io_s(disk_gpu_state_bytes(g.param_numel, st.state_bytes), hw) * bdk[s]
+              + disk_io_s(disk_master_bytes(g), hw) * mdk[s])  # NOTE: [Masters on disk]
         released[L.bw(S - 1)] += io
         due[L.bw(min(s + 2, S - 1))] += io
         if can_put_outputs_on_disk(st, s):  # `solve._vars` allows no other
@@ -109,6 +114,22 @@ def _disk_worker(model: StepModel, bdk, adk, TAIL: int) -> None:
         model.disk_io[w] = model.disk_io[w] + done
 
 
+# NOTE: [Masters on disk]
+# A stage stepped in backward from disk (NOTE: [Backward steps from disk]) with fp32 masters of
+# 16-bit weights may keep its master in the offload file too (`mdisk`, a `StageDecision` with
+# `master_disk`). The master then passes through the ring with the states: the disk thread reads
+# both into a ring buffer before the step, the H2D beside the backward prefetch takes the master
+# from there, and the write-back after the step returns it there before both are written back. Its
+# prefetches cannot read the master (NOTE: [Weights from the master] in footprint.py), so the host
+# keeps the compute-dtype copy they read, which the step's write-back refreshes: per parameter the
+# host gives up the master's 4 bytes for the copy's 2, the disk holds 4 more and moves 8 more a step
+# (read and written), a ring buffer grows by 4, H2D carries 2 fewer on each prefetch and D2H 2 more
+# after the step, and the weight slot needs no staging region. Between steps the master is the
+# file: the model's parameter is the region, mapped (NOTE: [Mapped regions] in runtime/disk.py),
+# so `state_dict`, checkpoints, `sync_model` and exports read it there and resuming writes into it.
+# bf16 masters are not put on disk: there the master is the weights the prefetches read, so a
+# streamed block's weights would cross the disk three times a step (two reads, a write), about 3 s
+# for a 72B layer on the H200 box's disk against its 0.2 s of compute at 8 x 1024 tokens.
 # NOTE: [Activations on disk]
 # A stage's offloaded outputs (OutMode.OFFLOAD: to host memory during F(s+1)..F(cmax), back during
 # B(cmax+1)) may go on to the offload file (`adisk`, OutMode.DISK), where host memory binds and

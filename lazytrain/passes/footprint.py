@@ -166,6 +166,12 @@ def disk_gpu_state_bytes(numel: int, state_bytes: float) -> int:
     return int(state_bytes * numel)
 
 
+def disk_master_bytes(g: Stage) -> int:
+    """Stage `g`'s fp32 master, which the offload file may hold beside the states of its step in
+    backward (NOTE: [Masters on disk] in disk_model.py)."""
+    return MASTER_BYTES * g.param_numel
+
+
 def disk_gpu_job_s(param_bytes: int, numel: int, tensors: int, hw: Hardware, state_bytes: float,
                    master: int = MASTER_BYTES) -> float:
     """One disk-stepped stage's job on the host worker, in series: its states read from disk, its
@@ -200,6 +206,13 @@ def weights_from_master(stages: Stages, s: int) -> bool:
     mixed = stages.master_bytes == MASTER_BYTES and g.param_bytes != MASTER_BYTES * g.param_numel
     sharded = stages.sharded and stages.world_size > 1  # (shards.sharding, which imports this module)
     return mixed and g.param_numel > 0 and not sharded
+
+
+def prefetches_from_master(stages: Stages, s: int, d) -> bool:
+    """Whether stage `s`, under its decision `d`, prefetches from its fp32 master: not where the
+    master lives on disk, which leaves the host the compute-dtype copy (NOTE: [Masters on disk] in
+    disk_model.py)."""
+    return d.stream and d.gpu_step and weights_from_master(stages, s) and not d.master_disk
 
 
 def master_staging_bytes(g) -> int:

@@ -51,7 +51,7 @@ from lazytrain.passes.footprint import (
     shared_grad_bytes,
     shared_step_bytes,
     step_bytes,
-    weights_from_master,
+    prefetches_from_master,
 )
 
 
@@ -160,7 +160,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     M = stages.master_bytes
     n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
-    from_master = [d.stream and d.gpu_step and weights_from_master(stages, s) for s, d in enumerate(dec)]  # NOTE: [Weights from the master]
+    from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(dec)]  # NOTE: [Weights from the master]
     shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
     b.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
     nshared = len(stages.shared_params)

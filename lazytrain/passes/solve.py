@@ -88,6 +88,7 @@ from lazytrain.passes.footprint import (
     disk_available,
     disk_gpu_state_bytes,
     disk_io_s,
+    disk_master_bytes,
     can_cast,
     can_free_grads,
     disk_step_slot_bytes,
@@ -97,6 +98,7 @@ from lazytrain.passes.footprint import (
     resident_bytes,
     resident_grad_bytes,
     shared_grad_bytes,
+    weights_from_master,
 )
 from lazytrain.passes.limits import limits
 from lazytrain.passes.shards import sharded_deferred_bytes, sharded_tail, sharding
@@ -106,7 +108,8 @@ from lazytrain.units import format_size
 
 
 # the binaries per stage
-KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "bdisk", "adisk", "free", "cast")
+KEYS = ("stream", "recompute", "off", "drop", "gstep", "ahead", "disk", "dstep", "bstep", "bdisk", "adisk", "mdisk", "free",
+        "cast")
 
 
 def _vars(m: mip.Model, stages: Stages, hw: Hardware):
@@ -127,6 +130,9 @@ def _vars(m: mip.Model, stages: Stages, hw: Hardware):
         if stages.clipping == "exact" or sharding(stages) > 1 or s < 2 or s == len(stages) - 1:
             v["bstep"][s].ub = 0.0  # a bound, not a row: the exposure cuts then leave its mode out
         m += v["bdisk"][s] <= v["bstep"][s]  # NOTE: [Backward steps from disk] in disk_model.py
+        m += v["mdisk"][s] <= v["bdisk"][s]  # NOTE: [Masters on disk] in disk_model.py: fp32 masters of 16-bit weights
+        if not weights_from_master(stages, s):
+            v["mdisk"][s].ub = 0.0
         m += v["adisk"][s] <= off  # NOTE: [Activations on disk] in disk_model.py: read back by the window before their reload
         if not can_put_outputs_on_disk(stages, s):
             v["adisk"][s].ub = 0.0
@@ -213,7 +219,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     # choices a stage cannot take (`_vars`)
     backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
     unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps), ("bdisk", backward_steps),
-                                        ("adisk", backward_steps)) if not searched]
+                                        ("adisk", backward_steps), ("mdisk", backward_steps)) if not searched]
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
@@ -261,7 +267,7 @@ def _decisions(v, S, val) -> list[StageDecision]:
         on = {k: val(v[k][s]) > 0.5 for k in KEYS}
         mode = (OutMode.DISK if on["adisk"] else OutMode.OFFLOAD) if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
         out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
-                                 on["disk"] or on["dstep"] or on["bdisk"], on["bstep"], on["free"], on["cast"]))
+                                 on["disk"] or on["dstep"] or on["bdisk"], on["bstep"], on["free"], on["cast"], on["mdisk"]))
     return out
 
 
@@ -298,7 +304,7 @@ def _start(v, decisions: list[StageDecision]) -> dict:
     return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
         ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs.offloaded),
         ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk_step), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step), ("bdisk", d.disk_backward), ("adisk", d.outputs is OutMode.DISK),
+        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step), ("bdisk", d.disk_backward), ("adisk", d.outputs is OutMode.DISK), ("mdisk", d.master_disk),
         ("free", d.free_grads), ("cast", d.cast_weights))}
 
 
@@ -326,12 +332,15 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
 def disk_bytes(stages: Stages, s: int, d: StageDecision) -> int:
     """What stage `s` keeps on disk: a host-stepped stage's fp32 moments, a GPU-stepped stage's
     states (NOTE: [Disk-resident states], NOTE: [Disk-stepped stages] in disk_model.py), and its
-    outputs between forward and backward (NOTE: [Activations on disk] there)."""
+    outputs between forward and backward (NOTE: [Activations on disk] there), and the master of a
+    step in backward from disk (NOTE: [Masters on disk] there)."""
     g = stages[s]
     acts = disk_act_bytes(g) if d.outputs is OutMode.DISK else 0
     if not d.disk:
         return acts
-    return acts + (disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step else disk_state_bytes(g.param_numel))
+    master = disk_master_bytes(g) if d.master_disk else 0
+    return acts + master + (disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step
+                            else disk_state_bytes(g.param_numel))
 
 
 def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:

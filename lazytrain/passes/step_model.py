@@ -77,7 +77,7 @@ class StepModel:
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
         sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
-        ahead, dst, bst = vars_["ahead"], vars_["dstep"], vars_["bstep"]
+        ahead, dst, bst, mdk = vars_["ahead"], vars_["dstep"], vars_["bstep"], vars_["mdisk"]
         n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
         steps = self._deferred_steps(sig)
         fixed = fixed_bytes(stages) + hw.runtime_bytes
@@ -169,18 +169,20 @@ class StepModel:
                 mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
             # NOTE: [Weights from the master] in footprint.py: a GPU-stepped stage's slot stages its
             # master, plain prefetches bring the master, and the host keeps no compute-dtype copy
+            # (NOTE: [Masters on disk] in disk_model.py: not where the master is on disk, `mdk`)
             copy, staging = (g.param_bytes, master_staging_bytes(g)) if from_master[s] else (0, 0)
             extra = M * g.param_numel - g.param_bytes if from_master[s] else 0
             for t in L.weight_windows(s):
-                mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s])
+                mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s] - mdk[s])
             for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
                 if t is not None:
-                    mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s])
+                    mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s] - mdk[s])
             # weight prefetch and gradient offload traffic (sharded: the forward prefetch brings this
             # rank's shard, the gradient leaves as one); a forward prefetch after a step brings none
-            h2d[L.fw(s - 1) if s > 0 else PRE] += piece(g.param_bytes, g.param_numel, P, n) * sig[s] + extra * (bst[s] + dst[s])
+            h2d[L.fw(s - 1) if s > 0 else PRE] += (piece(g.param_bytes, g.param_numel, P, n) * sig[s]
+                                                   + extra * (bst[s] + dst[s] - mdk[s]))
             if s < S - 1:
-                h2d[L.bw(s + 1)] += g.param_bytes * sig[s] + extra * (gst[s] + dst[s])
+                h2d[L.bw(s + 1)] += g.param_bytes * sig[s] + extra * (gst[s] + dst[s] - mdk[s])
             d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
             # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
             # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
@@ -221,11 +223,11 @@ class StepModel:
                 h2d[L.bw(s + 1)] += (out - g.param_bytes) * bst[s]  # master and states, beside the weights
                 # new weights (not the gradient), master and states, after the step: in B(s-1) or B(s-2)
                 d2h[L.bw(s - 1)] -= g.param_bytes * bst[s]
-                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], (out - copy) * bst[s], f"back{s}")
+                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], (out - copy) * bst[s] + copy * mdk[s], f"back{s}")
                 for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1), L.bw(s - 2)):
                     mem[t] = mem[t] + back_bytes * bst[s]
                 for t in (L.bw(s - 1), L.bw(s - 2)):  # the weights until written back, the gradient until stepped
-                    mem[t] = mem[t] + (g.param_bytes + staging) * bst[s]
+                    mem[t] = mem[t] + (g.param_bytes + staging) * bst[s] - staging * mdk[s]
                 mem[L.bw(s - 2)] = mem[L.bw(s - 2)] + g.param_bytes * bst[s]
             if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
                 h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
@@ -314,6 +316,7 @@ class StepModel:
                 sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
                 - (gst[s] + dst[s]) * (M * g.param_numel + (g.param_bytes if from_master[s] else 0))
                 - bst[s] * g.param_bytes + off[s] * g.out_bytes
+                - mdk[s] * (M * g.param_numel - g.param_bytes)  # NOTE: [Masters on disk]: the copy stays, the master goes
                 + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
                 for s, g in enumerate(stages))
         disk_tier(self, disk_ok, TAIL)  # the offload file: its bytes, the host they free, the disk's seconds

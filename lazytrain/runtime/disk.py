@@ -25,12 +25,25 @@ O_DIRECT at open (tmpfs before Linux 6.6, platforms without the flag) or at the 
 transfer (EINVAL: some FUSE and network mounts), everything goes buffered and `direct` is False.
 Where `posix_fallocate` is unsupported, the file is only sized (`ftruncate`): sparse, so a full disk
 shows up at the write that needs the block, as the same `ResourceError`.
+
+NOTE: [Mapped regions]
+A region can also be read as a tensor whose memory is the file itself (`mapped`: a shared mapping
+of the buffered descriptor). A master on disk is one between steps (NOTE: [Masters on disk] in
+passes/disk_model.py): the model's parameter, so `state_dict`, `sync_model`, checkpoints and
+exports read it from the file, and a resumed run's weights written into it reach the file, without
+the tier giving it host memory of its own: its pages are the page cache's, which the kernel evicts
+under pressure (`settle` writes a region's pages back and drops them at once, where the
+file was filled through its mapping: a load, or bind's move). The direct transfers stay coherent with the mapping as with the buffered
+descriptor: a direct read writes back the dirty pages of its range first, and a direct write drops
+(and unmaps) the cached pages of its range, so the next access reads what it wrote.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import math
+import mmap
 import os
 import queue
 import threading
@@ -45,7 +58,7 @@ import torch
 
 from lazytrain import files
 from lazytrain.errors import ResourceError
-from lazytrain.runtime.carve import aligned
+from lazytrain.runtime.carve import aligned, itemsize
 
 if TYPE_CHECKING:
     from lazytrain.runtime.pinned import PinnedArena
@@ -196,6 +209,7 @@ class OffloadFile:
                 raise files.no_space(path, self._nbytes, _FIX) from None
             raise
         self._handles = _Handles(path, buffered, direct, threads)
+        self._maps: dict[str, mmap.mmap] = {}  # regions `mapped`, by name
         self._finalizer = weakref.finalize(self, self._handles.close)
 
     @property
@@ -228,6 +242,33 @@ class OffloadFile:
     def read(self, name: str, tensor: torch.Tensor) -> Future:
         """Fill `tensor` from the start of region `name`; the future completes when it is filled."""
         return self._submit(name, tensor, write=False)
+
+    def mapped(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Region `name` as a tensor of `shape` and `dtype` whose memory is the file's own (a shared
+        mapping, through the page cache): NOTE: [Mapped regions]. It outlives the file's `close`."""
+        if self.closed:
+            raise ValueError(f"{self.path} is closed")
+        offset, size = self._regions[name]
+        count = math.prod(shape) * itemsize(dtype)
+        if count > size or count == 0:
+            raise ValueError(f"region {name!r} holds {size} bytes; a {tuple(shape)} {dtype} tensor has {count}")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self._handles.buffered, count + offset - start, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        self._maps[name] = mapping
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=count, offset=offset - start).view(dtype).view(shape)
+
+    def settle(self, name: str) -> None:
+        """What was written into region `name`'s mapping, in the file; and its pages out of this
+        process and the page cache, which they would otherwise hold until the kernel needs the
+        memory (NOTE: [Mapped regions])."""
+        mapping = self._maps[name]
+        mapping.flush()
+        if hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            offset, size = self._regions[name]
+            os.posix_fadvise(self._handles.buffered, offset, size, os.POSIX_FADV_DONTNEED)
 
     def wait(self) -> None:
         """Wait until every transfer submitted so far is done (their futures report their errors)."""

@@ -25,6 +25,7 @@ import torch
 
 from lazytrain.runtime.carve import Carver, aligned, nbytes
 from lazytrain.runtime.disk import ALIGN, OffloadFile, Worker, staging_buffer
+from lazytrain.runtime.disk_masters import DiskMasters
 from lazytrain.runtime.pinned import PinnedArena
 
 
@@ -44,21 +45,32 @@ def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int
 class DiskStates:
     def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path,
                  pinned: PinnedArena | None = None, always_fresh: frozenset[int] = frozenset(),
-                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(), ring_size: int = RING_SIZE):
+                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(), ring_size: int = RING_SIZE,
+                 masters: DiskMasters | None = None, names: dict[int, tuple[str, ...]] | None = None):
         """`homes`: stage (its optimizer group) -> the parameters its step updates. `pinned`: the
         arena the staging buffers come from, page-locked at their size where it pins (GPU jobs copy
         from them; NOTE: [Pinned arena] in pinned.py). `always_fresh`: stages whose first step makes
         every parameter's states (GPU steps: their gradients are not in `.grad`). `ahead`: stages
         whose states may be read ahead, into a second buffer (NOTE: [Disk reads ahead]). `ring`:
         stages stepped in backward whose states pass through `ring_size` buffers of their own, read
-        and written on threads of their own (NOTE: [Backward steps from disk] in passes/disk_model.py)."""
+        and written on threads of their own (NOTE: [Backward steps from disk] in passes/disk_model.py).
+        `masters`: the masters on disk (NOTE: [Masters on disk] there), and `names`: stage -> its
+        parameters' placeholders, which name them there; while its stage steps, `staged` holds each
+        of its masters by name, in its ring buffer beside its states."""
         self.optimizer, self.homes, self.always_fresh = optimizer, homes, always_fresh | ring
         self.pin = pinned is not None and pinned.pin
         self.layout = {(s, i): _layout(optimizer, s, p) for s, ps in homes.items() for i, p in enumerate(ps)}
+        self.master_file = masters
+        self.masters = {(s, i): p for s, ps in (names or {}).items() for i, p in enumerate(ps)
+                        if masters is not None and p in masters}
+        self.staged: dict[str, torch.Tensor] = {}
         sizes = {self._region(s, i, k): nbytes(shape, dtype)
                  for (s, i), keys in self.layout.items() for k, (shape, dtype) in keys.items()}
         self.file = OffloadFile(directory, sizes)
-        self.stage_bytes = {s: staging_bytes(self.layout[s, i] for i in range(len(ps))) for s, ps in homes.items()}
+        self.stage_bytes = {s: staging_bytes([self.layout[s, i] for i in range(len(ps))]
+                                             + [{"master": masters.layout[self.masters[s, i]]}
+                                                for i in range(len(ps)) if (s, i) in self.masters])
+                            for s, ps in homes.items()}
         # the largest stage's, then the largest of those read ahead (NOTE: [Disk reads ahead]); stages
         # stepped in backward have the ring instead (on the H200 the 72B plan's host peak was 1.3 GiB
         # over its plan with an unused staging buffer the size of a layer's states)
@@ -94,6 +106,10 @@ class DiskStates:
         carver = Carver(buffer, ALIGN)
         reads = []
         for i, p in enumerate(self.homes[stage]):
+            name = self.masters.get((stage, i))
+            if name is not None:  # NOTE: [Masters on disk] in passes/disk_model.py
+                self.staged[name] = carver.take(tuple(p.shape), p.dtype)
+                reads.append(self.master_file.read(name, self.staged[name]))
             state = self.optimizer.state[p]
             if (stage, i) in self.on_disk:
                 reads += self._read(stage, i, carver.take)
@@ -150,6 +166,9 @@ class DiskStates:
     def _write_out(self, stage: int) -> None:
         writes = []
         for i, p in enumerate(self.homes[stage]):
+            name = self.masters.get((stage, i))
+            if name in self.staged:  # NOTE: [Masters on disk] in passes/disk_model.py
+                writes.append(self.master_file.write(name, self.staged.pop(name)))
             state, keys = self.optimizer.state.get(p, {}), self.layout[stage, i]
             if keys and all(k in state for k in keys):
                 writes += [self.file.write(self._region(stage, i, k), state[k].contiguous()) for k in keys]

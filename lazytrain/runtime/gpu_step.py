@@ -78,7 +78,9 @@ class GpuStepper:
             u.twin = carve.take((twin,), torch.float32) if bf16 else None
             u.grad_twin = carve.take((twin,), torch.float32)
         for p in u.names:
-            master = self.store.home[p].detach()  # the master, or this rank's piece (NOTE: [Sharded state])
+            # the master, or this rank's piece (NOTE: [Sharded state]), or where a master on disk was
+            # read to (NOTE: [Masters on disk] in passes/disk_model.py)
+            master = self.store.staged.get(p, self.store.home[p]).detach()
             if master.dtype == torch.float32:
                 u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
             elif in_backward and self.store.source_is_master(p):  # NOTE: [Backward step twins]: the
@@ -230,7 +232,8 @@ class GpuStepper:
             if p in self.store.separate:  # a mixed-precision master's piece (NOTE: [Sharded state])
                 self.store.home[p].copy_(u.master[p], non_blocking=True)
             elif not self.store.source_is_master(p):  # else it went back as the weights
-                self.store.master[p].detach().copy_(u.arrived.get(p, u.master[p]), non_blocking=True)
+                master = self.store.staged.get(p, self.store.master[p]).detach()  # NOTE: [Masters on disk]
+                master.copy_(u.arrived.get(p, u.master[p]), non_blocking=True)
             home = self.store.home[p]
             host = self.optimizer.state.get(home)
             # The states are carved from the opt slot, whose FREE waits for this copy (NOTE: [Slots]

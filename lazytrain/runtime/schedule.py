@@ -48,8 +48,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # [Resident weights cast on use] there); 13: `Stage.disk` with `backward_step`, a stage stepped in backward
 # whose states pass through a ring of host buffers from the offload file (NOTE: [Backward steps from disk]
 # in passes/disk_model.py); 14: `outputs_mode` "disk" with `Stage.out_bytes`, outputs kept in the offload file
-# between forward and backward (NOTE: [Activations on disk] in passes/disk_model.py)
-FORMAT_VERSION = 14
+# between forward and backward (NOTE: [Activations on disk] in passes/disk_model.py); 15: `Stage.master_disk`, a
+# step in backward from disk whose fp32 master lives in the offload file too (NOTE: [Masters on disk] there)
+FORMAT_VERSION = 15
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -94,6 +95,7 @@ class Stage:
     from_master: bool = False  # prefetched from its fp32 master, no compute-dtype host copy (runtime/store.py)
     grads_freed: bool = False  # resident: its gradients dropped after B(s-2), its step issued by then (runtime/replay.py)
     cast_weights: bool = False  # resident: no compute copy; cast from the master into a slot before each use (runtime/store.py)
+    master_disk: bool = False  # with `disk` and `backward_step`: its fp32 master lives in the offload file (runtime/disk_states.py)
     out_bytes: int = 0  # with outputs_mode "disk": its outputs' bytes, which size its region of the offload file (runtime/disk_acts.py)
 
 

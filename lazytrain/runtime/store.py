@@ -11,7 +11,9 @@ tensor its optimizer updates (in the master's dtype).
     work *is* the master when it is in the compute dtype, else a compute-dtype copy of it.
   - streamed stage: work is a persistent leaf whose storage is a view into a weight *slot* while the
     stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in replay.py); home is the
-    master on the host, stepped by the CPU optimizer or a GPU step's device twins; `source` is what
+    master on the host (or its region of the offload file, mapped, where the plan keeps it on disk:
+    NOTE: [Masters on disk] in passes/disk_model.py), stepped by the CPU optimizer or a GPU step's
+    device twins; `source` is what
     PREFETCH copies from: the master (fp32 with 16-bit compute: cast on the device, NOTE: [Weights
     from the master] in passes/footprint.py), or a pinned copy in the compute dtype that each step
     refreshes.
@@ -62,7 +64,7 @@ def resident_targets(module) -> set[str]:
 
 class ParamStore:
     def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device, pinned: PinnedArena,
-                 layouts: dict | None = None, pieces: dict[str, torch.Tensor] | None = None):
+                 layouts: dict | None = None, pieces: dict[str, torch.Tensor] | None = None, disk_masters=None):
         self.device, self.pinned = device, pinned
         self.layouts = layouts or {}  # stage (-1: shared) -> ShardLayout, with sharded state
         self.layout_of = {p: lay for lay in self.layouts.values() for p in lay.numel}
@@ -74,6 +76,9 @@ class ParamStore:
         self.work: dict[str, torch.Tensor] = {}
         self.home: dict[str, torch.Tensor] = {}
         self.source: dict[str, torch.Tensor] = {}
+        # masters on disk, while their stage's step in backward holds them in a ring buffer: name ->
+        # that tensor (NOTE: [Masters on disk] in passes/disk_model.py; runtime/disk_states.py fills it)
+        self.staged: dict[str, torch.Tensor] = {}
         streamed = streamed_params(module)
         # NOTE: [Weights from the master] in passes/footprint.py: prefetched through the slot's staging region
         self.from_master = {p for s in module.STAGES if getattr(s, "from_master", False) for p in s.params}
@@ -85,6 +90,8 @@ class ParamStore:
                 self.home[p] = master
                 same = master.dtype == self.dtype[p] and (not self.cuda or master.is_pinned()) or p in self.from_master
                 self.source[p] = master.detach() if same else self._host_copy(master, self.dtype[p])
+                if disk_masters is not None and p in disk_masters:  # NOTE: [Masters on disk] in passes/disk_model.py
+                    disk_masters.adopt(p, master)  # now that its copy is made: one tensor at a time
             elif master.device == device and master.dtype == self.dtype[p]:
                 self.work[p] = self.home[p] = master
             elif p in self.cast:  # the master is its home; the weights come into a slot before each use

@@ -32,6 +32,7 @@ from lazytrain.ir.events import Event, Kind
 from lazytrain.runtime import model_sync
 from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_acts import DiskActivations
+from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_states import DiskStates
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.optim import staged_optimizer
@@ -78,7 +79,7 @@ class Trainer(Replay, Stepping, ShardedState):
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
                  serial_optimizer: bool = False, cap_memory: bool = True, process_group=None,
-                 offload_dir: str | None = None):
+                 offload_dir: str | None = None, disk_masters: DiskMasters | None = None):
         self.m = module
         self.model = model
         self.stages = module.STAGES
@@ -105,7 +106,11 @@ class Trainer(Replay, Stepping, ShardedState):
             self._pin_streamed_masters(tensors)
             if not self.sharded:
                 self._place_resident_masters(tensors)
-        self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces)
+        # NOTE: [Masters on disk] in passes/disk_model.py: in the file they were loaded into, or in a new one
+        if disk_masters is None and masters_on_disk(module):
+            disk_masters = DiskMasters(module, offload_dir)
+        self.disk_masters = disk_masters
+        self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces, disk_masters)
         self.pending_gather: set[int] = set()  # stages stepped whose new weights are not yet gathered
         self.gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
@@ -144,7 +149,10 @@ class Trainer(Replay, Stepping, ShardedState):
                                             and s.gpu_step) if s not in in_backward}
         self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
                                       always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),
-                                      ring=frozenset(on_disk) & in_backward) if on_disk else None
+                                      ring=frozenset(on_disk) & in_backward, masters=disk_masters,
+                                      names={s.index: s.params for s in self.stages}) if on_disk else None
+        if self.disk_states is not None:  # NOTE: [Masters on disk] in passes/disk_model.py
+            self.store.staged = self.disk_states.staged
         # NOTE: [Activations on disk] in passes/disk_model.py: outputs through a ring of their own
         acts = [s for s in self.stages if s.outputs_mode == "disk"]
         acts_on_disk = {s.index for s in acts}
@@ -234,7 +242,7 @@ class Trainer(Replay, Stepping, ShardedState):
     def _pin_streamed_masters(self, tensors):
         """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The
         parameter's storage moves into the arena: no second host copy."""
-        for p in streamed_params(self.m):
+        for p in streamed_params(self.m) - set(masters_on_disk(self.m)):  # NOTE: [Masters on disk]: not those
             t = tensors[p]
             if t.device.type == "cpu" and not t.is_pinned():
                 t.data = self.pinned.copy_of(t.data)

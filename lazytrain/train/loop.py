@@ -26,6 +26,7 @@ from tqdm import tqdm
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
+from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.runtime.store import resident_targets
 from lazytrain.summary import summary
@@ -132,14 +133,16 @@ def _check_schedule(args, schedule, prep: Prepared) -> None:
             f"{prep.world}")
 
 
-def _materialize(source: ModelSource, schedule) -> torch.nn.Module:
+def _materialize(source: ModelSource, schedule, masters: DiskMasters | None = None) -> torch.nn.Module:
     """The model with its starting weights, loaded in the masters' dtype (NOTE: [Loading weights]
-    in weights.py); casts are said once."""
+    in weights.py), masters on disk straight into `masters` (runtime/disk_masters.py); casts are said once."""
     bf16 = getattr(schedule, "MASTER_WEIGHTS", "fp32") == "bf16"
     device = torch.device(schedule.DEVICE)
-    places = None  # NOTE: [Masters built in place] in runtime/store.py
+    places = {}  # NOTE: [Masters built in place] in runtime/store.py
     if device.type != "cpu" and not getattr(schedule, "SHARDED", False):
         places = dict.fromkeys(resident_targets(schedule), device)
+    for p in masters.layout if masters is not None else ():
+        places[schedule.PLACEHOLDERS[p][1]] = masters.place(p)
     model, casts = source.materialize(torch.bfloat16 if bf16 else None, places)
     if source.weights is not None:
         files = len(set(source.weights.files.values()))
@@ -191,12 +194,14 @@ def _train(args, ranks: Ranks | None) -> dict:
         print(prep.lr_notice, flush=True)
 
     torch.manual_seed(args.seed)  # every rank: the same starting weights
-    model = _materialize(source, schedule)
+    offload_dir = _offload_dir(args, run_dir, schedule)
+    masters = DiskMasters(schedule, offload_dir) if masters_on_disk(schedule) else None  # loaded straight there
+    model = _materialize(source, schedule, masters)
     if found is not None:  # weights first: binding copies them to the GPU
         _restore_weights(found, model)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                             device=schedule.DEVICE,  # where its stages were captured for; over the default group
-                            offload_dir=_offload_dir(args, run_dir, schedule))
+                            offload_dir=offload_dir, disk_masters=masters)
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(lr.warmup_steps, lr.steps, lr.min_lr_ratio))
     start = 0
     if found is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,11 +240,12 @@ def _untied_hint(model: torch.nn.Module, missing: str) -> str | None:
 
 
 def load(model: torch.nn.Module, weights: Weights, dtype: torch.dtype | None = None,
-         places: dict[str, torch.device] | None = None) -> list[str]:
+         places: dict[str, torch.device | Callable] | None = None) -> list[str]:
     """Stream `weights` into `model` (built under `parameters_on_meta`, checked with `check`), one
     tensor at a time (NOTE: [Loading weights]). Floating parameters become `dtype` (default: the
     dtype each was built with); a parameter one of whose names `places` holds is made on that device
-    (NOTE: [Masters built in place] in runtime/store.py), the rest in host memory. Returns one line
+    (NOTE: [Masters built in place] in runtime/store.py), or by that maker, `(shape, dtype) ->
+    tensor` (a master on disk: runtime/disk_masters.py), the rest in host memory. Returns one line
     per kind of cast done, e.g. ``cast 24 tensors from bfloat16 to float32``, for the caller to say
     once."""
     from safetensors import safe_open
@@ -295,7 +297,9 @@ def _set_parameter(model, names, tensor, dtype, requires_grad, casts, device=Non
         casts[(tensor.dtype, dtype)] += 1
     # `get_tensor` returns a view of the shard's private file mapping: the copy owns its memory, so
     # that nothing reads the file again (an export into the same directory rewrites it).
-    owned = torch.empty(tensor.shape, dtype=dtype, device=device or "cpu").copy_(tensor)
+    made = device(tuple(tensor.shape), dtype) if callable(device) else torch.empty(tensor.shape, dtype=dtype,
+                                                                                   device=device or "cpu")
+    owned = made.copy_(tensor)
     param = torch.nn.Parameter(owned, requires_grad=requires_grad)
     for name in names:  # tied names share the one new parameter
         owner, _, attr = name.rpartition(".")
