@@ -94,6 +94,58 @@ def disk_gpt(hw, states: str = "32bit", clipping: str = "off", layers: int = 6, 
     return graph, dataclasses.replace(stages, disk=True, clipping=clipping), batch, real
 
 
+def builtin_schedule(tmp_path, spec, hw, compute: torch.dtype | None = None):
+    """The built-in model's schedule (lazytrain/examples/tiny_qwen.py) with the disk tier on and
+    clipping off, its decisions `spec(number of stages)`, written to `tmp_path / "s.py"`; `compute`:
+    the dtype it is captured in."""
+    from pathlib import Path
+
+    import lazytrain.examples
+    from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+    from lazytrain.pipeline import analyse
+
+    path = Path(lazytrain.examples.__file__).parent / "tiny_qwen.py"
+    build, example = load_model_file(path)
+    batch = check_batch(example())
+    meta = build_on_meta(build)
+    graph, stages = analyse(meta.to(compute) if compute else meta, batch, hw, str(path))
+    stages = dataclasses.replace(stages, disk=True, clipping="off")
+    schedule = tmp_path / "s.py"
+    schedule.write_text(forced(graph, stages, batch, decisions(spec(len(stages))), hw).source_text)
+    return schedule
+
+
+def assert_train_resumes_bit_identically(schedule, tmp_path, capsys) -> None:
+    """`lazytrain train --schedule` of the built-in model, 4 steps with checkpoints every 2, its
+    offload files under --offload-dir while it runs and gone after; a run killed after its step-2
+    checkpoint (its later checkpoint removed) and resumed ends with the uninterrupted run's
+    weights, to the bit."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from lazytrain.cli import main
+
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+
+    def train(run_dir, *extra):
+        argv = ["train", "--schedule", schedule, "--steps", 4, "--checkpoint-dir", run_dir, "--checkpoint-every", 2,
+                "--offload-dir", offload, "--no-progress", *extra]
+        assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+        assert offload_files(offload) == []  # preallocated for the run, removed at its end
+
+    train(whole)
+    shutil.copytree(whole, killed)
+    shutil.rmtree(killed / "checkpoints" / "step-00000004")
+    (killed / "checkpoints" / "LATEST").write_text("step-00000002\n")
+    train(killed, "--resume")
+    capsys.readouterr()
+    a, b = (load_file(str(r / "checkpoints" / "step-00000004" / "model.safetensors")) for r in (whole, killed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def tiny_qwen_pair(seed: int = 0):
     """The shipped example (lazytrain/examples/tiny_qwen.py: 4 layers, hidden 128, vocabulary 512)."""
     from lazytrain.examples import tiny_qwen

@@ -141,6 +141,26 @@ def test_the_file_is_preallocated_and_removed_on_close_and_collection(tmp_path):
     assert not disk.path.exists()
 
 
+def test_a_mapped_region_is_the_file(tmp_path):
+    """NOTE: [Mapped regions]: a region's mapping sees what the file's transfers wrote, they see what
+    was written through it, `settle` drops its pages from this process, and it outlives the file."""
+    with OffloadFile(tmp_path, {"a": 4 * ALIGN, "b": 3 * ALIGN}) as disk:
+        b = disk.mapped("b", (3, ALIGN // 4), torch.float32)
+        written = torch.randn(3, ALIGN // 4)
+        disk.write("b", written).result()
+        assert torch.equal(b, written)
+        b.mul_(2)
+        back = torch.empty_like(b)
+        disk.read("b", back).result()
+        assert torch.equal(back, written * 2)
+        disk.settle("b")
+        assert torch.equal(b, written * 2)  # read from the file again
+        assert disk.mapped("a", (0,), torch.float32).numel() == 0
+        with pytest.raises(ValueError, match="holds"):
+            disk.mapped("a", (4 * ALIGN + 1,), torch.uint8)
+    assert torch.equal(b, written * 2)
+
+
 def test_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(ResourceError, match=r"offload directory .*nowhere does not exist.*--offload-dir"):
         OffloadFile(tmp_path / "nowhere", {"a": 10})

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from pathlib import Path
 
 import pytest
 import torch
 
-import lazytrain.examples
 from lazytrain import hardware
 from lazytrain.errors import InfeasibleBudget, PlanError, ResourceError
 from lazytrain.ir.events import Kind
@@ -24,7 +22,7 @@ from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.units import format_size
-from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
+from models import (assert_disk_resume_bit_identical, assert_train_resumes_bit_identically, builtin_schedule, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
                     offload_files, tiny_gpt_pair, unique_name)
 
 HW = hardware.load("cpu")
@@ -122,49 +120,12 @@ def test_bind_refuses_a_disk_too_small(gpt, tmp_path, monkeypatch):
 
 # ---- lazytrain train ------------------------------------------------------------------------------
 
-def _disk_schedule(tmp_path):
-    """The built-in model's schedule with every block host-stepped and its states on disk."""
-    from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
-
-    path = Path(lazytrain.examples.__file__).parent / "tiny_qwen.py"
-    build, example = load_model_file(path)
-    batch = check_batch(example())
-    graph, stages = analyse(build_on_meta(build), batch, HW, str(path))
-    stages = dataclasses.replace(stages, disk=True, clipping="off")
-    schedule = tmp_path / "s.py"
-    schedule.write_text(forced(graph, stages, batch, decisions(["-rk"] + ["DRk"] * (len(stages) - 2) + ["-rk"]),
-                               HW).source_text)
-    return schedule
-
-
 def test_train_resumes_states_on_disk_bit_identically(tmp_path, capsys):
     """`lazytrain train` keeps the states under --offload-dir while it runs and in its checkpoints. A run
     killed after its step-2 checkpoint (its later checkpoint removed) and resumed ends with the
     uninterrupted run's weights, to the bit."""
-    import shutil
-
-    from safetensors.torch import load_file
-
-    from lazytrain.cli import main
-
-    schedule, offload = _disk_schedule(tmp_path), tmp_path / "offload"
-    offload.mkdir()
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-
-    def train(run_dir, *extra):
-        argv = ["train", "--schedule", schedule, "--steps", 4, "--checkpoint-dir", run_dir, "--checkpoint-every", 2,
-                "--offload-dir", offload, "--no-progress", *extra]
-        assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
-        assert offload_files(offload) == []  # preallocated for the run, removed at its end
-
-    train(whole)
-    shutil.copytree(whole, killed)
-    shutil.rmtree(killed / "checkpoints" / "step-00000004")
-    (killed / "checkpoints" / "LATEST").write_text("step-00000002\n")
-    train(killed, "--resume")
-    capsys.readouterr()
-    a, b = (load_file(str(r / "checkpoints" / "step-00000004" / "model.safetensors")) for r in (whole, killed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    schedule = builtin_schedule(tmp_path, lambda n: ["-rk"] + ["DRk"] * (n - 2) + ["-rk"], HW)
+    assert_train_resumes_bit_identically(schedule, tmp_path, capsys)
 
 
 def test_train_refuses_a_missing_offload_dir_before_compiling(tmp_path, capsys):

@@ -22,7 +22,8 @@ from lazytrain.pipeline import analyse, for_states
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.examples import tiny_gpt
-from models import (assert_disk_resume_bit_identical, assert_same_steps, bind_source, decisions, disk_gpt, forced,
+from models import (assert_disk_resume_bit_identical, assert_same_steps, assert_train_resumes_bit_identically,
+                    builtin_schedule, bind_source, decisions, disk_gpt, forced,
                     model_pair, unique_name)
 
 HW = hardware.load("cpu")
@@ -220,3 +221,12 @@ def test_train_loads_them_straight_into_the_file(tmp_path):
     for (n, got), want in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(got, want), n
     assert sorted(set(written)) == sorted(targets.values())  # each step wrote them back from the ring
+
+
+def test_train_resumes_masters_on_disk_bit_identically(tmp_path, capsys):
+    """`lazytrain train` of the built-in model with fp32 masters of bf16 weights, its blocks stepped in
+    backward with masters and states on disk: killed after a checkpoint and resumed, it ends with
+    the uninterrupted run's weights, to the bit."""
+    schedule = builtin_schedule(tmp_path, lambda n: ["-rk", "GRk"] + ["MRk"] * (n - 3) + ["-rk"], HW, torch.bfloat16)
+    assert "master_disk=True" in schedule.read_text()
+    assert_train_resumes_bit_identically(schedule, tmp_path, capsys)

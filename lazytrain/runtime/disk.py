@@ -250,8 +250,10 @@ class OffloadFile:
             raise ValueError(f"{self.path} is closed")
         offset, size = self._regions[name]
         count = math.prod(shape) * itemsize(dtype)
-        if count > size or count == 0:
+        if count > size:
             raise ValueError(f"region {name!r} holds {size} bytes; a {tuple(shape)} {dtype} tensor has {count}")
+        if count == 0:  # nothing to map (a zero-length mapping is an error)
+            return torch.empty(shape, dtype=dtype)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self._handles.buffered, count + offset - start, mmap.MAP_SHARED,
                             mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
@@ -262,7 +264,9 @@ class OffloadFile:
         """What was written into region `name`'s mapping, in the file; and its pages out of this
         process and the page cache, which they would otherwise hold until the kernel needs the
         memory (NOTE: [Mapped regions])."""
-        mapping = self._maps[name]
+        mapping = self._maps.get(name)
+        if mapping is None:  # never mapped, or empty
+            return
         mapping.flush()
         if hasattr(mmap, "MADV_DONTNEED"):
             mapping.madvise(mmap.MADV_DONTNEED)

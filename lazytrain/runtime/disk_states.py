@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -231,7 +232,8 @@ class _Ring:
     WAIT_S = 600.0  # a read or write that takes longer is a failure, not a wait
 
     def __init__(self, states: DiskStates, stages: frozenset[int], size: int, pinned: PinnedArena | None):
-        self.states, self.stages = states, stages
+        # a proxy: the states own the ring, and a cycle would keep their file until a collection
+        self.states, self.stages = weakref.proxy(states), stages
         self.buffers = [staging_buffer(max(states.stage_bytes[s] for s in stages), pinned) for _ in range(size)]
         self.free: queue.Queue[int] = queue.Queue()
         for b in range(size):
