@@ -146,6 +146,31 @@ def assert_train_resumes_bit_identically(schedule, tmp_path, capsys) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def mapped_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges this process maps `path` at (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def resident_kib(path) -> int:
+    """KiB of this process's mappings of `path` resident in its memory (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
 def tiny_qwen_pair(seed: int = 0):
     """The shipped example (lazytrain/examples/tiny_qwen.py: 4 layers, hidden 128, vocabulary 512)."""
     from lazytrain.examples import tiny_qwen
@@ -286,6 +311,17 @@ def assert_disk_steps_equal_adamw(source_text: str, real: nn.Module, batch: dict
     trainer.synchronize()
     assert_adamw_weights(model, real, batch, steps, **hp)
     return trainer
+
+
+def assert_steps_agree(first, second, batch: dict, steps: int) -> None:
+    """`steps` steps of two bound trainers, then the same weights in their models, to the bit."""
+    for _ in range(steps):
+        first.step(batch)
+        second.step(batch)
+    for trainer in (first, second):
+        trainer.sync_model()
+    for (name, a), b in zip(first.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(a, b), name
 
 
 def assert_same_steps(texts, real: nn.Module, batch: dict, tmp_path, steps: int = 3, **bind) -> None:

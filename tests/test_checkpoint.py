@@ -407,3 +407,41 @@ def test_export_hf_refuses_other_models(tmp_path):
     message = r"only Hugging Face models .* got Linear; use model\.safetensors"
     with pytest.raises(CheckpointError, match=message):
         export_hf(torch.nn.Linear(2, 2), tmp_path / "out")
+
+
+def test_the_weights_file_is_written_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """NOTE: [Streamed weights files] in train/tensor_file.py: what safetensors itself reads, with every
+    dtype it holds, and each copy a tensor needs (here: non-contiguous ones) gone before the next."""
+    import gc
+    import weakref
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from lazytrain.train import tensor_file
+
+    tensors = {f"{dtype}".removeprefix("torch."): torch.randn(5, 3).to(dtype) for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)}
+    tensors |= {"int": torch.arange(-6, 6, dtype=torch.int8).view(3, 4), "flag": torch.tensor([True, False]),
+                "scalar": torch.tensor(3, dtype=torch.int64), "none": torch.empty(0, 2, dtype=torch.int16)}
+    tensors |= {f"t{i}": torch.randn(16, 8).t() for i in range(4)}  # non-contiguous: copied to write
+    alive = []
+    real = tensor_file._host_bytes
+
+    def host_bytes(t):
+        gc.collect()
+        assert sum(r() is not None for r in alive) == 0  # the last tensor's copy is gone
+        view = real(t)
+        if not t.is_contiguous():
+            alive.append(weakref.ref(view.obj.base))  # numpy array over the copy
+        return view
+    monkeypatch.setattr(tensor_file, "_host_bytes", host_bytes)
+    tensor_file.write(tensors, tmp_path / "ours.safetensors")
+    assert len(alive) == 4
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "theirs.safetensors"))
+    with safe_open(str(tmp_path / "ours.safetensors"), "pt") as ours, \
+            safe_open(str(tmp_path / "theirs.safetensors"), "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys()) == sorted(tensors)
+        for k in tensors:
+            a, b = ours.get_tensor(k), theirs.get_tensor(k)
+            assert a.dtype == b.dtype == tensors[k].dtype and a.shape == b.shape and bits_equal(a, b), k

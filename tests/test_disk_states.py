@@ -22,7 +22,7 @@ from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.units import format_size
-from models import (assert_disk_resume_bit_identical, assert_train_resumes_bit_identically, builtin_schedule, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
+from models import (mapped_ranges, assert_steps_agree, assert_disk_resume_bit_identical, assert_train_resumes_bit_identically, builtin_schedule, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
                     offload_files, tiny_gpt_pair, unique_name)
 
 HW = hardware.load("cpu")
@@ -100,6 +100,34 @@ def test_resume_with_states_on_disk_is_bit_identical(gpt, tmp_path):
     graph, stages, batch, real = gpt
     text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
     assert_disk_resume_bit_identical(text, real, batch, tmp_path, **HP)
+
+
+def test_a_state_dict_maps_the_states_on_disk(gpt, tmp_path):
+    """`state_dict()` hands out the states on disk as their regions of the file, mapped (NOTE:
+    [Mapped regions] in runtime/disk.py), not read into host memory; loaded back, they are copied
+    before they are written, and the steps after equal those of a run never saved."""
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    saved, _ = bind_source(text, real, offload_dir=str(tmp_path / "a"), **HP)
+    whole, _ = bind_source(text, real, offload_dir=str(tmp_path / "b"), **HP)
+    for _ in range(2):
+        saved.step(batch)
+        whole.step(batch)
+    state = saved.state_dict()
+    mapped = mapped_ranges(saved.disk_states.file.path)
+    on_disk = [v for s, i in saved.disk_states.on_disk
+               for v in state["state"][_index(saved, s, i)].values() if torch.is_tensor(v) and v.dim() > 0]
+    assert on_disk and all(any(lo <= v.data_ptr() < hi for lo, hi in mapped) for v in on_disk)
+    saved.load_state_dict(state)
+    assert_steps_agree(saved, whole, batch, 2)
+
+
+def _index(trainer, stage: int, i: int) -> int:
+    """The optimizer state dict's index of parameter `i` of `stage`."""
+    homes = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    return next(j for j, p in enumerate(homes) if p is trainer.disk_states.homes[stage][i])
 
 
 def test_bind_refuses_a_bad_offload_dir(gpt, tmp_path):

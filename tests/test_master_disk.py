@@ -23,7 +23,7 @@ from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.examples import tiny_gpt
 from models import (assert_disk_resume_bit_identical, assert_same_steps, assert_train_resumes_bit_identically,
-                    builtin_schedule, bind_source, decisions, disk_gpt, forced,
+                    assert_steps_agree, builtin_schedule, mapped_ranges, resident_kib, bind_source, decisions, disk_gpt, forced,
                     model_pair, unique_name)
 
 HW = hardware.load("cpu")
@@ -102,7 +102,7 @@ def test_between_steps_the_parameter_is_the_file(gpt, tmp_path):
     assert sorted(moved) == sorted((kind, p) for kind in ("read", "write") for p in names for _ in range(2))
     assert not trainer.disk_states.staged  # no master held in a ring buffer between steps
     params = dict(model.named_parameters())
-    mapped = _mapped_ranges(masters.file.path)
+    mapped = mapped_ranges(masters.file.path)
     assert all(any(lo <= params[n].data_ptr() < hi for lo, hi in mapped) for n in names.values())
     state = model.state_dict()
     for p, n in names.items():
@@ -116,31 +116,6 @@ def test_between_steps_the_parameter_is_the_file(gpt, tmp_path):
     on_file = torch.empty_like(params[n])
     masters.file.read(p, on_file).result()
     assert torch.equal(on_file, params[n])
-
-
-def _mapped_ranges(path) -> list[tuple[int, int]]:
-    """The address ranges this process maps `path` at (/proc/self/maps)."""
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5] == str(path):
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                out.append((lo, hi))
-    return out
-
-
-def _resident_kib(path) -> int:
-    """KiB of this process's mappings of `path` resident in its memory (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-                inside = len(fields) >= 6 and fields[5] == str(path)
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1])
-    return total
 
 
 def test_resume_is_bit_identical(gpt, tmp_path):
@@ -202,7 +177,7 @@ def test_train_loads_them_straight_into_the_file(tmp_path):
     model = _materialize(source, schedule, masters)
     targets = {schedule.PLACEHOLDERS[p][1]: p for p in masters.layout}
     assert len(targets) == sum(len(s.params) for s in schedule.STAGES if s.master_disk) > 0
-    mapped = _mapped_ranges(masters.file.path)
+    mapped = mapped_ranges(masters.file.path)
     params = dict(model.named_parameters())
     assert all(any(lo <= params[t].data_ptr() < hi for lo, hi in mapped) for t in targets)
     assert all(torch.equal(params[t], real.get_parameter(t)) for t in targets)
@@ -210,16 +185,9 @@ def test_train_loads_them_straight_into_the_file(tmp_path):
     masters.write = lambda p, tensor, inner=masters.write: written.append(p) or inner(p, tensor)
     trainer = schedule.bind(model, offload_dir=str(tmp_path / "offload"), disk_masters=masters, **HP)
     assert written == []  # bind found them in place
-    assert _resident_kib(masters.file.path) == 0  # their pages settled: none held by this process
-    twin = copy.deepcopy(real)
-    other = load_source(text, unique_name()).bind(twin, offload_dir=str(tmp_path / "offload"), **HP)
-    for _ in range(3):
-        trainer.step(batch)
-        other.step(batch)
-    trainer.sync_model()
-    other.sync_model()
-    for (n, got), want in zip(model.named_parameters(), twin.parameters()):
-        assert torch.equal(got, want), n
+    assert resident_kib(masters.file.path) == 0  # their pages settled: none held by this process
+    other = load_source(text, unique_name()).bind(copy.deepcopy(real), offload_dir=str(tmp_path / "offload"), **HP)
+    assert_steps_agree(trainer, other, batch, 3)
     assert sorted(set(written)) == sorted(targets.values())  # each step wrote them back from the ring
 
 

@@ -232,18 +232,17 @@ def test_full_disk_while_compiling_on_the_fly(small_model, tmp_path, capsys, mon
 
 
 def test_full_disk_during_a_checkpoint(small_model, tmp_path, capsys, monkeypatch):
-    """safetensors reports ENOSPC as a SafetensorError: one line, the previous checkpoint intact."""
-    from safetensors import SafetensorError
+    """The weights' file meets ENOSPC: one line, the previous checkpoint intact."""
+    import errno
 
-    real = ckpt.save_file
+    real = ckpt.tensor_file.write
 
-    def save_file(tensors, path):
-        if "step-00000002" in path:
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                                  'message: "No space left on device" })')
+    def write(tensors, path):
+        if "step-00000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(tensors, path)
 
-    monkeypatch.setattr(ckpt, "save_file", save_file)
+    monkeypatch.setattr(ckpt.tensor_file, "write", write)
     run_dir = tmp_path / "run"
     code, out, err = run(capsys, *train_args(small_model, run_dir, "--steps", 3, "--checkpoint-every", 1))
     one_line_error(code, err, f"no space left on the disk to write {run_dir / 'checkpoints' / 'step-00000002'}",

@@ -336,7 +336,7 @@ class Trainer(Replay, Stepping, ShardedState):
         self.synchronize()
         if self.disk_states is None:
             return self.optimizer.state_dict()
-        with self.disk_states.materialized():  # the moments on disk, read whole for the checkpoint
+        with self.disk_states.materialized():  # the states on disk, mapped from the file for the checkpoint
             return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:

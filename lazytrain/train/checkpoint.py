@@ -4,7 +4,7 @@ Layout under a checkpoint root::
 
     root/LATEST                  the name of the newest complete checkpoint, e.g. "step-00000012"
     root/step-00000012/
-        model.safetensors        model weights (contiguous, tied storages un-shared)
+        model.safetensors        model weights, written one tensor at a time (tensor_file.py)
         optimizer.pt             optimizer state (torch.save)
         rng.pt                   torch CPU, CUDA (if initialised) and python `random` states
         meta.json                step, fingerprint, `extra`, sha256 of every file, own digest
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from lazytrain.errors import CheckpointError
 from lazytrain.files import free_bytes, fsync_dir, is_disk_full, no_space
+from lazytrain.train import tensor_file
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -145,30 +145,17 @@ def _check_extra(extra: dict) -> None:
         )
 
 
-def _safetensors_ready(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors, no two sharing storage (safetensors refuses shared storage).
-
-    A second tensor on an already seen storage (tied embeddings) is cloned, so both names are
-    saved with identical bits and load back as independent tensors.
-    """
+def _check_model_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`model_state` as names to detached tensors, each written as it is (NOTE: [Streamed weights
+    files] in tensor_file.py)."""
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
     for name, tensor in model_state.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise CheckpointError(
                 f"model_state entry {name!r} is a {type(tensor).__name__}; model_state must map "
                 "names to tensors (pass model.state_dict())"
             )
-        tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
-        ptr = tensor.untyped_storage().data_ptr()
-        if not tensor.is_contiguous() or (tensor.numel() and ptr in seen):
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-            ptr = tensor.untyped_storage().data_ptr()
-        if tensor.numel():
-            seen.add(ptr)
-        out[name] = tensor
+        out[name] = tensor.detach()
     return out
 
 
@@ -271,13 +258,13 @@ def save_checkpoint(
     place cannot be made atomic.
     """
     _check_save(step, keep, extra)
-    tensors = _safetensors_ready(model_state)
+    tensors = _check_model_state(model_state)
     # NOTE: [Full disk] in files.py. Refused before writing when the tensors alone do not fit.
     needed = state_bytes(tensors) + state_bytes(optimizer_state) + (1 << 16)
     root = Path(root)
     tmp = begin_save(root, step, keep, extra, needed)
     try:
-        save_file(tensors, str(tmp / MODEL_FILE))
+        tensor_file.write(tensors, tmp / MODEL_FILE)  # NOTE: [Streamed weights files] in tensor_file.py
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save(_capture_rng(), tmp / RNG_FILE)
     except BaseException as exc:
