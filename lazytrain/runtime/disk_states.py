@@ -200,8 +200,9 @@ class DiskStates:
         file, mapped (NOTE: [Mapped regions] in disk.py): for `state_dict()`, whose result keeps
         them, live as torch's own states are (later steps rewrite them). Mapped, not read: a
         checkpoint of states the plan keeps on disk is written through the page cache, which the
-        kernel evicts, not through host memory the plan gave them up (13 GB of a 40 GB host in the
-        7B's plan with fp32 masters on disk, bench/README.md)."""
+        kernel evicts, not through host memory the plan gave them up (12.7 GB of states beside a
+        36 GB host's 31 GiB plan for the 7B at 1 x 65536: bench/README.md, "Checkpoints within the
+        plan's host memory")."""
         self.drain()
         for s, i in sorted(self.on_disk):
             state = self.optimizer.state[self.homes[s][i]]
