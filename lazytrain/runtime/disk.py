@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import math
 import mmap
 import os
 import queue
@@ -58,7 +57,8 @@ import torch
 
 from lazytrain import files
 from lazytrain.errors import ResourceError
-from lazytrain.runtime.carve import aligned, itemsize
+from lazytrain.runtime.carve import aligned
+from lazytrain.runtime.carve import nbytes as tensor_bytes  # `OffloadFile.nbytes` is the file's
 
 if TYPE_CHECKING:
     from lazytrain.runtime.pinned import PinnedArena
@@ -249,7 +249,7 @@ class OffloadFile:
         if self.closed:
             raise ValueError(f"{self.path} is closed")
         offset, size = self._regions[name]
-        count = math.prod(shape) * itemsize(dtype)
+        count = tensor_bytes(shape, dtype)
         if count > size:
             raise ValueError(f"region {name!r} holds {size} bytes; a {tuple(shape)} {dtype} tensor has {count}")
         if count == 0:  # nothing to map (a zero-length mapping is an error)

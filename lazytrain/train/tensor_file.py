@@ -21,19 +21,21 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+# the header's dtype names (weights.py reads them with the same table)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def write(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """`tensors` (any devices, any layouts) into a safetensors file at `path`."""
     header, offset = {}, 0
     for name, t in tensors.items():
-        if t.dtype not in _DTYPES:
+        if t.dtype not in _NAMES:
             raise ValueError(f"{name} is {t.dtype}, which a safetensors file cannot hold")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

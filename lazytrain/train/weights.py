@@ -32,13 +32,10 @@ from pathlib import Path
 import torch
 
 from lazytrain.errors import DataError
+from lazytrain.train.tensor_file import DTYPES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ def _read_header(shard: Path, origin: Path) -> dict[str, tuple[tuple[int, ...], 
             out = {}
             for name in f.keys():
                 sliced = f.get_slice(name)
-                out[name] = (tuple(sliced.get_shape()), _DTYPES.get(sliced.get_dtype()))
+                out[name] = (tuple(sliced.get_shape()), DTYPES.get(sliced.get_dtype()))
             return out
     except Exception as exc:  # safetensors raises its own error types for one cause: a bad file
         where = f" (named by {origin})" if shard != origin else ""
