@@ -20,6 +20,17 @@ CLIPPING_TEXT = {
 }
 
 
+def memory_name(device: str) -> str:
+    """What the memory a plan budgets is called: the GPU's on CUDA; on the CPU, where one processor
+    plays both the device and the host, the device's."""
+    return "GPU" if device == "cuda" else "device"
+
+
+def optimizer_place(device: str, on: str) -> str:
+    """Where a stage's optimizer step runs ("gpu" or "cpu" in the plan), in words for `device`."""
+    return on if device == "cuda" else {"gpu": "device", "cpu": "host"}[on]
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
 
@@ -40,7 +51,7 @@ def summary(schedule: ModuleType) -> str:
     lines = [
         f"schedule for {m.SOURCE or '<in-memory model>'} (fingerprint {m.FINGERPRINT}), hardware {m.HARDWARE}",
         f"batch: {', '.join(f'{k}={d}{list(s)}' for k, (s, d) in m.BATCH.items())}",
-        f"budget {format_size(m.BUDGET)}; predicted peak {format_size(m.PREDICTED_PEAK)} "
+        f"budget {format_size(m.BUDGET, round_up=True)}; predicted peak {format_size(m.PREDICTED_PEAK)} "
         f"({m.PREDICTED_PEAK / m.BUDGET:.0%} of budget); host {format_size(p['host_bytes'])}" + _disk_text(p),
         f"predicted step {_ms(m.PREDICTED_STEP_S)} = compute {_ms(p['compute_s'])} + recompute {_ms(p['recompute_s'])}"
         f" + exposed transfer {_ms(p['exposed_s'])} + optimizer {_ms(p['optimizer_s'])}",
@@ -55,7 +66,7 @@ def summary(schedule: ModuleType) -> str:
         lines.append(
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
-            f"{s.outputs_mode:<9}{'cpu' if s.stream and not s.gpu_step else 'gpu'}"
+            f"{s.outputs_mode:<9}{optimizer_place(m.DEVICE, 'cpu' if s.stream and not s.gpu_step else 'gpu')}"
             + (", in its backward" if getattr(s, "backward_step", False) else "")
             + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else "")
             + (", master on disk" if getattr(s, "master_disk", False) else "")
@@ -78,7 +89,7 @@ def summary(schedule: ModuleType) -> str:
     for e in m.EVENTS:
         counts[e.kind.value] = counts.get(e.kind.value, 0) + 1
     lines += ["", "events: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), "",
-              "predicted GPU memory per window (time order):"]
+              f"predicted {memory_name(m.DEVICE)} memory per window (time order):"]
     top = max((b for _, b, _ in m.WINDOWS), default=1) or 1
     for label, nbytes, secs in m.WINDOWS:
         bar = "#" * round(_WIDTH * nbytes / top)
@@ -117,7 +128,8 @@ def _states_line(m: ModuleType) -> str:
     fp32 = [s.index for s in m.STAGES if s.states == "32bit"]
     mixed = (f"; 32-bit on the host-stepped stages ({_ranges(fp32)})"
              if getattr(m, "OPTIMIZER_STATES", "32bit") != "32bit" and fp32 else "")
-    return (f"optimizer states ({getattr(m, 'OPTIMIZER_STATES', '32bit')} AdamW{mixed}): GPU {format_size(gpu)}, "
+    return (f"optimizer states ({getattr(m, 'OPTIMIZER_STATES', '32bit')} AdamW{mixed}): {memory_name(m.DEVICE)} "
+            f"{format_size(gpu)}, "
             f"host {format_size(host)}")
 
 

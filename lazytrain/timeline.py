@@ -184,14 +184,14 @@ def plot_png(schedule_module: ModuleType, path, measured=None) -> Path:
     mem = axes[-1]
     mem.step([t * 1e3 for t, _ in curve], [b / scale for _, b in curve], where="post", color="#1f77b4",
              label="predicted GPU memory")
-    mem.axhline(m.BUDGET / scale, color="#d62728", linestyle="--", linewidth=1, label=f"budget {format_size(m.BUDGET)}")
+    mem.axhline(m.BUDGET / scale, color="#d62728", linestyle="--", linewidth=1, label=f"budget {format_size(m.BUDGET, round_up=True)}")
     mem.set_xlim(axes[0].get_xlim())
     mem.set_ylim(0, m.BUDGET / scale * 1.1)
     mem.set_ylabel(unit)
     mem.set_xlabel("predicted time (ms)")
     mem.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=2, frameon=False, borderaxespad=0.2)
     mem.grid(alpha=0.3)
-    fig.suptitle(f"{m.SOURCE or 'schedule'} ({m.FINGERPRINT}): budget {format_size(m.BUDGET)}, "
+    fig.suptitle(f"{m.SOURCE or 'schedule'} ({m.FINGERPRINT}): budget {format_size(m.BUDGET, round_up=True)}, "
                  f"predicted peak {format_size(m.PREDICTED_PEAK)}", fontsize=10)
     fig.tight_layout()
     path = Path(path)

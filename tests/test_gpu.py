@@ -173,22 +173,27 @@ def mixed_8bit(case: str, model, **hp):
 
 @needs_gpu
 def test_bind_caps_the_allocator_at_the_budget():
-    """NOTE: [Memory cap]: past the budget the allocator fails instead of growing its reserve."""
-    from lazytrain.runtime.trainer import CAP_FLOOR
+    """NOTE: [Memory cap]: past the budget the allocator fails instead of growing its reserve. The
+    cap is the budget less CAP_MARGIN (never below CAP_FLOOR); the budget holds the allocator's
+    reserve, so one allocation of the cap's size beside the trainer's own memory cannot fit, and
+    one of half the budget's headroom can."""
+    from lazytrain.runtime.trainer import CAP_FLOOR, CAP_MARGIN
 
     try:
         trainer = bind("fp32_min", tiny_qwen())
         trainer.step(tiny_batch())
-        assert trainer.m.BUDGET < CAP_FLOOR
+        cap = max(trainer.m.BUDGET - CAP_MARGIN, CAP_FLOOR)
+        held = torch.cuda.memory_allocated()
+        assert held < cap
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            torch.empty(CAP_FLOOR + (64 << 20), dtype=torch.uint8, device="cuda")
-        torch.empty(CAP_FLOOR // 2, dtype=torch.uint8, device="cuda")
+            torch.empty(cap - held + (64 << 20), dtype=torch.uint8, device="cuda")
+        torch.empty((cap - held) // 2, dtype=torch.uint8, device="cuda")
         bind("fp32_min", tiny_qwen(), cap_memory=False)  # leaves the cap as it was
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            torch.empty(CAP_FLOOR + (64 << 20), dtype=torch.uint8, device="cuda")
+            torch.empty(cap + (64 << 20), dtype=torch.uint8, device="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    torch.empty(CAP_FLOOR + (64 << 20), dtype=torch.uint8, device="cuda")
+    torch.empty(cap + (64 << 20), dtype=torch.uint8, device="cuda")
 
 
 @needs_gpu

@@ -20,7 +20,7 @@ from lazytrain.passes.footprint import prefetches_from_master
 from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
-from lazytrain.summary import CLIPPING_TEXT, internals
+from lazytrain.summary import CLIPPING_TEXT, internals, memory_name, optimizer_place
 from lazytrain.units import format_size
 
 _ENV = jinja2.Environment(
@@ -156,7 +156,7 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
             f"{'streamed' if d.stream else 'resident':<8}  internals {internals(s.chunks, d.recompute):<10}  "
-            f"outputs {d.outputs.value:<7}  optimizer on {d.optimizer}"
+            f"outputs {d.outputs.value:<7}  optimizer on {optimizer_place(graph.device, d.optimizer)}"
             + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
             + (", fetched 2 windows ahead" if d.lookahead == 2 else "") + (", in its backward" if d.backward_step else "")
             + (", states on disk" if d.disk else "") + (", master on disk" if d.master_disk else "")
@@ -192,10 +192,10 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     # No solve time here: a schedule is a deterministic function of its inputs (golden files).
     solver_text = f"{info.status}, gap {info.gap:.2%}" + (f" ({info.message})" if info.message else "")
     text = _ENV.get_template("schedule.py.j2").render(
-        source=graph.source, fingerprint=graph.fingerprint(), budget=plan.budget, budget_text=format_size(plan.budget),
+        source=graph.source, fingerprint=graph.fingerprint(), budget=plan.budget, budget_text=format_size(plan.budget, round_up=True),
         batch_text=", ".join(f"{k}={v.dtype}{list(v.shape)}".replace("torch.", "") for k, v in batch.items()),
         batch=[(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in batch.items()],
-        hardware=hardware, device=graph.device, optimizer_states=optimizer_states, master_weights=master_weights, state_bytes=stages.state_bytes, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
+        hardware=hardware, device=graph.device, memory_name=memory_name(graph.device), optimizer_states=optimizer_states, master_weights=master_weights, state_bytes=stages.state_bytes, peak=plan.peak_bytes, peak_text=format_size(plan.peak_bytes), step_s=plan.step_s,
         step_text=_ms(plan.step_s), compute_text=_ms(plan.compute_s), recompute_text=_ms(plan.recompute_s),
         exposed_text=_ms(plan.exposed_s), optimizer_text=_ms(plan.optimizer_s), solver_text=solver_text,
         decision_lines=decision_lines, format_version=FORMAT_VERSION, loss=graph.output,

@@ -20,6 +20,15 @@ stochastically: up or down to a neighbouring bf16 with probability given by the 
 rounding is unbiased and small updates accumulate in expectation instead of vanishing. The noise
 is a function of (group, parameter, step) alone (`sr_seed`), not of the order steps run in, so a
 run resumed from a checkpoint (which applies pending updates early) stays bit-identical.
+
+NOTE: [Masters in the schedule's dtype]
+The masters are what the schedule says (`MASTER_WEIGHTS`, printed in its header), whatever dtype
+the model was built in: `bind` makes every floating parameter bf16 under `--master-weights bf16`
+and fp32 otherwise, and `lazytrain train` loads a checkpoint straight into that dtype. A bf16
+checkpoint under an fp32-master schedule once kept its bf16 parameters as the masters, stepped
+partly through fp32 twins: a save, which lands pending updates early, then changed the rounding
+and so the run (a Llama diverged from the step after each save). Now its masters are fp32, and a
+checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -28,6 +37,14 @@ import threading
 from collections import defaultdict
 
 import torch
+
+
+def master_dtype(module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype schedule `module` keeps a parameter of `dtype` in as the optimizer's master (NOTE:
+    [Masters in the schedule's dtype]): bf16 or fp32 for floating parameters, others as they are."""
+    if not dtype.is_floating_point:
+        return dtype
+    return torch.bfloat16 if getattr(module, "MASTER_WEIGHTS", "fp32") == "bf16" else torch.float32
 
 
 def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, seed: int | None = None,

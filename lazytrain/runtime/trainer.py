@@ -35,7 +35,7 @@ from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_states import DiskStates
 from lazytrain.runtime.gpu_step import GpuStepper
-from lazytrain.runtime.optim import staged_optimizer
+from lazytrain.runtime.optim import master_dtype, staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
 from lazytrain.runtime.sharded_state import ShardedState
@@ -67,7 +67,8 @@ class Trainer(Replay, Stepping, ShardedState):
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
     `device` (default: where the model is) is where compute runs; the model's own parameters stay
-    the masters (fp32; bf16 if compiled with `--master-weights bf16`); on a GPU, those of resident
+    the masters (fp32, bf16 if compiled with `--master-weights bf16`, whatever dtype the model was
+    built in); on a GPU, those of resident
     stages move to the device (NOTE: [Resident masters on the device]). On a GPU the process's
     allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap]).
     A schedule compiled with `--world-size N` trains data parallel over `process_group` (default:
@@ -86,10 +87,9 @@ class Trainer(Replay, Stepping, ShardedState):
         self.events: tuple[Event, ...] = module.EVENTS
         model_sync.land_previous(model)  # a trainer bound to it before: start from its updated weights
         tensors = self._bind_tensors(model)
-        if getattr(module, "MASTER_WEIGHTS", "fp32") == "bf16":  # NOTE: [bf16 master weights] in optim.py
-            for name, t in tensors.items():
-                if module.PLACEHOLDERS[name][0] == "param" and t.is_floating_point():
-                    t.data = t.data.to(torch.bfloat16)
+        for name, t in tensors.items():  # NOTE: [Masters in the schedule's dtype] in optim.py
+            if module.PLACEHOLDERS[name][0] == "param" and t.dtype != master_dtype(module, t.dtype):
+                t.data = t.data.to(master_dtype(module, t.dtype))
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
         self._check_device()
         self.device = indexed(self.device)

@@ -27,6 +27,7 @@ from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
+from lazytrain.runtime.optim import master_dtype
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.runtime.store import resident_targets
 from lazytrain.summary import summary
@@ -67,7 +68,8 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
 
     hw = _hardware(args)
     batch = _zeros(prep.rank_batch)
-    opts = {"optimizer_states": args.optimizer_states or "32bit", "master_weights": args.master_weights or "fp32",
+    opts = {"optimizer_states": args.optimizer_states or "32bit",
+            "master_weights": args.master_weights or default_masters(prep.meta_model),
             "world_size": prep.world, "shard_state": None if hw.link_bandwidth > 0 else False}  # NOTE: [State in train]
     if prep.world > 1 and not hw.link_bandwidth > 0:
         print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
@@ -88,6 +90,13 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
 # hardware profile without the ranks' link bandwidth, which a sharded plan needs). Its
 # checkpoints (NOTE: [Distributed checkpoints]) hold either layout, and a resumed run reads either,
 # at any world size.
+
+
+def default_masters(model: torch.nn.Module) -> str:
+    """--master-weights when not given: bf16 for a model built in bf16 (most checkpoints' config
+    dtype), as its weights came, else fp32 (NOTE: [Masters in the schedule's dtype] in runtime/optim.py)."""
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return "bf16" if floating and all(d == torch.bfloat16 for d in floating) else "fp32"
 
 
 def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
@@ -133,17 +142,17 @@ def _check_schedule(args, schedule, prep: Prepared) -> None:
             f"{prep.world}")
 
 
-def _materialize(source: ModelSource, schedule, masters: DiskMasters | None = None) -> torch.nn.Module:
+def _materialize(source: ModelSource, schedule, disk: DiskMasters | None = None) -> torch.nn.Module:
     """The model with its starting weights, loaded in the masters' dtype (NOTE: [Loading weights]
-    in weights.py), masters on disk straight into `masters` (runtime/disk_masters.py); casts are said once."""
-    bf16 = getattr(schedule, "MASTER_WEIGHTS", "fp32") == "bf16"
+    in weights.py), masters on disk straight into `disk` (runtime/disk_masters.py); casts are said once."""
+    masters = master_dtype(schedule, torch.float32)  # NOTE: [Masters in the schedule's dtype] in runtime/optim.py
     device = torch.device(schedule.DEVICE)
     places = {}  # NOTE: [Masters built in place] in runtime/store.py
     if device.type != "cpu" and not getattr(schedule, "SHARDED", False):
         places = dict.fromkeys(resident_targets(schedule), device)
-    for p in masters.layout if masters is not None else ():
-        places[schedule.PLACEHOLDERS[p][1]] = masters.place(p)
-    model, casts = source.materialize(torch.bfloat16 if bf16 else None, places)
+    for p in disk.layout if disk is not None else ():
+        places[schedule.PLACEHOLDERS[p][1]] = disk.place(p)
+    model, casts = source.materialize(masters, places)
     if source.weights is not None:
         files = len(set(source.weights.files.values()))
         print(f"loaded {len(source.weights.files)} tensors from {source.weights.origin}"

@@ -20,6 +20,7 @@ import torch
 
 from lazytrain.errors import CheckpointError
 from lazytrain.files import write_atomic
+from lazytrain.runtime.optim import master_dtype
 from lazytrain.train.checkpoint import Checkpoint
 from lazytrain.train.dist_checkpoint import SHARDED
 
@@ -104,7 +105,6 @@ def check_structure(found: Checkpoint, model: torch.nn.Module, schedule) -> None
     where = f"checkpoint {found.path}"
     fix = "resume with the model and settings that wrote it, or use a fresh --checkpoint-dir"
     own = model.state_dict()
-    bf16 = getattr(schedule, "MASTER_WEIGHTS", "fp32") == "bf16"
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = [k for k in own if k not in found.model_state]
     extra = [k for k in found.model_state if k not in own]
@@ -113,7 +113,8 @@ def check_structure(found: Checkpoint, model: torch.nn.Module, schedule) -> None
                               f"unexpected {_few(extra)}; {fix}")
     for name, mine in own.items():
         saved = found.model_state[name]
-        want = torch.bfloat16 if bf16 and name in params and mine.is_floating_point() else mine.dtype
+        # NOTE: [Masters in the schedule's dtype] in runtime/optim.py
+        want = master_dtype(schedule, mine.dtype) if name in params else mine.dtype
         if not isinstance(saved, torch.Tensor) or saved.shape != mine.shape:
             shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
             raise CheckpointError(f"{where} holds {name} with shape {shape}, the model's is {tuple(mine.shape)}; {fix}")
