@@ -21,6 +21,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """Unknown flags are reported by the command they were given to, whose --help lists its flags."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = self._commands.get(getattr(parsed, "command", None), self) if hasattr(self, "_commands") else self
+            command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
 
 def _budget(text: str):
     """A GPU budget: a size with a unit, min or max. A bare number is refused: `--budget 1.5` meant
@@ -43,16 +51,32 @@ def _budget(text: str):
     return size
 
 
-def _at_least(low: int):
+MAX_STEPS = 10**9  # a billion steps: more is a typo, not a run
+MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed
+
+
+def _at_least(low: int, high: int | None = None):
+    """A whole number in [low, high]."""
+    bounds = f">= {low}" + (f" and <= {high:,}" if high is not None else "")
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass an integer >= {low}") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass an integer {bounds}") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}; pass an integer >= {low}")
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; pass an integer {bounds}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is above {high:,}; pass an integer {bounds}")
         return value
     return parse
+
+
+def _path(text: str) -> str:
+    """A path flag's value: not empty (`--checkpoint-dir ''` would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty; pass a file or directory name")
+    return text
 
 
 def _number(low: float, high: float = math.inf, low_open: bool = True):
@@ -71,9 +95,16 @@ def _number(low: float, high: float = math.inf, low_open: bool = True):
 
 
 def _chunk_bytes(text: str) -> int:
-    """--loss-chunk-bytes: a size, or 0 / off for no chunking."""
+    """--loss-chunk-bytes: a size with a unit, or 0 / off for no chunking. A bare number other than 0
+    is refused, as for --budget."""
     if text.strip().lower() == "off":
         return 0
+    try:
+        bare = float(text)
+    except ValueError:
+        bare = None
+    if bare is not None and bare != 0:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit; write a size such as 1GiB or 256MiB, or 0 or 'off'")
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -99,7 +130,7 @@ def cmd_compile(args) -> int:
 
     print(summary(load_schedule(args.output)), end="")
     print(f"solved in {compiled.plan.solver.seconds:.2f} s; wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
-          f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget)})")
+          f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget, round_up=True)})")
     return 0
 
 
@@ -145,14 +176,15 @@ def cmd_profile(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lazytrain", description="Compile and run training steps under a GPU memory budget.")
     sub = p.add_subparsers(dest="command", required=True)
+    p._commands = sub.choices  # command name -> its parser (`_Parser.parse_args`)
 
     c = sub.add_parser("compile", help="compile model.py into a static schedule.py")
     c.add_argument("model", help="a .py file defining build_model() and example_batch()")
-    c.add_argument("-o", "--output", required=True, help="the schedule module to write")
+    c.add_argument("-o", "--output", type=_path, required=True, help="the schedule module to write")
     c.add_argument("--budget", type=_budget, default="max",
                    help="GPU memory budget, e.g. 24GiB; 'min' for the smallest feasible, 'max' (default) for the whole device")
     c.add_argument("--hardware", default=None, help="hardware profile: h200 (default), cpu, or a JSON file from `lazytrain profile`")
-    c.add_argument("--dump-ir", metavar="DIR", default=None, help="write the IR after every stage into DIR")
+    c.add_argument("--dump-ir", type=_path, metavar="DIR", default=None, help="write the IR after every stage into DIR")
     c.add_argument("--time-limit", type=_number(0), default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
     c.add_argument("--optimizer-states", choices=["32bit", "8bit"], default="32bit",
@@ -190,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train a model with a schedule (default: the built-in tiny model on the shipped corpus)")
-    t.add_argument("--model", default=None, help="model file, or Hugging Face model directory: config.json, safetensors "
+    t.add_argument("--model", type=_path, default=None, help="model file, or Hugging Face model directory: config.json, safetensors "
                                                 "(one file or shards with their index), tokenizer (default: the bundled tiny Qwen2-style model)")
     t.add_argument("--weights", default=None, help="a .safetensors file or model.safetensors.index.json to start from "
                                                   "(default: the model directory's); 'random' for a fresh initialisation")
@@ -198,42 +230,47 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--tokenizer", default=None, help="local Hugging Face tokenizer (default: the model directory's, else the shipped one)")
     t.add_argument("--batch-size", type=_at_least(1), default=None, help="for model directories (model files set their own)")
     t.add_argument("--seq-len", type=_at_least(1), default=None, help="for model directories (model files set their own)")
-    t.add_argument("--schedule", default=None, help="a compiled schedule (default: compile on the fly)")
+    t.add_argument("--schedule", type=_path, default=None, help="a compiled schedule (default: compile on the fly)")
     t.add_argument("--budget", type=_budget, default=None, help="GPU budget when compiling on the fly: a size, min (default) or max")
     t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
     t.add_argument("--time-limit", type=_number(0), default=60.0, help="solver time limit in seconds")
     t.add_argument("--optimizer-states", choices=["32bit", "8bit"], default=None,
                    help="AdamW state precision when compiling on the fly (default 32bit; a given --schedule has its own)")
     t.add_argument("--master-weights", choices=["fp32", "bf16"], default=None,
-                   help="master weight precision when compiling on the fly (default fp32; bf16 rounds stochastically)")
+                   help="master weight precision when compiling on the fly (default: bf16 for a model whose config "
+                        "says bfloat16, else fp32; bf16 rounds stochastically); a given --schedule has its own")
     t.add_argument("--max-grad-norm", type=_number(0), default=None, help="clip gradients to this global norm (default off)")
-    t.add_argument("--clipping", choices=["exact", "previous-norm"], default="exact",
+    t.add_argument("--clipping", choices=["exact", "previous-norm"], default=None,
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
     t.add_argument("--disk", action="store_true",
                    help="when compiling on the fly: let the plan keep optimizer states, and stage outputs between "
                         "forward and backward, on disk where host memory runs short")
-    t.add_argument("--offload-dir", default=None,
+    t.add_argument("--offload-dir", type=_path, default=None,
                    help="an existing directory for what a schedule keeps on disk (default: the run "
                         "directory's offload/); the file is preallocated before training and removed at the end")
-    t.add_argument("--steps", type=_at_least(1), default=None,
+    t.add_argument("--steps", type=_at_least(1, MAX_STEPS), default=None,
                    help="steps the run ends at (default 200; on --resume, the run's own)")
-    t.add_argument("--lr", type=_number(0), default=None, help="peak learning rate (default 3e-3; on --resume, the run's own)")
-    t.add_argument("--warmup-steps", type=_at_least(0), default=None,
+    t.add_argument("--lr", type=_number(0, 1), default=None,
+                   help="peak learning rate, at most 1 (default 3e-3; on --resume, the run's own)")
+    t.add_argument("--warmup-steps", type=_at_least(0, MAX_STEPS), default=None,
                    help="linear warm-up steps (default: 10%% of --steps; on --resume, the run's own)")
     t.add_argument("--min-lr-ratio", type=_number(0, 1, low_open=False), default=None,
                    help="cosine decay ends at this fraction of --lr (default 0.1; on --resume, the run's own)")
     t.add_argument("--new-lr-schedule", action="store_true",
                    help="with --resume: follow the LR schedule these flags give from the checkpoint's step on, "
                         "instead of the one the run was started with")
-    t.add_argument("--weight-decay", type=_number(0, low_open=False), default=0.01)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-dir", default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
-    t.add_argument("--checkpoint-every", type=_at_least(1), default=50)
+    t.add_argument("--weight-decay", type=_number(0, 10, low_open=False), default=0.01,
+                   help="AdamW's decoupled weight decay, at most 10 (default 0.01)")
+    t.add_argument("--seed", type=_at_least(0, MAX_SEED), default=0,
+                   help="seed of the starting weights (with --weights random), the data order and dropout (default 0)")
+    t.add_argument("--checkpoint-dir", type=_path, default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
+    t.add_argument("--checkpoint-every", type=_at_least(1), default=50,
+                   help="save a checkpoint every N steps, and after the last (default 50; needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
-    t.add_argument("--log", default=None,
+    t.add_argument("--log", type=_path, default=None,
                    help="JSONL log, one record per step (default: CHECKPOINT_DIR/log.jsonl); rewritten from the run's start")
-    t.add_argument("--export-hf", default=None, metavar="DIR",
+    t.add_argument("--export-hf", type=_path, default=None, metavar="DIR",
                    help="after training, save a Hugging Face model directory (weights and the training tokenizer)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
     t.add_argument("--print-every", type=_at_least(1), default=10, help="print a loss line every N steps (default 10)")
@@ -269,6 +306,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--resume continues the run in --checkpoint-dir; pass --checkpoint-dir DIR")
         if args.new_lr_schedule and not args.resume:
             p.error("--new-lr-schedule changes the LR schedule of a resumed run; pass it with --resume, or drop it")
+        from lazytrain.train.resume import DEFAULT_STEPS
+
+        if args.clipping is not None and args.max_grad_norm is None:
+            p._commands["train"].error(f"--clipping {args.clipping} chooses how --max-grad-norm clips; pass "
+                                       "--max-grad-norm N with it, or drop --clipping")
+        args.clipping = args.clipping or "exact"
+        steps = args.steps if args.steps is not None else None if args.resume else DEFAULT_STEPS
+        if args.warmup_steps is not None and steps is not None and args.warmup_steps > steps:
+            p._commands["train"].error(f"--warmup-steps {args.warmup_steps} is longer than the run's {steps} steps; "
+                                       f"pass at most {steps}")
     try:
         return args.fn(args)
     except LazytrainError as exc:

@@ -56,7 +56,13 @@ class _Hook:
     def __init__(self, dump_dir: str | Path | None, time_passes: bool):
         self.dir = Path(dump_dir) if dump_dir else None
         if self.dir:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if self.dir.exists() and not self.dir.is_dir():
+                raise PlanError(f"--dump-ir {self.dir} is a file; pass a directory (it is created if missing)")
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise PlanError(f"--dump-ir {self.dir} cannot be created ({exc.strerror}); pass a directory you "
+                                "can write") from None
         self.time_passes = time_passes
 
     def run(self, name: str, fn, *args, **kwargs):

@@ -65,9 +65,9 @@ def test_dump_ir_writes_every_stage(tmp_path, capsys, in_root):
 
 
 def test_loss_chunk_bytes(tmp_path, capsys, in_root):
-    """--loss-chunk-bytes 1 splits the tiny GPT's loss stage into its 2 batch rows; 0 and off never
+    """--loss-chunk-bytes 1B splits the tiny GPT's loss stage into its 2 batch rows; 0 and off never
     chunk; a size that does not parse is refused by argparse."""
-    for value, chunks in (("1", 2), ("0", 1), ("off", 1)):
+    for value, chunks in (("1B", 2), ("0", 1), ("off", 1)):
         out_file = tmp_path / f"s_{value}.py"
         code, out, _ = run(capsys, "compile", TINY_GPT, "-o", str(out_file), "--hardware", "cpu",
                            "--loss-chunk-bytes", value)

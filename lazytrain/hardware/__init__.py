@@ -7,6 +7,7 @@ A profile is a JSON file; `lazytrain compile --hardware hw.json` takes any file 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
@@ -106,6 +107,16 @@ class Hardware:
         library workspaces and the allocator's rounding keep outside any plan."""
         return self.gpu_memory_bytes - (CUDA_RESERVE if self.device == "cuda" else 0)
 
+    def check_budget(self, budget: int) -> None:
+        """Refuse a `--budget` larger than `max_budget`: no device of this profile has it, and a plan
+        within it would be an OOM on the device."""
+        if budget > self.max_budget:
+            from lazytrain.units import format_size
+
+            whole = " (its memory less 2 GiB for the CUDA context and libraries)" if self.device == "cuda" else ""
+            raise LazytrainError(f"--budget {format_size(budget)} is more than a plan can have on hardware profile "
+                                 f"'{self.name}': {format_size(self.max_budget)}{whole}; pass a smaller --budget, or max")
+
     @property
     def host_capacity(self) -> int:
         """The host memory a plan may use: all of it less the process's own (NOTE: [Host reserve])."""
@@ -138,11 +149,48 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
         raise LazytrainError(
             f"hardware profile {key!r} not found; use one of {sorted(BUILTIN)} or a JSON file from `lazytrain profile`"
         )
-    data = json.loads(path.read_text())
+    fix = "regenerate it with `lazytrain profile -o hw.json`, or pass h200 or cpu"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LazytrainError(f"hardware profile {path} cannot be read as JSON ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); {fix}") from None
+    if not isinstance(data, dict):
+        raise LazytrainError(f"hardware profile {path} holds a JSON {type(data).__name__}, not an object; {fix}")
     known = {f.name for f in fields(Hardware)}
     required = {f.name for f in fields(Hardware) if f.default is MISSING and f.default_factory is MISSING}
     missing = required - set(data)
     if missing:
         raise LazytrainError(f"hardware profile {path} lacks {sorted(missing)}; regenerate it with `lazytrain profile`")
     data["estimated"] = tuple(data.get("estimated", ()))
-    return Hardware(**{k: v for k, v in data.items() if k in known})
+    data = {k: v for k, v in data.items() if k in known}
+    _check_values(path, data, fix)
+    return Hardware(**data)
+
+
+# Rates and sizes the cost model divides by or plans within: a profile must give them above zero.
+# The rest are counts, shares and measured extras, where zero means "none" or "not measured".
+_POSITIVE = {"gpu_memory_bytes", "host_memory_bytes", "achieved_fraction", "mem_bandwidth", "h2d_bandwidth",
+             "d2h_bandwidth", "duplex_bandwidth", "pageable_h2d_bandwidth", "host_memcpy_bandwidth",
+             "cpu_adamw_params_per_s", "gpu_adamw_params_per_s", "attention_fraction", "host_fraction"}
+_SHARES = {"achieved_fraction", "attention_fraction", "host_fraction"}  # of a measured alone rate: at most 1
+
+
+def _check_values(path: Path, data: dict, fix: str) -> None:
+    """Every number finite and of its sign, the device a known one: a negative bandwidth would plan
+    transfers that take negative time."""
+    if data["device"] not in ("cpu", "cuda"):
+        raise LazytrainError(f"hardware profile {path}: device {data['device']!r} is not 'cpu' or 'cuda'; {fix}")
+    if not isinstance(data["flops"], dict) or "float32" not in data["flops"]:
+        raise LazytrainError(f"hardware profile {path}: flops must map dtype names (float32 among them) to FLOP/s; {fix}")
+    numbers = {f"flops.{k}": v for k, v in data["flops"].items()}
+    numbers.update({f.name: data[f.name] for f in fields(Hardware) if f.name in data and f.type in ("int", "float")})
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise LazytrainError(f"hardware profile {path}: {name} is {value!r}, not a finite number; {fix}")
+        low = 0 if name.startswith("flops.") or name in _POSITIVE else None
+        if value < 0 or (low is not None and value <= low):
+            raise LazytrainError(f"hardware profile {path}: {name} is {value!r}; it must be "
+                                 f"{'above' if low is not None else 'at least'} zero; {fix}")
+        if name in _SHARES and value > 1:
+            raise LazytrainError(f"hardware profile {path}: {name} is {value!r}, a share of a measured rate: at most 1; {fix}")

@@ -120,7 +120,11 @@ def load_schedule(path: str | Path) -> ModuleType:
     path = Path(path)
     if not path.is_file():
         raise ScheduleMismatch(f"schedule {path} does not exist; create it with `lazytrain compile model.py -o {path}`")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScheduleMismatch(f"schedule {path} cannot be read as a schedule ({type(exc).__name__}); pass a file "
+                               "written by `lazytrain compile`") from None
     try:
         return load_source(text, f"lazytrain_schedule_{abs(hash(str(path.resolve())))}", str(path))
     except ScheduleMismatch:

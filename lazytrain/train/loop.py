@@ -75,6 +75,8 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
         print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
               "rank; `torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json` measures it", flush=True)
     budget = "min" if args.budget is None else hw.max_budget if args.budget == "max" else args.budget
+    if isinstance(budget, int):
+        hw.check_budget(budget)
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
