@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from lazytrain.errors import DistributedError, ScheduleMismatch
 from lazytrain.runtime.schedule import load_source
-from models import assert_grads_match, eager_grads, hf_pair, tiny_gpt_pair, token_batch, unique_name
+from models import assert_grads_match, eager_grads, hf_config, hf_pair, model_pair, tiny_gpt_pair, token_batch, unique_name
 
 # eps 1e-3, not torch's 1e-8: Adam divides by sqrt(v) + eps, so a small eps turns gradients that are
 # rounding noise (attention's key bias: softmax ignores a shift), which differ with the reduction's
@@ -86,20 +86,37 @@ def launch(fn, *args, world: int = 2, timeout_s: float = 60.0, deadline_s: float
 # ---- models and batches --------------------------------------------------------------------------
 
 def pair(name: str):
-    """(meta, real, one rank's batch) of a test model."""
+    """(meta, real, one rank's batch) of a test model. "qwen2_tied": tie_word_embeddings, so the
+    embedding is a shared parameter and the prologue (the embedding alone) has none of its own."""
     if name == "tiny_gpt":
         return tiny_gpt_pair()
     if name == "qwen2":
         return hf_pair("qwen2", layers=2)
+    if name == "qwen2_tied":
+        from transformers import Qwen2ForCausalLM
+
+        cfg = hf_config("qwen2", layers=2)
+        cfg.tie_word_embeddings = True
+        meta, real = model_pair(lambda: Qwen2ForCausalLM(cfg))
+        return meta, real, token_batch(2, 8, cfg.vocab_size)
     raise ValueError(name)
 
 
-def global_batch(name: str, world: int, seed: int) -> dict[str, torch.Tensor]:
-    """`world` ranks' batches, stacked along rows; every row has the same number of targets."""
+def global_batch(name: str, world: int, seed: int, ragged: bool = False) -> dict[str, torch.Tensor]:
+    """`world` ranks' batches, stacked along rows; every row has the same number of targets, or with
+    `ragged` labels ignored (-100) so unevenly that the ranks learn very different numbers of tokens:
+    the first rank's rows keep a target or two (none at all when `seed` is odd), the last rank's all."""
     _, _, batch = pair(name)
     rows, seq = batch["input_ids"].shape
-    vocab = {"tiny_gpt": 96, "qwen2": 128}[name]
-    return token_batch(world * rows, seq, vocab, seed=seed)
+    vocab = {"tiny_gpt": 96, "qwen2": 128, "qwen2_tied": 128}[name]
+    glob = token_batch(world * rows, seq, vocab, seed=seed)
+    if ragged:
+        labels = glob["labels"]
+        for r in range(world * rows):
+            rank = r // rows
+            keep = 0 if rank == 0 and seed % 2 else 1 + r % 2 if rank == 0 else seq * rank // (world - 1)
+            labels[r, : seq - keep] = -100
+    return glob
 
 
 def rows_of(batch: dict, rank: int, world: int) -> dict:
@@ -119,20 +136,21 @@ def bind(source: str, real, **kwargs):
 
 # ---- checks each rank runs -----------------------------------------------------------------------
 
-def check_forward_backward(rank, world, name, source):
+def check_forward_backward(rank, world, name, source, ragged=False):
     """One forward_backward on this rank's rows: eager's loss and every gradient on the global batch."""
     _, real, _ = pair(name)
-    glob = global_batch(name, world, seed=11)
+    glob = global_batch(name, world, seed=11, ragged=ragged)
     ref_loss, ref_grads = eager_grads(real, glob)
     trainer, model = bind(source, real)
     loss = trainer.forward_backward(rows_of(glob, rank, world))
     assert_grads_match(model, loss, ref_loss, ref_grads)
 
 
-def check_steps(rank, world, name, source, max_grad_norm, previous=False):
-    """STEPS `step`s on this rank's rows of a fresh global batch each: torch AdamW's weights on the
-    global batches (with clip_grad_norm_ first when clipping; `previous`: by the norm of the step
-    before, the first step by its own), and the same clipped norm."""
+def check_steps(rank, world, name, source, max_grad_norm, previous=False, ragged=False):
+    """STEPS `step`s on this rank's rows of a fresh global batch each (`ragged`: see global_batch): the
+    global batch's loss at every step, torch AdamW's weights on the global batches (with
+    clip_grad_norm_ first when clipping; `previous`: by the norm of the step before, the first step by
+    its own), and the same clipped norm."""
     _, real, _ = pair(name)
     trainer, model = bind(source, real, max_grad_norm=max_grad_norm, **HP)
     ref = copy.deepcopy(real)
@@ -140,7 +158,7 @@ def check_steps(rank, world, name, source, max_grad_norm, previous=False):
     opt = torch.optim.AdamW(ref.parameters(), **HP)
     norms = []
     for i in range(STEPS):
-        glob = global_batch(name, world, seed=20 + i)
+        glob = global_batch(name, world, seed=20 + i, ragged=ragged)
         loss = trainer.step(rows_of(glob, rank, world))
         opt.zero_grad()
         ref_loss = _loss(ref(**glob))

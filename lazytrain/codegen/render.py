@@ -12,10 +12,11 @@ import jinja2
 
 from lazytrain.codegen.printers import print_event
 from lazytrain.ir.dump import format_arg, format_call, format_value
-from lazytrain.ir.graph import Graph, OpKind
+from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec
 from lazytrain.ir.plan import OutMode, Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
+from lazytrain.passes.chunk_rules import LOSS_OP
 from lazytrain.passes.footprint import prefetches_from_master
 from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
@@ -29,28 +30,47 @@ _ENV = jinja2.Environment(
 )
 
 
+def sums_loss(graph: Graph, stage) -> bool:
+    """Whether the stage's function takes `loss_sum` (then its loss is the sum over targets, returned
+    with the number of targets counted): a chunked stage (NOTE: [Chunked loss] in runtime/replay.py),
+    and a stage whose loss is the mean of an unweighted cross-entropy over class indices, whose data-
+    parallel ranks weight their gradients by those counts (NOTE: [Data parallel] in
+    runtime/data_parallel.py)."""
+    if stage.chunks > 1:
+        return True
+    if stage.outputs != (graph.output,) or graph[graph.output].target != LOSS_OP:
+        return False
+    a = loss_args(graph[graph.output])
+    target = graph[a.target.value].value if isinstance(a.target, Sym) and a.target.kind == "ref" else None
+    return (a.weight is None and a.reduction == MEAN and a.label_smoothing == 0.0
+            and isinstance(target, TensorSpec) and not target.is_float)
+
+
 def stage_function(graph: Graph, stage) -> str:
-    """The stage as a function of ATen calls. A chunked stage also takes `loss_sum`: then its loss is
-    the sum over targets, returned with the number of targets counted, and it reads its whole
-    part's results after its inputs (NOTE: [Chunked loss] in runtime/replay.py)."""
+    """The stage as a function of ATen calls. A chunked stage also takes `loss_sum` (as does a stage
+    with a mean cross-entropy loss: `sums_loss`), and reads its whole part's results after its inputs
+    (NOTE: [Chunked loss] in runtime/replay.py)."""
     chunked = stage.chunks > 1
+    summed = sums_loss(graph, stage)
     whole = set(stage.whole)
     results = whole_outputs(graph, stage)
-    args = ", ".join(("device",) + stage.placeholders + stage.inputs + results + (("loss_sum=False",) if chunked else ())
+    args = ", ".join(("device",) + stage.placeholders + stage.inputs + results + (("loss_sum=False",) if summed else ())
                      + (("remat=False",) if stage.skips else ()))
     doc = f"{stage.name} (kind {stage.kind})"
     if chunked:
-        doc += f"; runs in {chunk_text(stage)}: with loss_sum, returns (sum of the losses, targets counted)"
+        doc += f"; runs in {chunk_text(stage)}"
+    if summed:
+        doc += "; with loss_sum, returns (sum of the losses, targets counted)"
     if stage.skips:
         doc += ("; with remat (its recompute before backward), the linears whose values backward never reads "
                 "return zeros (NOTE: [Skipped recompute])")
     lines = [f"def stage_{stage.index}({args}):", f'    """{doc}"""']
     body = tuple(n for n in stage.nodes if n not in whole)
-    keep = set(stage.outputs) | {graph.output} | ({loss_args(graph[graph.output]).target.value} if chunked else set())
-    lines += _node_lines(graph, stage, body, keep, chunked)
-    if chunked:
+    keep = set(stage.outputs) | {graph.output} | ({loss_args(graph[graph.output]).target.value} if summed else set())
+    lines += _node_lines(graph, stage, body, keep, summed)
+    if summed:
         a = loss_args(graph[graph.output])
-        lines.append("    if loss_sum:  # the mean's numerator and denominator: chunks add them up exactly")
+        lines.append("    if loss_sum:  # the mean's numerator and denominator: chunks and ranks add them up exactly")
         lines.append(f"        return ({graph.output}, ({format_arg(a.target)} != {a.ignore_index!r}).sum())")
     outs = "".join(f"{o}, " for o in stage.outputs)
     lines.append(f"    return ({outs.rstrip(' ')})")
@@ -77,7 +97,7 @@ def chunk_text(stage) -> str:
     return f"{stage.chunks} chunks along rows"
 
 
-def _node_lines(graph: Graph, stage, names: tuple[str, ...], keep: set[str], chunked: bool) -> list[str]:
+def _node_lines(graph: Graph, stage, names: tuple[str, ...], keep: set[str], summed: bool) -> list[str]:
     lines = []
     dead_after = _dead_after(graph, names, keep)
     for name in names:
@@ -85,7 +105,7 @@ def _node_lines(graph: Graph, stage, names: tuple[str, ...], keep: set[str], chu
         if node.op is OpKind.GETITEM:
             src, idx = node.args
             expr = f"{format_arg(src)}[{idx}]"
-        elif chunked and name == graph.output:
+        elif summed and name == graph.output:
             a = loss_args(node)
             parts = [format_arg(a.input), format_arg(a.target), format_arg(a.weight), f"{SUM} if loss_sum else {MEAN}",
                      format_arg(a.ignore_index), format_arg(a.label_smoothing)]
@@ -174,7 +194,8 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
         f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
         f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", gpu_step=True" if d.gpu_step else "")
+        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", loss_sum=True" if sums_loss(graph, s) else "")
+        + (", gpu_step=True" if d.gpu_step else "")
         + (", backward_step=True" if d.backward_step else "") + (", disk=True" if d.disk else "")
         + (", master_disk=True" if d.master_disk else "")
         + (", from_master=True" if from_master[s.index] else "")

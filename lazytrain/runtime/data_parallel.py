@@ -3,13 +3,21 @@
 NOTE: [Data parallel]
 A schedule compiled with `--world-size N` runs on N ranks, each replaying the same plan on its own
 batch (`example_batch()` is one rank's batch; the plan, its memory and its predicted step are a
-rank's). The semantics are DDP's: each stage's gradients are averaged over the ranks (summed, then
-divided by N) before anything reads them, and every rank ends each step with the same weights.
-With equal-sized batches, the mean of the ranks' mean losses is the loss of the concatenated global
-batch, and so are its gradients; `step` and `forward_backward` return that mean. (With ignored
-targets spread unevenly over ranks, the mean of means is what DDP computes, not the global token
-mean.) The collectives of a rank come in the schedule's event order, the same on every rank, so
-they pair up without extra synchronisation; none is issued from the host optimizer's thread.
+rank's). Each stage's gradients are averaged over the ranks (summed, then divided by N) before
+anything reads them, and every rank ends each step with the same weights: one process's on the
+concatenated global batch.
+The loss is a mean over learnt targets, and the ranks' batches may hold very different numbers of
+them (chat data: labels -100 on most tokens, unevenly per row), so the mean of the ranks' means
+(DDP's) is not the global batch's mean. A loss stage that returns its sum and its count of targets
+(`Stage.loss_sum`: a mean cross-entropy, chunked or not; NOTE: [Chunked loss] in replay.py)
+all-reduces the counts once per step, before any gradient is reduced, and makes its loss the sum
+times N / (the ranks' count): every rank's gradient is then weighted by its share of the targets,
+their average is the global mean's gradient, clipping sees its norm, and the mean of the ranks'
+losses, which `step` and `forward_backward` return, is the global mean. A rank without a learnt
+target adds a zero sum and zero gradients. Another loss (not a cross-entropy, or weighted) is
+averaged as DDP does: exact with the same number of targets on every rank.
+The collectives of a rank come in the schedule's event order, the same on every rank, so they pair
+up without extra synchronisation; none is issued from the host optimizer's thread.
 
 Two modes, fixed at compile time (`SHARDED`):
   - sharded (the default for N > 1 with 32-bit states): ZeRO-2, NOTE: [Sharded state] in
@@ -132,7 +140,9 @@ class DataParallel:
 
     def reduce_scatter(self, stage: int, layout, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's pieces of the ranks' average of the full `grads` (NOTE: [Sharded state] in
-        sharding.py), in their dtype, on their device."""
+        sharding.py), in their dtype, on their device. Nothing for a stage without parameters."""
+        if not grads:
+            return {}
         some = next(iter(grads.values()))
         flat = layout.pack(grads, torch.empty(self.world * layout.region, dtype=some.dtype, device=some.device))
         mine = torch.empty(layout.region, dtype=some.dtype, device=some.device)
@@ -143,6 +153,8 @@ class DataParallel:
 
     def all_gather(self, stage: int, layout, pieces: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
         """Every rank's `pieces` (this rank's part of each parameter) into the full `targets`."""
+        if not targets:
+            return
         some = next(iter(targets.values()))
         mine = torch.zeros(layout.region, dtype=some.dtype, device=some.device)
         for p, t in pieces.items():
@@ -158,6 +170,14 @@ class DataParallel:
         with self._collective("the gradient norm all-reduce"):
             dist.all_reduce(out, group=self.group)
         return out
+
+    def loss_scale(self, count: torch.Tensor) -> torch.Tensor:
+        """world / the ranks' total of learnt targets (`count`: this rank's), fp32: the factor of this
+        rank's loss sum and its gradients (NOTE: [Data parallel])."""
+        total = count.detach().to(self.device, torch.int64).clone()  # exact, however many tokens
+        with self._collective("the learnt-token count all-reduce"):
+            dist.all_reduce(total, group=self.group)
+        return total.to(torch.float32).reciprocal().mul_(self.world)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of the ranks' losses: the global batch's loss (NOTE: [Data parallel])."""

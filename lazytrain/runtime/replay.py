@@ -23,8 +23,9 @@ The mean over the whole batch is not the mean of the chunks' means when ignored 
 spread unevenly, so each chunk returns its loss as a *sum* with the *count* of targets it covers,
 and backward runs on the sum. Sums and their gradients add up over chunks exactly; scaling both by
 1 / (total count) at the end gives the mean and its gradient, as one unchunked call would (up to
-float rounding). Gradients a parameter already held (tied weights, accumulation over calls) are
-set aside meanwhile, so only this stage's part is scaled.
+float rounding); on several ranks, by N / (the ranks' total count), NOTE: [Data parallel]. Gradients
+a parameter already held (tied weights, accumulation over calls) are set aside meanwhile, so only
+this stage's part is scaled.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Replay:
         self.rng: dict[int, rng.RngState] = {}  # random stage -> generator states its forward began from
         self.gbuf: dict[int, dict[str, torch.Tensor]] = {}
         self.loss = None
+        self.loss_scale = None  # with ranks: world / their learnt targets, once per step (NOTE: [Data parallel])
         self.norm_sq = None
         handlers = {
             Kind.PREFETCH: self._prefetch, Kind.COMPUTE: self._compute, Kind.OFFLOAD: self._offload,
@@ -151,15 +153,25 @@ class Replay:
             draws = rng.replay(self.rng[stage.index], self.device)
         elif stage.random:
             self.rng[stage.index] = rng.record(self.device)
+        summed = self.dp is not None and stage.loss_sum  # NOTE: [Data parallel] in data_parallel.py
+        kw = {"loss_sum": True} if summed else {}
         if grad:
             leaves = {x: self.env[x].detach().requires_grad_(x in stage.grad_inputs) for x in stage.inputs}
             args = [self._weight(p) for p in stage.placeholders] + [leaves[x] for x in stage.inputs]
             with torch.enable_grad(), draws:
-                outs = stage.fn(self.device, *args, **({"remat": True} if remat and stage.skips else {}))
-            return leaves, outs
+                outs = stage.fn(self.device, *args, **kw, **({"remat": True} if remat and stage.skips else {}))
+            return leaves, self._ranks_loss(*outs) if summed else outs
         args = [self._weight(p) for p in stage.placeholders] + [self.env[x] for x in stage.inputs]
         with torch.no_grad(), draws:
-            return None, stage.fn(self.device, *args)
+            outs = stage.fn(self.device, *args, **kw)
+        return None, self._ranks_loss(*outs) if summed else outs
+
+    def _ranks_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor]:
+        """A loss stage's (sum, count) on one of several ranks: its loss is the sum times world / the
+        ranks' count, whose mean over the ranks is the global batch's mean (NOTE: [Data parallel])."""
+        if self.loss_scale is None:
+            self.loss_scale = self.dp.loss_scale(count)
+        return ((loss_sum.float() * self.loss_scale).to(loss_sum.dtype),)
 
     def _publish(self, stage, outs):
         for name, t in zip(stage.outputs, outs):
@@ -230,7 +242,7 @@ class Replay:
                 if x in grads and leaf.grad is not None:
                     grad_slices[x][c].copy_(leaf.grad)
             loss_sum, count = loss_sum + part.detach().float(), count + n  # fp32: k partial sums
-        scale = 1.0 / count
+        scale = 1.0 / count if self.dp is None else self.dp.loss_scale(count)  # NOTE: [Data parallel]
         for x, g in grads.items():
             g.mul_(scale)
             self.grads[x] = g if x not in self.grads else self.grads[x] + g
@@ -240,7 +252,7 @@ class Replay:
                 g.mul_(scale)
             if held[p] is not None:
                 work[p].grad = held[p] if g is None else held[p].add_(g)
-        self._publish(stage, ((loss_sum / count).to(part.dtype),))
+        self._publish(stage, ((loss_sum / count if self.dp is None else loss_sum * scale).to(part.dtype),))
         self._grads_done(stage)
 
     def _grads_done(self, stage):

@@ -49,8 +49,10 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # whose states pass through a ring of host buffers from the offload file (NOTE: [Backward steps from disk]
 # in passes/disk_model.py); 14: `outputs_mode` "disk" with `Stage.out_bytes`, outputs kept in the offload file
 # between forward and backward (NOTE: [Activations on disk] in passes/disk_model.py); 15: `Stage.master_disk`, a
-# step in backward from disk whose fp32 master lives in the offload file too (NOTE: [Masters on disk] there)
-FORMAT_VERSION = 15
+# step in backward from disk whose fp32 master lives in the offload file too (NOTE: [Masters on disk] there); 16:
+# `Stage.loss_sum` on a loss stage that returns its sum and count, by which data-parallel ranks weight their
+# gradients (NOTE: [Data parallel] in data_parallel.py)
+FORMAT_VERSION = 16
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -83,6 +85,7 @@ class Stage:
     gpu_step: bool = False  # streamed, with its optimizer step on the GPU: at the next prefetch, or with `disk` in a job
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
     chunk_len: int = 0  # >0: the slices are pieces of one row, this many positions each (NOTE: [Chunked loss])
+    loss_sum: bool = False  # `fn(..., loss_sum=True)` returns (sum of the losses, targets counted): NOTE: [Data parallel]
     tokens: tuple[int, ...] = ()  # with chunk_len: (rows, positions) of the batch the pieces cut
     whole_fn: Callable | None = None  # a chunked stage's part run once for the whole batch, before the slices
     whole_outputs: tuple[str, ...] = ()  # whole_fn's results, which the slices read

@@ -73,7 +73,7 @@ class Trainer(Replay, Stepping, ShardedState):
     allocator is capped at the budget unless `cap_memory=False` (NOTE: [Memory cap]).
     A schedule compiled with `--world-size N` trains data parallel over `process_group` (default:
     torch.distributed's default group), which must have N ranks: gradients are averaged over them
-    and the loss returned is the ranks' mean (NOTE: [Data parallel] in data_parallel.py); with sharded
+    and the loss returned is the global batch's (NOTE: [Data parallel] in data_parallel.py); with sharded
     state each rank keeps 1/N of it (NOTE: [Sharded state] in sharding.py), and `sharded_state_dict()`
     / `load_sharded_state_dict()` give it to torch.distributed.checkpoint (NOTE: [Sharded checkpoints])."""
 
@@ -228,8 +228,10 @@ class Trainer(Replay, Stepping, ShardedState):
         the mixed-precision masters' pieces, taken before the model's parameters become the full
         weights in the compute dtype."""
         groups = [(s.index, s.params) for s in self.stages] + [(-1, self.m.SHARED)]
+        # every stage has one, empty where all its parameters are shared (a prologue holding only a
+        # tied embedding): its REDUCE and GATHER events then move nothing, on every rank alike
         layouts = {i: ShardLayout({p: tensors[p].numel() for p in names}, self.dp.world, self.dp.rank)
-                   for i, names in groups if names}
+                   for i, names in groups}
         pieces = {}
         for lay in layouts.values():
             for p in lay.numel:
