@@ -5,10 +5,13 @@ a laptop) and exported with `torch.export` (plain `torch.fx.symbolic_trace` fail
 5.x) as fake tensors on the device the schedule runs on (NOTE: [Capture on the target device] in
 ir/target.py). Parameters and buffers become placeholders named by their module path; blocks are taken from
 the `nn_module_stack` the export records: the shallowest numbered container (`model.layers.N`).
+Operators come out in trace order, except loop iterations whose order depends on the hash seed
+(NOTE: [Hash-seed independent capture] in ir/canonical.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import operator
@@ -21,6 +24,7 @@ from typing import Callable
 import torch
 
 from lazytrain.errors import LazytrainError, TraceError
+from lazytrain.ir.canonical import canonical_order
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, Value
 from lazytrain.ir.target import on_target
 
@@ -124,7 +128,7 @@ def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str 
     check_batch(batch)
     model.train()
     # Separate fake tensors per input: export merges aliased inputs into one placeholder.
-    with on_target(model, batch, device) as fake_batch:
+    with on_target(model, batch, device) as fake_batch, _without_cache(model):
         try:
             exported = torch.export.export(LossModule(model), (), fake_batch, strict=False)
             gm = exported.graph_module
@@ -137,6 +141,27 @@ def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str 
         except Exception as exc:
             raise TraceError(_explain_export_failure(exc, source)) from None
     return _convert(exported, gm, source, device)
+
+
+# NOTE: [No KV cache in a training step]
+# A Hugging Face model built with its config's default `use_cache=True` makes a key/value cache in
+# forward; export lifts the cache's tensors as constants of the attention modules
+# (`model.layers.0.self_attn.lifted_tensor_0`), which no model holds, so binding the schedule would
+# fail. A training step never reads the cache, so capture turns it off in every transformers model
+# inside `model` while it traces (as a model directory's config does for good, train/source.py),
+# and puts the configs back after.
+@contextlib.contextmanager
+def _without_cache(model: torch.nn.Module):
+    transformers = sys.modules.get("transformers")  # a model cannot be one unless it is loaded
+    configs = [m.config for m in model.modules() if transformers is not None
+               and isinstance(m, transformers.PreTrainedModel) and getattr(m.config, "use_cache", False)]
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
 
 
 _NOT_MODEL_CODE = (Path(torch.__file__).parent, Path(__file__).parent.parent)
@@ -196,6 +221,11 @@ def _erase_identity_dropouts(graph: torch.fx.Graph) -> None:
         else:
             node.replace_all_uses_with(source)
         graph.erase_node(node)
+
+
+def _is_check(node: torch.fx.Node) -> bool:
+    """Export's metadata assertions: no value, no users; capture leaves them out."""
+    return str(node.target).startswith("aten._assert") and not node.users
 
 
 def _is_mutating(node: torch.fx.Node) -> bool:
@@ -287,11 +317,18 @@ def _convert(exported, gm, source: str, device: str) -> Graph:
     taken = {n.name for n in gm.graph.nodes if n.op != "placeholder"}
     if clash := taken & set(names.values()):
         raise TraceError(f"placeholder names {sorted(clash)} clash with operator nodes; rename the parameters")
+    # NOTE: [Hash-seed independent capture] in ir/canonical.py
+    weights = {spec.arg.name: i for i, spec in enumerate(exported.graph_signature.input_specs)
+               if kinds[spec.arg.name][0] is not OpKind.INPUT}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ops, renames = canonical_order([n for n in gm.graph.nodes if n.op == "call_function" and not _is_check(n)],
+                                   {name: target for name, (_, target) in kinds.items()}, weights)
+    names.update(renames)
 
     container = _find_block_container(gm)
     nodes: list[Node] = []
     output = None
-    for n in gm.graph.nodes:
+    for n in placeholders + ops + [n for n in gm.graph.nodes if n.op not in ("placeholder", "call_function")]:
         paths = _module_paths(n)
         module = paths[-1] if paths else ""
         if n.op == "placeholder":
@@ -303,8 +340,6 @@ def _convert(exported, gm, source: str, device: str) -> Graph:
             if n.target is operator.getitem:
                 op, target = OpKind.GETITEM, "getitem"
             elif isinstance(n.target, torch._ops.OpOverload):
-                if str(n.target).startswith("aten._assert") and not n.users:
-                    continue  # export's metadata assertions: no value, no users
                 op, target = OpKind.CALL, str(n.target)
             else:
                 raise TraceError(
@@ -312,7 +347,7 @@ def _convert(exported, gm, source: str, device: str) -> Graph:
                     f"schedule (module {module or '<top>'}); only ATen operators are supported"
                 )
             nodes.append(Node(
-                n.name, op, target, _encode(tuple(n.args), n.name, names),
+                names.get(n.name, n.name), op, target, _encode(tuple(n.args), n.name, names),
                 tuple((k, _encode(v, n.name, names)) for k, v in n.kwargs.items()),
                 _spec(n.meta.get("val")), module, _block_of(paths, container),
             ))

@@ -20,8 +20,11 @@ def export_hf(model: Any, out_dir: str | Path, tokenizer: Any = None, max_shard_
     ``tokenizer`` (the one it was trained with) beside it, so that ``from_pretrained(out_dir)``
     loads both and ``lazytrain train --model out_dir`` continues from them.
 
-    ``save_pretrained`` semantics: tied weights are saved once, and a model larger than
-    ``max_shard_size`` is split into shards with a ``model.safetensors.index.json``. Models whose
+    ``save_pretrained`` semantics: tied weights are saved once, a model larger than
+    ``max_shard_size`` is split into shards with a ``model.safetensors.index.json``, and tensors
+    the model's conversion mapping renames are saved under their checkpoint names (GPT-NeoX's
+    ``lm_head.weight`` as ``embed_out.weight``), which both ``from_pretrained`` and ``lazytrain
+    train --model`` read (NOTE: [Checkpoint names] in weights.py). Models whose
     checkpoint layout transformers converts (fused MoE experts) are saved in their parameters'
     layout, which both transformers and ``lazytrain train --model`` load.
     Raises ``CheckpointError`` for any other model.

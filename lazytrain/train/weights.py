@@ -5,8 +5,8 @@ A checkpoint is one safetensors file, or a sharded set named by its index
 the headers (names, shapes, dtypes), so everything is checked before a byte of weights is read or
 the step compiled. `check` compares the headers with the model built on the meta device: every
 parameter present (one name of a tied group is enough: `save_pretrained` keeps the embeddings and
-drops a tied `lm_head.weight`), no names the model lacks, shapes equal. Dtypes may differ: `load`
-casts them and says so once.
+drops a tied `lm_head.weight`), no names the model lacks, shapes equal, the checkpoint's names read as
+transformers reads them (NOTE: [Checkpoint names]). Dtypes may differ: `load` casts them and says so once.
 
 NOTE: [Loading weights]
 The model is built with its parameters on the meta device (`parameters_on_meta`: no init, no
@@ -22,6 +22,7 @@ tensor by tensor, so loading after bind would save no host memory.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -100,6 +101,11 @@ def _read_index(path: Path) -> dict[str, Path]:
         raise DataError(
             f"index {path} cannot be read ({type(exc).__name__}: {exc}); restore the "
             f'{INDEX_FILE} that came with the shards (a JSON object with a "weight_map")') from None
+    first: dict[str, str] = {}
+    for name, file in weight_map.items():
+        first.setdefault(file, name)
+    for file, name in first.items():  # each shard once, named by its first tensor
+        _check_inside(path, name, file)
     placed = {name: path.parent / file for name, file in weight_map.items()}
     missing = sorted({p.name for p in placed.values() if not p.is_file()})
     if missing:
@@ -107,6 +113,26 @@ def _read_index(path: Path) -> dict[str, Path]:
             f"shard {path.parent / missing[0]} named by {path} does not exist ({len(missing)} of "
             f"{len(set(placed.values()))} shards missing); download the missing shards into {path.parent}")
     return placed
+
+
+def _check_inside(index: Path, name: str, file: str) -> None:
+    """Raise `DataError` unless the shard `file` that `index` names for `name` lies in the index's
+    directory, links resolved: a Hub cache snapshot (`models--org--name/snapshots/REV/`, whose files
+    link to `../../blobs/HASH`) may also reach its own blobs. Anything else would read files the model
+    directory does not hold (`../../x/model.safetensors`, `/etc/passwd`)."""
+    folder = index.parent
+    roots = [folder.resolve()]
+    if folder.parent.name == "snapshots":
+        roots.append((folder.parent.parent / "blobs").resolve())
+    if Path(file).is_absolute():
+        reason = "an absolute path"
+    elif not any((folder / file).resolve().is_relative_to(root) for root in roots):
+        named_inside = Path(os.path.normpath(folder / file)).is_relative_to(os.path.normpath(folder))
+        reason = f"which {'links' if named_inside else 'is'} outside {folder}"
+    else:
+        return
+    raise DataError(f"index {index} places {name} in {file}, {reason}; restore the {INDEX_FILE} that came with the "
+                    f"shards, and keep the shards themselves in {folder}")
 
 
 def _read_header(shard: Path, origin: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -182,6 +208,45 @@ def converts_weights(model: torch.nn.Module) -> bool:
     return any(isinstance(c, WeightConverter) for c in get_model_conversion_mapping(model))
 
 
+# NOTE: [Checkpoint names]
+# A Hugging Face checkpoint's keys are not always its model's names: GPT-NeoX saves `embed_out.weight`
+# for `lm_head.weight`, Granite MoE its experts as `input_linear`, a base model's checkpoint lacks the
+# `model.` prefix. `from_pretrained` renames them with the model's own conversion mapping, and
+# `save_pretrained` renames back. `check` and `load` apply the same renamings, in the same order with
+# the same fallbacks (`rename_source_key` in transformers' core_model_loading.py), so a directory
+# transformers loads loads here, and an export (save_pretrained's names) trains again. Only renamings:
+# the conversions that merge or split tensors are not applied (`converts_weights`).
+
+
+def _model_names(weights: Weights, model: torch.nn.Module) -> dict[str, str]:
+    """Each checkpoint name -> the model's name for it (NOTE: [Checkpoint names]); the name itself
+    for a model that is not a transformers model. Raises `DataError` when two checkpoint names are
+    one model name."""
+    renamed = {name: name for name in weights.files}
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightRenaming, rename_source_key
+        except ImportError:  # transformers 4 renames nothing it can say
+            return renamed
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        prefix = model.base_model_prefix
+        own = dict.fromkeys(model.state_dict(keep_vars=True), True)  # its names: only `get` is read
+        for name in weights.files:
+            to, _ = rename_source_key(name, renamings, [], prefix, own)
+            if to not in own and name in own:  # transformers' fallback: the name as it is
+                to, _ = rename_source_key(name, [], [], prefix, own)
+            renamed[name] = to
+    seen: dict[str, str] = {}
+    for name, to in sorted(renamed.items()):
+        if to in seen:
+            raise DataError(f"weights {weights.origin} hold both {seen[to]} and {name}, which are both the model's "
+                            f"{to}; keep one of them")
+        seen[to] = name
+    return renamed
+
+
 def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
     """Raise `DataError` (one line: the first offending name and the fix) unless `weights` fit
     `model` (on meta or real): every parameter present under one of its names, every tensor a
@@ -193,9 +258,10 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
         fix = ("these are in the layout transformers converts when loading (e.g. one tensor per expert), which "
                "lazytrain does not convert; convert once with AutoModelForCausalLM.from_pretrained(DIR)"
                ".save_pretrained(NEW, save_original_format=False) and train --model NEW")
+    named = _model_names(weights, model)
+    stored = {to: name for name, to in named.items()}
     for names in _groups(model):
-        present = [n for n in names if n in weights.files]
-        if not present:
+        if not any(n in stored for n in names):
             tied = (" or " + " / ".join(names[1:])) if len(names) > 1 else ""
             hint = _untied_hint(model, names[0])
             raise DataError(f"weights {weights.origin} lack {names[0]}{tied}, which the model built from "
@@ -207,17 +273,19 @@ def check(weights: Weights, model: torch.nn.Module, built_from: str) -> None:
     own = dict(model.named_parameters(remove_duplicate=False))
     mismatch = f"the weights saved for {built_from}, or a config that matches these weights"
     for name in sorted(weights.files):
-        if ".".join(name.split(".")[-2:]) in tails:
+        to = named[name]
+        if ".".join(to.split(".")[-2:]) in tails:
             continue
-        target = own.get(name, buffers.get(name))
+        target = own.get(to, buffers.get(to))
         if target is None:
             raise DataError(f"weights {weights.origin} hold {name}, which the model built from {built_from} "
                             f"does not have; {fix}")
+        said = name if to == name else f"{name} (the model's {to})"
         if tuple(target.shape) != weights.shapes[name]:
-            raise DataError(f"{name} in {weights.files[name]} has shape {list(weights.shapes[name])} but the model "
+            raise DataError(f"{said} in {weights.files[name]} has shape {list(weights.shapes[name])} but the model "
                             f"built from {built_from} has {list(target.shape)}; use {mismatch}")
         if weights.dtypes[name] is None or weights.dtypes[name].is_floating_point != target.is_floating_point():
-            raise DataError(f"{name} in {weights.files[name]} has dtype {weights.dtypes[name]} but the model "
+            raise DataError(f"{said} in {weights.files[name]} has dtype {weights.dtypes[name]} but the model "
                             f"built from {built_from} has {target.dtype}; use {mismatch}")
 
 
@@ -247,22 +315,22 @@ def load(model: torch.nn.Module, weights: Weights, dtype: torch.dtype | None = N
     once."""
     from safetensors import safe_open
 
-    groups = _groups(model)
-    source = {}  # checkpoint name -> the names it fills
-    for names in groups:
-        present = [n for n in names if n in weights.files]
+    stored = {to: name for name, to in _model_names(weights, model).items()}  # NOTE: [Checkpoint names]
+    source = {}  # the model's name read from the checkpoint -> the names it fills
+    for names in _groups(model):
+        present = [n for n in names if n in stored]
         source[present[0]] = names
     persistent = {n for n, _ in model.named_buffers(remove_duplicate=False)} - _non_persistent(model)
     casts: Counter = Counter()
     by_file: dict[Path, list[str]] = {}
-    twins = {n: present for present, names in source.items() for n in names if n != present and n in weights.files}
-    for name in list(source) + sorted(n for n in weights.files if n in persistent):
-        by_file.setdefault(weights.files[name], []).append(name)
+    twins = {n: present for present, names in source.items() for n in names if n != present and n in stored}
+    for name in list(source) + sorted(n for n in stored if n in persistent):
+        by_file.setdefault(weights.files[stored[name]], []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
             with safe_open(str(file), "pt") as f:
                 for name in names:
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(stored[name])
                     if name in source:
                         old = model.get_parameter(name)
                         want = dtype if dtype is not None and old.is_floating_point() else old.dtype
@@ -275,14 +343,14 @@ def load(model: torch.nn.Module, weights: Weights, dtype: torch.dtype | None = N
                         buf.copy_(tensor)
                     del tensor
         for name, loaded_as in twins.items():  # another name of a tied parameter: it must hold the same values
-            with safe_open(str(weights.files[name]), "pt") as f:
-                _check_twin(model, weights, name, loaded_as, f.get_tensor(name))
+            with safe_open(str(weights.files[stored[name]]), "pt") as f:
+                _check_twin(weights, stored[name], stored[loaded_as], f.get_tensor(stored[name]),
+                            model.get_parameter(loaded_as))
     return [f"cast {n} tensor{'s' * (n > 1)} from {str(a).removeprefix('torch.')} to {str(b).removeprefix('torch.')}"
             for (a, b), n in sorted(casts.items(), key=str)]
 
 
-def _check_twin(model, weights, name, loaded_as, tensor) -> None:
-    param = model.get_parameter(loaded_as)
+def _check_twin(weights, name, loaded_as, tensor, param) -> None:
     if not torch.equal(param, tensor.to(param.dtype)):
         raise DataError(
             f"weights {weights.origin} hold different values for {name} and {loaded_as}, which the model's config "
