@@ -96,3 +96,18 @@ def test_a_binary_schedule(tmp_path, capsys):
     schedule = tmp_path / "s.py"
     schedule.write_bytes(bytes(range(256)) * 4)
     assert "cannot be read as a schedule" in refused(capsys, "inspect", schedule)
+
+
+@pytest.mark.parametrize("command", ["compile", "train"])
+def test_a_model_file_that_is_no_python_model(tmp_path, capsys, command):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("def build_model(): pass\n")
+    exits = tmp_path / "script.py"
+    exits.write_text("import sys\nsys.exit(0)\n")
+    out = tmp_path / "s.py"
+    for model, message in ((notes, "is not a Python file (.py)"), (Path("/etc/passwd"), "is not a Python file (.py)"),
+                           (exits, "called sys.exit(0)")):
+        argv = ("compile", model, "-o", out, "--hardware", "cpu") if command == "compile" else \
+            ("train", "--model", model, "--hardware", "cpu", "--steps", "1")
+        assert message in refused(capsys, *argv)
+    assert not out.exists()

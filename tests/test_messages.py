@@ -67,3 +67,27 @@ def test_the_readme_synopsis_lists_every_train_flag():
     synopsis = re.search(r"^lazytrain train .*?(?=^lazytrain profile)", readme, re.S | re.M).group(0)
     missing = [flag for flag in _train_flags() if flag not in synopsis]
     assert not missing
+
+
+def test_compiling_in_place_ops_prints_no_torch_deprecation(tmp_path, capsys):
+    """torch's FutureWarning about `LeafSpec` (raised inside its own functionalisation of in-place
+    ops) is not the user's to act on: compile prints none."""
+    import warnings
+
+    model = tmp_path / "inplace.py"
+    model.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.w = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        y = self.w(x)\n"
+        "        y.add_(1.0)\n"
+        "        return y.relu_().sum()\n"
+        "def build_model(): return M()\n"
+        "def example_batch(): return {'x': torch.ones(2, 8)}\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, err = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--hardware", "cpu")
+    assert code == 0, err
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]

@@ -18,6 +18,7 @@ import operator
 import re
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -51,8 +52,12 @@ def load_model_file(path: str | Path) -> tuple[Callable[[], torch.nn.Module], Ca
     functions) becomes one `TraceError` naming the user's file and line.
     """
     path = Path(path)
+    convention = "pass a .py file defining build_model() and example_batch()"
     if not path.is_file():
-        raise TraceError(f"model file {path} does not exist; pass a .py file defining build_model() and example_batch()")
+        raise TraceError(f"model file {path} does not exist; {convention}")
+    if path.suffix != ".py":
+        raise TraceError(f"model file {path} is not a Python file (.py); {convention}, or a Hugging Face model "
+                         "directory")
     spec = importlib.util.spec_from_file_location(f"lazytrain_user_model_{abs(hash(str(path.resolve())))}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -60,6 +65,9 @@ def load_model_file(path: str | Path) -> tuple[Callable[[], torch.nn.Module], Ca
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:  # the file ended the process as a script would: it is no model file
+        raise TraceError(f"importing {path} called sys.exit({exc.code!r}){_user_line(exc, path)}; a model file is "
+                         "imported, not run: put script code under `if __name__ == '__main__':`") from None
     except Exception as exc:  # the user's file failed at import: show where
         raise TraceError(f"importing {path} failed{_user_line(exc, path)}: {_first_line(exc)}; fix the file, "
                          "or import its helpers from modules beside it") from None
@@ -83,7 +91,7 @@ def _reported(fn: Callable, path: Path) -> Callable:
             return fn(*args, **kwargs)
         except LazytrainError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in model code is no model's answer
             meta = " (at compile time it runs under torch.device('meta'): no tensor holds values)" \
                 if fn.__name__ == "build_model" and torch.get_default_device().type == "meta" else ""
             raise TraceError(f"{fn.__name__}() in {path} raised{_user_line(exc, path)}: {_first_line(exc)}; "
@@ -133,7 +141,9 @@ def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str 
             exported = torch.export.export(LossModule(model), (), fake_batch, strict=False)
             gm = exported.graph_module
             if any(_is_mutating(n) for n in gm.graph.nodes):
-                exported = exported.run_decompositions({})  # functionalise in-place ops
+                with warnings.catch_warnings():  # torch's own deprecation, raised by its copy of the call graph
+                    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+                    exported = exported.run_decompositions({})  # functionalise in-place ops
                 gm = exported.graph_module
             _erase_identity_dropouts(gm.graph)
         except LazytrainError:
