@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lazytrain.cli import main
 
@@ -111,3 +112,13 @@ def test_a_model_file_that_is_no_python_model(tmp_path, capsys, command):
             ("train", "--model", model, "--hardware", "cpu", "--steps", "1")
         assert message in refused(capsys, *argv)
     assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU refuses a cuda schedule")
+def test_a_gpu_schedule_on_the_cpu_names_the_schedule_file(tmp_path, capsys):
+    """The refusal names the schedule by its file, and the model it was compiled from as such."""
+    schedule, model = tmp_path / "h200.py", ROOT / "lazytrain/examples/tiny_qwen.py"
+    assert main(["compile", str(model), "-o", str(schedule), "--budget", "24GiB"]) == 0
+    capsys.readouterr()
+    line = refused(capsys, "train", "--model", model, "--schedule", schedule, "--steps", "1", "--no-progress")
+    assert f"schedule {schedule} (of {model}) was compiled for cuda (hardware h200)" in line

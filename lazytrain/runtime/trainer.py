@@ -214,7 +214,10 @@ class Trainer(Replay, Stepping, ShardedState):
     def _check_device(self):
         """The stages run on the device type they were captured for (NOTE: [Capture on the target
         device] in ir/target.py): model code picks operators by device type."""
-        where = f"schedule {self.m.SOURCE or '<in memory>'} was compiled for {self.m.DEVICE} (hardware {self.m.HARDWARE})"
+        file = getattr(self.m, "__file__", "") or ""
+        name = f"schedule {file}" if file and not file.startswith("<") else "the schedule"
+        where = (f"{name} (of {self.m.SOURCE or 'an in-memory model'}) was compiled for {self.m.DEVICE} "
+                 f"(hardware {self.m.HARDWARE})")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ScheduleMismatch(f"{where} and this machine has no usable GPU; recompile it with --hardware cpu to run here")
         if self.device.type != self.m.DEVICE:
