@@ -264,14 +264,23 @@ def parser() -> argparse.ArgumentParser:
                    help="AdamW's decoupled weight decay, at most 10 (default 0.01)")
     t.add_argument("--seed", type=_at_least(0, MAX_SEED), default=0,
                    help="seed of the starting weights (with --weights random), the data order and dropout (default 0)")
+    t.add_argument("--no-shuffle", action="store_true",
+                   help="read the data in file order every epoch (default: each epoch shuffled from --seed; a resumed "
+                        "run keeps the order it started with)")
     t.add_argument("--checkpoint-dir", type=_path, default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
     t.add_argument("--checkpoint-every", type=_at_least(1), default=50,
                    help="save a checkpoint every N steps, and after the last (default 50; needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     t.add_argument("--log", type=_path, default=None,
                    help="JSONL log, one record per step (default: CHECKPOINT_DIR/log.jsonl); rewritten from the run's start")
+    t.add_argument("--overwrite-log", action="store_true",
+                   help="let a new run (no --resume) replace an existing --log file other than its run directory's "
+                        "log.jsonl (refused by default)")
     t.add_argument("--export-hf", type=_path, default=None, metavar="DIR",
                    help="after training, save a Hugging Face model directory (weights and the training tokenizer)")
+    t.add_argument("--overwrite-export", action="store_true",
+                   help="let --export-hf replace the --model directory, or a directory that holds other files than "
+                        "an earlier export, whole (refused by default)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
     t.add_argument("--print-every", type=_at_least(1), default=10, help="print a loss line every N steps (default 10)")
     t.add_argument("--nproc-per-node", type=_at_least(1), default=None, metavar="N",

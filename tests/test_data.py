@@ -72,7 +72,7 @@ def test_corpus_is_a_modest_natural_text():
 
 
 def test_builtin_batches_shapes(tok):
-    batches = builtin_batches(4, 64)
+    batches = builtin_batches(4, 64, shuffle=False)
     assert batches.tokens_per_batch == 256
     assert batches.rows_per_epoch == batches.num_tokens // 64
     batch = next(batches)
@@ -80,15 +80,15 @@ def test_builtin_batches_shapes(tok):
     assert batch["input_ids"].shape == (4, 64) and batch["input_ids"].dtype == torch.long
     assert torch.equal(batch["labels"], batch["input_ids"])
     assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()
-    # Epoch 0 is the stream in order: the first row starts the corpus, whose paragraphs
-    # (separated by blank lines) are documents joined by eos.
+    # Unshuffled, epoch 0 is the stream in order: the first row starts the corpus, whose
+    # paragraphs (separated by blank lines) are documents joined by eos.
     documents = CORPUS_PATH.read_text().replace("\n\n", "<|endoftext|>")
     assert documents.startswith(tok.decode(batch["input_ids"][0]))
 
 
 def test_documents_are_joined_by_eos_and_the_tail_is_dropped(tmp_path, tok):
     data = ids_jsonl(tmp_path / "d.jsonl", [5, 6, 7], [8, 9], [10, EOS])
-    batches = PackedBatches(data, tok, batch_size=1, seq_len=3)
+    batches = PackedBatches(data, tok, batch_size=1, seq_len=3, shuffle=False)
     # stream 5 6 7 eos 8 9 eos 10 eos: a record already ending in eos gets no second one
     assert batches.num_tokens == 9 and batches.rows_per_epoch == 3
     assert [b.tolist() for b in take(batches, 3)] == [[[5, 6, 7]], [[EOS, 8, 9]], [[EOS, 10, EOS]]]
@@ -106,29 +106,33 @@ def test_text_files_jsonl_text_and_directories_tokenise_like_the_tokenizer(tmp_p
     assert next(batches)["input_ids"][0].tolist() == expected
 
 
-def test_later_epochs_are_seeded_permutations_of_the_rows(tmp_path, tok):
+def test_every_epoch_is_a_seeded_permutation_of_the_rows(tmp_path, tok):
+    """The first epoch too is shuffled (not file order), each epoch differently, deterministically
+    per seed; `shuffle=False` reads every epoch in file order."""
     data = ids_jsonl(tmp_path / "d.jsonl", *[[i + 2] for i in range(12)])  # 24 tokens
     first = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=7)
     again = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=7)
     other = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=8)
+    in_order = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=7, shuffle=False)
     assert first.rows_per_epoch == 12
-    a, b, c = take(first, 18), take(again, 18), take(other, 18)
+    a, b, c, d = take(first, 18), take(again, 18), take(other, 18), take(in_order, 18)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    epoch0 = torch.cat(a[:6]).tolist()
-    assert epoch0 == [[i + 2, EOS] for i in range(12)]  # stream order
-    for epoch in (torch.cat(a[6:12]), torch.cat(a[12:18])):
-        assert sorted(epoch.tolist()) == sorted(epoch0) and epoch.tolist() != epoch0
-    assert torch.cat(a[6:12]).tolist() != torch.cat(a[12:18]).tolist()
-    assert torch.cat(c[:6]).tolist() == epoch0
-    assert torch.cat(c[6:12]).tolist() != torch.cat(a[6:12]).tolist()
+    stream = [[i + 2, EOS] for i in range(12)]  # file order
+    epochs = [torch.cat(a[i : i + 6]).tolist() for i in (0, 6, 12)]
+    for epoch in epochs:
+        assert sorted(epoch) == stream and epoch != stream
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert torch.cat(c[:6]).tolist() != epochs[0] and sorted(torch.cat(c[:6]).tolist()) == stream
+    assert [torch.cat(d[i : i + 6]).tolist() for i in (0, 6, 12)] == [stream] * 3
+    assert in_order.state_dict()["shuffle_from"] is None and first.state_dict()["shuffle_from"] == 0
 
 
 def test_a_batch_continues_into_the_next_epoch(tmp_path, tok):
     data = ids_jsonl(tmp_path / "d.jsonl", *[[i + 2] for i in range(5)])  # 5 rows of 2
     batches = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=3)
     rows = torch.cat(take(batches, 5)).tolist()  # 10 rows: epoch 0 then epoch 1
-    assert rows[:5] == [[i + 2, EOS] for i in range(5)]
-    assert sorted(rows[5:]) == rows[:5]
+    stream = [[i + 2, EOS] for i in range(5)]
+    assert sorted(rows[:5]) == stream and sorted(rows[5:]) == stream
     assert batches.epoch == 2 and batches.state_dict()["row"] == 0
 
 
@@ -149,16 +153,17 @@ def small_text(tmp_path_factory) -> Path:
     seed=st.integers(0, 2**40),
     consumed=st.integers(0, 60),
     resume_batch_size=st.none() | st.integers(1, 5),
+    shuffle=st.booleans(),
 )
 def test_resume_at_any_position_yields_the_uninterrupted_batches(
-    tok, small_text, batch_size, seq_len, seed, consumed, resume_batch_size
+    tok, small_text, batch_size, seq_len, seed, consumed, resume_batch_size, shuffle
 ):
-    straight = PackedBatches(small_text, tok, batch_size, seq_len, seed=seed)
+    straight = PackedBatches(small_text, tok, batch_size, seq_len, seed=seed, shuffle=shuffle)
     take(straight, consumed)
     state = json.loads(json.dumps(straight.state_dict()))  # as stored in checkpoint meta
-    # A fresh process may even be built with another seed: the position carries it.
+    # A fresh process may even be built with another seed and order: the position carries them.
     resumed = PackedBatches(
-        small_text, tok, resume_batch_size or batch_size, seq_len, seed=seed + 1
+        small_text, tok, resume_batch_size or batch_size, seq_len, seed=seed + 1, shuffle=not shuffle
     )
     resumed.load_state_dict(state)
     if resume_batch_size is None:
@@ -169,6 +174,24 @@ def test_resume_at_any_position_yields_the_uninterrupted_batches(
         want = torch.cat(take(straight, n // batch_size))
         got = torch.cat(take(resumed, n // resume_batch_size))
         assert torch.equal(want, got)
+
+
+def test_a_position_saved_before_the_first_epoch_was_shuffled_resumes_as_it_began(tmp_path, tok):
+    """A data position without `shuffle_from` (saved when epoch 0 was read in file order and later
+    epochs permuted) continues that order: file order to the end of epoch 0, then the epoch-1
+    permutation the run would have drawn."""
+    data = ids_jsonl(tmp_path / "d.jsonl", *[[i + 2] for i in range(12)])
+    shuffled = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=5)
+    take(shuffled, 6)
+    epoch1 = torch.cat(take(shuffled, 6)).tolist()  # the epoch-1 permutation of seed 5
+    old = shuffled.state_dict()
+    old.update(epoch=0, row=4)
+    del old["shuffle_from"]
+    resumed = PackedBatches(data, tok, batch_size=2, seq_len=2, seed=0)
+    resumed.load_state_dict(old)
+    assert torch.cat(take(resumed, 10)).tolist() == [[i + 2, EOS] for i in range(4, 12)] + epoch1
+    with pytest.raises(DataError, match="is not a PackedBatches state"):
+        resumed.load_state_dict({**old, "shuffle_from": 2})
 
 
 def test_resume_over_different_data_is_refused(tmp_path, tok, small_text):
@@ -201,9 +224,31 @@ def test_unknown_suffix(tmp_path, tok):
 
 def test_empty_dataset(tmp_path, tok):
     (tmp_path / "empty.txt").write_text("")
-    write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"input_ids": []}])
-    with pytest.raises(DataError, match="the training data has no tokens"):
-        PackedBatches([tmp_path / "empty.txt", tmp_path / "blank.jsonl"], tok, 1, 4)
+    write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}])
+    ids_jsonl(tmp_path / "none.jsonl", [])
+    with pytest.raises(DataError, match=r"the training data has no tokens \(all documents are empty\)"):
+        PackedBatches([tmp_path / "empty.txt", tmp_path / "blank.jsonl", tmp_path / "none.jsonl"], tok, 1, 4)
+
+
+def test_examples_with_nothing_to_learn_say_why(tmp_path):
+    """Data of examples that were all skipped is not called empty: the message says which had
+    nothing to learn (no assistant turn, no learnt label, truncated before the first learnt token),
+    how many were skipped, and the fix."""
+    tok = builtin_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "Hi there"}]}] * 3)
+    with pytest.raises(DataError) as info:
+        PackedBatches(chats, tok, 1, 16)
+    message = str(info.value)
+    assert "no example in" in message and "chat.jsonl has anything to learn" in message
+    assert "all 3 examples skipped (3 conversations have no assistant turn" in message
+    assert "add the assistant's reply to each conversation" in message and "all documents are empty" not in message
+    long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "a long prompt " * 20, "completion": " yes"}])
+    ids = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}])
+    with pytest.raises(DataError, match=r"all 2 examples skipped \(1 example has no learnt token .*; 1 example was "
+                                        r"truncated to seq_len 16 before the first learnt token\); give each "
+                                        r"example a completion or labels to learn, or pass a larger seq_len"):
+        PackedBatches([long, ids], tok, 1, 16)
 
 
 def test_fewer_tokens_than_one_batch(tmp_path, tok):

@@ -4,6 +4,7 @@ against the model's vocabulary, and pathological JSON reported as one line namin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -14,9 +15,12 @@ import torch.nn.functional as F
 
 from lazytrain.errors import DataError
 from lazytrain.train import tokens
-from lazytrain.train.data import TOKENIZER_PATH, PackedBatches, builtin_tokenizer
+from lazytrain.train import data
+from lazytrain.train.data import TOKENIZER_PATH, builtin_tokenizer
 
 EOS, PAD, IGNORE = 0, 1, -100
+# These tests read the rows in file order.
+PackedBatches = functools.partial(data.PackedBatches, shuffle=False)
 # Newlines as expressions: transformers renders templates with trim_blocks.
 TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}{{ m['content'] }}"
@@ -199,7 +203,10 @@ def test_long_examples_are_truncated_and_empty_ones_skipped(tmp_path, tok):
         {"prompt": "ok", "completion": " fine"},
     ]
     batches = PackedBatches(write_jsonl(tmp_path / "i.jsonl", records), tok, 1, 12)
-    assert (batches.stats.examples, batches.stats.truncated, batches.stats.skipped) == (2, 1, 1)
+    stats = batches.stats
+    assert (stats.examples, stats.truncated, stats.truncated_away, stats.skipped) == (2, 2, 1, 1)
+    assert stats.describe(12) == ("data: 2 of 3 examples truncated to seq_len 12, 1 of them skipped: nothing left "
+                                  "to learn after truncation")
     first, second = rows(batches)
     ids, labels = expected_row(tok, [("short", False), (records[0]["completion"], True)], 0)
     assert len(ids) > 12 and first == (ids[:12], labels[:12])
@@ -227,7 +234,8 @@ def test_masked_first_step_loss_equals_eager_cross_entropy(tmp_path, chat_tok):
         {"text": "Rivers carry mud to the sea. " * 3},
         {"prompt": "Name a colour:", "completion": " Blue"},
     ]
-    batches = PackedBatches(write_jsonl(tmp_path / "d.jsonl", records), chat_tok, 4, 64)
+    files = [write_jsonl(tmp_path / f"d{i}.jsonl", [r]) for i, r in enumerate(records)]  # one format a file
+    batches = PackedBatches(files, chat_tok, 4, 64)
     batch = next(batches)
     assert (batch["labels"] == IGNORE).any() and (batch["labels"] != IGNORE).any()
     meta, real = model_pair(lambda: Qwen2ForCausalLM(hf_config("qwen2", layers=2, vocab=512)))
@@ -298,16 +306,19 @@ def test_pretokenised_ids_are_checked_against_the_models_vocab(tmp_path, tok):
 ])
 def test_pathological_json_is_one_line_naming_file_and_line(tmp_path, tok, line, message):
     path = tmp_path / "p.jsonl"
-    path.write_bytes(b'{"text": "fine"}\n\n' + line + b'\n{"text": "after"}\n')
+    fine = b'{"input_ids": [5]}' if line.startswith(b'{"input_ids"') else b'{"text": "fine"}'  # one format a file
+    path.write_bytes(fine + b"\n\n" + line + b"\n" + fine + b"\n")
     with pytest.raises(DataError, match=r"p\.jsonl:3:? " + message) as info:
         PackedBatches(path, tok, 1, 2)
     assert "\n" not in str(info.value)
 
 
 def test_records_that_change_format_part_way_through_a_file(tmp_path, tok):
+    """Past the first MiB the reader itself fails on the new fields; the error is still located."""
     path = tmp_path / "mixed.jsonl"
     write_jsonl(path, [{"text": "hello world " * 50}] * 3000 + [{"prompt": "a", "completion": "b"}])
-    with pytest.raises(DataError, match=r"mixed\.jsonl: its records change fields part way .*"
+    with pytest.raises(DataError, match=r'mixed\.jsonl:3001 is a \{"prompt", "completion"\} record, but .*'
+                                        r"mixed\.jsonl:1, the file's first, is a \{\"text\"\} record; "
                                         r"keep one record format per file"):
         PackedBatches(path, tok, 1, 8)
 
@@ -330,6 +341,6 @@ def test_train_on_chat_records_from_the_command_line(tmp_path, capsys, chat_tok)
                  "--no-progress", "--log", str(tmp_path / "log.jsonl")])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "data: 1 of 8 examples truncated to seq_len 64, 0 skipped" in out
+    assert "data: 1 of 8 examples truncated to seq_len 64\n" in out
     losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

@@ -1,6 +1,7 @@
 """Host memory of building batches stays bounded whatever the size of the corpus: a one-line
 .txt and a .jsonl, generated in a temporary directory, each built in a fresh process that
-reports its peak RSS growth (ru_maxrss) over a warm-up build of a tiny file of the same kind.
+reports its peak RSS growth (ru_maxrss) over a warm-up build of a tiny file of the same kind; and
+a JSON line past the record limit is refused holding no more than the limit.
 
 A word-level tokenizer keeps the test fast: what is measured is the data pipeline (reading,
 piecing, the token file), not the tokenizer's speed. The figure for a 2 GB corpus with the
@@ -80,3 +81,46 @@ def test_building_batches_keeps_host_memory_bounded(tmp_path, kind, size, line):
     # (7 GB for a 40 MB .txt before). Measured: about 30-40 MiB, most of it reached on the
     # first batches (tokenizer and reader buffers, allocator fragmentation).
     assert growth < size, f"peak RSS grew by {growth / MiB:.0f} MiB for a {size // MiB} MiB {kind}"
+
+
+REFUSED = r"""
+import json, resource, sys
+from lazytrain.errors import DataError
+from lazytrain.train.data import PackedBatches, builtin_tokenizer
+
+tok = builtin_tokenizer()
+next(PackedBatches(sys.argv[1], tok, 2, 64))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    PackedBatches(sys.argv[2], tok, 8, 256)
+    message = None
+except DataError as exc:
+    message = str(exc)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"growth_kib": after - before, "message": message}))
+"""
+
+
+@pytest.mark.slow  # writes and scans 66 MiB
+def test_a_json_line_past_the_record_limit_is_refused_in_bounded_memory(tmp_path):
+    """A one-line .jsonl a little over MAX_RECORD_BYTES is refused by the streaming scan, which
+    holds at most the limit of it; read whole, such a line took several times its size."""
+    from lazytrain.train.json_lines import MAX_RECORD_BYTES
+
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    _write(small, 4096, lambda text: json.dumps({"text": text}) + "\n")
+    words = " ".join(WORDS) + " "
+    with open(big, "w") as f:
+        f.write('{"text": "' + words * ((MAX_RECORD_BYTES + 2 * MiB) // len(words)) + '"}\n')
+    out = subprocess.run(
+        [sys.executable, "-c", REFUSED, str(small), str(big)],
+        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["message"] == (
+        f"{big}:1 is one record of 66.0 MiB, more than the 64.0 MiB a record may take (read whole, it would "
+        "take several times that in memory); split it into records, one JSON object a line, or give a long "
+        "text as a .txt file")
+    growth = report["growth_kib"] * 1024
+    assert growth < 1.5 * MAX_RECORD_BYTES, f"peak RSS grew by {growth / MiB:.0f} MiB"

@@ -48,6 +48,7 @@ META_FILE = "meta.json"
 LATEST_FILE = "LATEST"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
+KEEP = 3  # checkpoints a root keeps (save_checkpoint's and dist_checkpoint.save's default)
 DCP_FORMAT = 2  # written by several ranks through torch.distributed.checkpoint (dist_checkpoint.py)
 DCP_METADATA = ".metadata"  # the file DCP's coordinator writes
 
@@ -247,7 +248,7 @@ def save_checkpoint(
     optimizer_state: dict,
     extra: dict,
     fingerprint: str,
-    keep: int = 3,
+    keep: int = KEEP,
 ) -> Path:
     """Write ``root/step-{step:08d}/`` atomically, point ``LATEST`` at it, prune, return its path.
 

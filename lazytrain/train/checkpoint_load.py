@@ -6,6 +6,7 @@ checkpoint.py's docstring).
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -57,8 +58,10 @@ def load_latest(root: str | Path, fingerprint: str | None) -> Checkpoint | None:
     Without a ``LATEST`` file (a crash during the very first save, or a deleted one) the newest
     ``step-*`` directory is used: those only ever appear complete. Raises ``CheckpointError`` if
     ``LATEST`` is unreadable or names a missing directory, if a file is missing or its sha256
-    does not match, if the step in meta.json disagrees with the directory name, or if the
-    checkpoint was written for another fingerprint.
+    does not match, if a field of meta.json or a generator state is not as a save writes it (checked
+    before anything is returned, so nothing fails half way on resume), if the step in meta.json
+    disagrees with the directory name, if a DCP checkpoint holds what lazytrain never writes (NOTE:
+    [Untrusted DCP files] in dcp_metadata.py), or if the checkpoint was written for another fingerprint.
     """
     root = Path(root)
     if not root.is_dir():
@@ -105,6 +108,9 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
             f"checkpoint {path} has format {layout}, this lazytrain reads formats "
             f"{FORMAT_VERSION} and {DCP_FORMAT}; resume with the lazytrain that wrote it"
         )
+    problem = _meta_problem(body)
+    if problem is not None:
+        raise corrupt(f"{META_FILE} {problem}")
     dir_step = _parse_step(path.name)
     if body["step"] != dir_step:
         raise corrupt(f"{META_FILE} says step {body['step']} but the directory is step {dir_step}")
@@ -132,16 +138,23 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
             # runtime/sharded_state.py), not the whole state; writes to them copy (a private mapping).
             optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True)
         else:
+            from lazytrain.train import dcp_metadata
             from lazytrain.train.dist_checkpoint import read_state
 
-            model_state, optimizer_state = read_state(path, body.get("model_keys"))
+            dcp_metadata.read_metadata(path, files)  # before torch reads a byte (NOTE: [Untrusted DCP files])
+            with dcp_metadata.first_failure():
+                model_state, optimizer_state = read_state(path, body.get("model_keys"))
         rng = torch.load(path / RNG_FILE, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:  # checksums matched, so the writer stored something unloadable
         raise CheckpointError(
             f"checkpoint {path} cannot be loaded although its checksums match "
-            f"({type(exc).__name__}: {exc}); keep only tensors and plain Python values in the "
-            "optimizer state"
+            f"({one_line(exc)}); keep only tensors and plain Python values in the optimizer state"
         ) from exc
+    problem = _rng_problem(rng)
+    if problem is not None:
+        raise corrupt(f"{RNG_FILE} {problem}")
     keys = body.get("model_keys", [])
     if sorted(keys) != sorted(model_state):
         raise corrupt(f"{MODEL_FILE} does not hold the tensors {META_FILE} lists")
@@ -156,3 +169,58 @@ def _load(path: Path, fingerprint: str | None) -> Checkpoint:
     )
 
 
+def _meta_problem(body: dict) -> str | None:
+    """What in meta.json's fields is not as `commit_save` writes them, or None."""
+    missing = [field for field in ("step", "fingerprint", "files", "extra") if field not in body]
+    if missing:
+        return f"has no {missing[0]}"
+    step, files, keys = body["step"], body["files"], body.get("model_keys", [])
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"holds step {step!r}, not a step number"
+    if not isinstance(body["fingerprint"], str):
+        return f"holds the fingerprint {body['fingerprint']!r}, not a string"
+    if not isinstance(files, dict):
+        return f"lists its files' sha256 as a {type(files).__name__}, not a mapping of file names to sha256"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        return "lists its files' sha256 with names or digests that are not strings"
+    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
+    if outside:
+        return f"lists the file {outside[0]!r}, outside the checkpoint directory"
+    if not isinstance(body["extra"], dict):
+        return f"holds extra as a {type(body['extra']).__name__}, not a dict"
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return "lists the model's tensors as something else than names"
+    return None
+
+
+def _rng_problem(rng) -> str | None:
+    """What in the saved generator states (this process's, and each rank's) would not restore, or
+    None: each is set on a scratch generator here, so `restore_rng` cannot fail half way."""
+    if not isinstance(rng, dict):
+        return f"holds a {type(rng).__name__}, not generator states"
+    ranks = rng.get("ranks")
+    if ranks is not None and not isinstance(ranks, (list, tuple)):
+        return f"holds the ranks' states as a {type(ranks).__name__}"
+    for i, state in enumerate([rng, *(ranks or ())]):
+        whose = "" if i == 0 else f" of rank {i - 1}"
+        if not isinstance(state, dict):
+            return f"holds the states{whose} as a {type(state).__name__}"
+        try:
+            torch.Generator().set_state(state["torch"])
+        except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+            return f"holds no torch CPU generator state{whose} ({one_line(exc)})"
+        try:
+            random.Random().setstate(state["python"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            return f"holds no python random state{whose} ({one_line(exc)})"
+        cuda = state.get("cuda")
+        if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda)):
+            return f"holds CUDA generator states{whose} that are not byte tensors"
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc` in one line: its type, and its message's first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__

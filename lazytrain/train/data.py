@@ -6,10 +6,13 @@ records, a saved ``datasets`` directory) into an endless stream of fixed-shape b
 compiled training step accepts. The inputs are tokenised once into rows of ``seq_len`` tokens in a
 file on disk (``lazytrain.train.tokens``: documents packed with end-of-text tokens between them,
 prompt/completion and chat examples one padded row each, labels -100 outside what is learnt).
-Epoch 0 reads the rows in order; every later epoch reads them in a permutation drawn from
-``(seed, epoch)``, so the whole sequence of batches is a pure function of the data, ``seq_len``
-and ``seed``. ``state_dict()`` is the position in that sequence, so a resumed run yields exactly
+Every epoch reads the rows in a permutation drawn from ``(seed, epoch)`` (``shuffle=False``: in
+file order), so the whole sequence of batches is a pure function of the data, ``seq_len``, ``seed``
+and the order. ``state_dict()`` is the position in that sequence, so a resumed run yields exactly
 the batches an uninterrupted run would have.
+
+NOTE: [Epoch order] Positions saved before epoch 0 was shuffled (no ``shuffle_from`` in the state)
+read epoch 0 in file order and later epochs permuted; they resume so, as the run began.
 
 Every problem with the data is a ``DataError`` that names the file (and line) and the fix.
 """
@@ -38,6 +41,7 @@ PAD_TOKEN = "<|pad|>"
 
 SUFFIXES = records.SUFFIXES
 _STATE_VERSION = 1
+_ORDERS = (0, 1, None)  # the first permuted epoch: every one, all but epoch 0 (NOTE: [Epoch order]), none
 # Names a bare tokenizer.json commonly uses for its end-of-text token.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|im_end|>")
 
@@ -143,6 +147,9 @@ class PackedBatches:
 
     ``rank`` of ``world``: each batch is this rank's share of the global one, ``batch_size / world``
     rows (NOTE: [Data across ranks]); ``world`` must divide ``batch_size``.
+
+    ``shuffle``: every epoch reads the rows in a permutation drawn from ``(seed, epoch)``, the same
+    on every rank; ``False`` reads them in file order.
     """
 
     def __init__(
@@ -157,6 +164,7 @@ class PackedBatches:
         workdir: str | Path | None = None,
         rank: int = 0,
         world: int = 1,
+        shuffle: bool = True,
     ):
         if batch_size < 1 or seq_len < 1:
             raise DataError(
@@ -172,6 +180,7 @@ class PackedBatches:
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self.seed = int(seed)
+        self._shuffle_from = 0 if shuffle else None  # the first epoch read permuted (NOTE: [Epoch order])
         if vocab_size is not None:
             check_vocab(tokenizer, vocab_size)
         vocab_bound = int(vocab_size) if vocab_size is not None else _id_bound(tokenizer)
@@ -194,7 +203,10 @@ class PackedBatches:
         names = ", ".join(str(i.path) for i in inputs)
         if built.tokens == 0:
             self._cleanup()
-            raise DataError(f"the training data has no tokens (all documents are empty): {names}")
+            if built.stats.skipped:
+                raise DataError(built.stats.nothing_learnt(self.seq_len, names))
+            raise DataError(f"the training data has no tokens (all documents are empty): {names}; pass files "
+                            "with text in them")
         need = self.batch_size * self.seq_len
         if built.tokens < need:
             self._cleanup()
@@ -238,8 +250,8 @@ class PackedBatches:
     # ---------------------------------------------------------------- iteration
 
     def _epoch_order(self, epoch: int) -> torch.Tensor | None:
-        """Row order of ``epoch``: None (stream order) for epoch 0, else a seeded permutation."""
-        if epoch == 0:
+        """Row order of ``epoch``: a seeded permutation, or None (file order) without shuffling."""
+        if self._shuffle_from is None or epoch < self._shuffle_from:
             return None
         if self._order_epoch != epoch:
             generator = torch.Generator()
@@ -287,6 +299,7 @@ class PackedBatches:
             "epoch": self._epoch,
             "row": self._row,
             "seed": self.seed,
+            "shuffle_from": self._shuffle_from,
             "seq_len": self.seq_len,
             "rows_per_epoch": self.rows_per_epoch,
             "data_digest": self.data_digest,
@@ -295,7 +308,7 @@ class PackedBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by ``state_dict()``.
 
-        The saved seed is adopted, since it is part of the position. Raises ``DataError`` if
+        The saved seed and order are adopted, since they are part of the position. Raises ``DataError`` if
         the state was saved over different data, tokenizer or ``seq_len``: the same position
         would then name different tokens. ``batch_size`` may differ; the position is in rows.
         """
@@ -303,6 +316,9 @@ class PackedBatches:
             version, epoch, row = state["version"], int(state["epoch"]), int(state["row"])
             saved = (state["seq_len"], state["rows_per_epoch"], state["data_digest"])
             seed = int(state["seed"])
+            order = state.get("shuffle_from", 1)  # NOTE: [Epoch order]
+            if order not in _ORDERS:
+                raise ValueError(f"shuffle_from {order!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(
                 f"data position {state!r} is not a PackedBatches state ({exc}); pass the dict "
@@ -325,7 +341,7 @@ class PackedBatches:
                 f"data position epoch={epoch}, row={row} is out of range for "
                 f"{self.rows_per_epoch} rows per epoch; the state is corrupt"
             )
-        self.seed, self._epoch, self._row = seed, epoch, row
+        self.seed, self._epoch, self._row, self._shuffle_from = seed, epoch, row, order
         self._order_epoch, self._order = -1, None
 
 
@@ -336,6 +352,6 @@ def _release(directory: Path, fds: list[int | None]) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def builtin_batches(batch_size: int, seq_len: int, seed: int = 0) -> PackedBatches:
+def builtin_batches(batch_size: int, seq_len: int, seed: int = 0, shuffle: bool = True) -> PackedBatches:
     """``PackedBatches`` over the shipped corpus with the shipped tokenizer."""
-    return PackedBatches([CORPUS_PATH], builtin_tokenizer(), batch_size, seq_len, seed=seed)
+    return PackedBatches([CORPUS_PATH], builtin_tokenizer(), batch_size, seq_len, seed=seed, shuffle=shuffle)

@@ -109,7 +109,9 @@ def read_state(path: Path, model_keys: list[str] | None = None) -> tuple[dict, d
     the optimizer state then names the checkpoint (`DEFERRED`)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(str(path))
+    from lazytrain.train.dcp_metadata import SafeReader
+
+    reader = SafeReader(str(path))  # NOTE: [Untrusted DCP files] in dcp_metadata.py
     template, deferred = {}, {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         if isinstance(meta, dcp.TensorStorageMetadata):
@@ -129,9 +131,11 @@ def _load(template: dict[str, Any], path: Path | str) -> None:
     """`template`'s entries read from the checkpoint at `path`, in this process alone."""
     import torch.distributed.checkpoint as dcp
 
+    from lazytrain.train.dcp_metadata import SafePlanner, SafeReader
+
     with warnings.catch_warnings():  # no_dist says it: DCP's notice that it loads in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        dcp.load(template, storage_reader=SafeReader(str(path)), planner=SafePlanner(path), no_dist=True)
 
 
 def save(root: str | Path, step: int, ranks: Ranks, *, trainer, model: torch.nn.Module, extra: dict,
@@ -141,8 +145,12 @@ def save(root: str | Path, step: int, ranks: Ranks, *, trainer, model: torch.nn.
     weights and optimizer state through DCP (NOTE: [Distributed checkpoints])."""
     import torch.distributed.checkpoint as dcp
 
+    from lazytrain.train.finite import labelled_state, param_names, refuse_nonfinite
+
     root = Path(root)
     state = distributed_state(trainer, model)
+    with together(ranks, f"checking checkpoint step {step}"):  # NOTE: [Finite state] in finite.py: each rank its pieces
+        refuse_nonfinite(step, labelled_state(*from_flat(state), param_names(trainer.m)))
     # NOTE: [Full disk] in files.py: the whole state, as DCP writes one copy of each replicated entry
     needed = ckpt.state_bytes(state) + (1 << 16)
     tmp = Path(from_rank0(ranks, lambda: str(ckpt.begin_save(root, step, keep, extra, needed)),
@@ -192,10 +200,12 @@ def _read_deferred(trainer, state: dict, path: str) -> dict:
         return whole_sharded(state, path)
     import torch.distributed.checkpoint as dcp
 
+    from lazytrain.train.dcp_metadata import SafePlanner, SafeReader
+
     wanted = _deferred(state)
     own = trainer.sharded_state_dict()["state"]
     template = {key: own[name][k] for key, (name, k) in wanted.items()}
-    dcp.load(template, storage_reader=dcp.FileSystemReader(path))
+    dcp.load(template, storage_reader=SafeReader(path), planner=SafePlanner(path))
     return _filled(state, wanted, template)
 
 

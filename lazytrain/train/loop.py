@@ -13,18 +13,20 @@ rank 0, for that share and the world size; checkpoints go through torch.distribu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from lazytrain import hardware as hw_profiles
-from lazytrain.errors import CheckpointError, DataError
+from lazytrain.errors import CheckpointError, DataError, LazytrainError
 from lazytrain.files import write_atomic
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.optim import master_dtype
@@ -36,20 +38,13 @@ from lazytrain.train.checkpoint_load import check_fingerprint
 from lazytrain.train.export import export_hf
 from lazytrain.train import distributed
 from lazytrain.train.distributed import PeerFailed, Ranks, from_rank0, together
+from lazytrain.train.lock import RunLock
 from lazytrain.train.preflight import Prepared, prepare
-from lazytrain.train.resume import LrSchedule, check_structure, trim_log
+from lazytrain.train.finite import check_loaded, check_restored, labelled_state, param_names, refuse_nonfinite
+from lazytrain.train.resume import LrSchedule, check_structure, lr_lambda, trim_log
+from lazytrain.train.room import Room
 from lazytrain.train.source import ModelSource
 from lazytrain.units import format_size
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warm-up to the peak LR, then cosine decay to `min_ratio` of it."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
 
 
 def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
@@ -171,7 +166,8 @@ def train(args) -> dict:
     ranks = distributed.from_env(args.nproc_per_node, _device(args), args.dist_timeout)  # NOTE: [Launching]
     distributed.quiet_others(ranks)
     try:
-        return _train(args, ranks)
+        with contextlib.ExitStack() as held:  # the run directory's lock, released as the run ends
+            return _train(args, ranks, held)
     finally:
         distributed.teardown(ranks)
 
@@ -184,9 +180,13 @@ def _device(args) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _train(args, ranks: Ranks | None) -> dict:
+def _train(args, ranks: Ranks | None, held: contextlib.ExitStack) -> dict:
     main = ranks is None or ranks.main
+    locked = False
     with together(ranks, "checking the inputs"):  # every input checked before the compile; nothing written yet
+        if main and args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():  # NOTE: [Run lock] in lock.py
+            held.callback(RunLock.take(Path(args.checkpoint_dir)).release)
+            locked = True
         prep = prepare(args, ranks.rank if ranks else 0, ranks.world if ranks else 1)
     source, run_dir, found, lr, data = prep.source, prep.run_dir, prep.found, prep.lr, prep.data
     schedule_text, compiled_here = from_rank0(ranks, lambda: _schedule_text(args, prep), "the compile")
@@ -195,9 +195,11 @@ def _train(args, ranks: Ranks | None) -> dict:
         _check_schedule(args, schedule, prep)
         if found is not None and main:  # the checkpoint fits this schedule and model before anything is written
             check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))  # (every rank read it)
-            check_structure(found, prep.meta_model, schedule)
+            check_structure(found, prep, schedule)
         if run_dir is not None and main:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if not locked:  # a new run directory: locked as it is made, before anything is written there
+                held.callback(RunLock.take(run_dir).release)
             if compiled_here:
                 write_atomic(run_dir / "schedule.py", schedule_text, ", or pass another --checkpoint-dir")
     print(summary(schedule), end="", flush=True)
@@ -210,13 +212,16 @@ def _train(args, ranks: Ranks | None) -> dict:
     model = _materialize(source, schedule, masters)
     if found is not None:  # weights first: binding copies them to the GPU
         _restore_weights(found, model)
+    elif source.weights is not None:  # NOTE: [Finite state] in finite.py
+        check_loaded(model, source.weights.origin)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                             device=schedule.DEVICE,  # where its stages were captured for; over the default group
                             offload_dir=offload_dir, disk_masters=masters)
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(lr.warmup_steps, lr.steps, lr.min_lr_ratio))
     start = 0
     if found is not None:
-        _restore_state(found, trainer, scheduler, data, lr if prep.lr_notice else None, ranks.rank if ranks else 0)
+        with together(ranks, "restoring the checkpoint"):  # a refusal on one rank stops every rank
+            _restore_state(found, trainer, scheduler, data, lr if prep.lr_notice else None, ranks.rank if ranks else 0)
         start = found.step
         was = found.extra.get("world_size", 1)
         print(f"resumed from {found.path} at step {start}" + (f" (saved on {was} rank{'s' if was > 1 else ''})"
@@ -225,6 +230,7 @@ def _train(args, ranks: Ranks | None) -> dict:
     on = f" (each of {prep.world} ranks)" if ranks else ""
     print(f"runtime on {trainer.device}{on}: weight and optimizer slots (at most) {format_size(report['slot_bytes'])}, "
           f"page-locked host buffers {format_size(report['pinned_bytes'])}", flush=True)
+    room = _room(args, run_dir, model, schedule, start, lr, ranks)  # NOTE: [Checkpoint room] in room.py
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tokens = source.batch_shape[0] * source.batch_shape[1]  # the global batch: every rank's tokens
@@ -260,7 +266,10 @@ def _train(args, ranks: Ranks | None) -> dict:
             log.flush()
         done = step + 1
         if run_dir is not None and (done % args.checkpoint_every == 0 or done == lr.steps):
-            _save(run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT, lr, prep, ranks)
+            if done < lr.steps or not args.export_hf:  # with an export, the final weights go there first
+                _save_in_room(room, done, done == lr.steps, ranks,
+                              lambda: _save(run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT, lr,
+                                            prep, ranks))
     bar.close()
     if run_dir is not None and trainer.timeline and main:
         from lazytrain.timeline import save_measured
@@ -271,12 +280,63 @@ def _train(args, ranks: Ranks | None) -> dict:
     if log:
         log.close()
     if args.export_hf:
-        trainer.sync_model()
-        with together(ranks, "the export"):
-            if main:
-                export_hf(model, args.export_hf, tokenizer=prep.tokenizer)
-        print(f"exported to {args.export_hf}")
+        final = None if run_dir is None or start >= lr.steps else (
+            lambda: _save(run_dir, lr.steps, model, trainer, scheduler, data, schedule.FINGERPRINT, lr, prep, ranks))
+        _export(args, model, trainer, prep, ranks, room, max(start, lr.steps), final)
     return record
+
+
+def _room(args, run_dir, model, schedule, start: int, lr: LrSchedule, ranks: Ranks | None) -> Room | None:
+    """The checkpoints' disk checked before the first step (NOTE: [Checkpoint room] in room.py): a
+    line for saves that will not fit, and a refusal where the final state fits nowhere."""
+    if run_dir is None:
+        return None
+    room = Room.of(run_dir / "checkpoints", model, schedule, args.export_hf)
+    saves = [d for d in range(start + 1, lr.steps + 1) if d % args.checkpoint_every == 0 or d == lr.steps]
+    for line in from_rank0(ranks, lambda: room.check(saves, lr.steps), "checking the checkpoints' disk"):
+        print(line, flush=True)
+    return room
+
+
+def _save_in_room(room: Room, step: int, final: bool, ranks: Ranks | None, save) -> None:
+    """`save()` where the checkpoint of `step` fits, else the line saying it is skipped."""
+    skipped = from_rank0(ranks, lambda: room.final(step) if final else room.periodic(step), "making room for a checkpoint")
+    if skipped:
+        print(skipped, flush=True)
+    else:
+        save()
+
+
+def _export(args, model, trainer, prep: Prepared, ranks: Ranks | None, room: Room | None, step: int,
+            save_final) -> None:
+    """--export-hf: the weights, tokenizer and marker, written whole (export.py), then the final
+    checkpoint (`save_final`; None without a run directory or a step trained). An export that
+    fails leaves the final state to the checkpoint: it is saved as in a run without an export,
+    then the export's error is raised, naming the checkpoint that holds the trained state."""
+    out = Path(args.export_hf)
+    trainer.sync_model()
+    try:
+        with together(ranks, "the export"):
+            if ranks is None or ranks.main:
+                if room is not None:
+                    room.before_export()
+                about = {"step": step, "model": str(prep.source.path), "checkpoint_dir": args.checkpoint_dir}
+                refuse_nonfinite(step, model.state_dict().items(), "export")  # NOTE: [Finite state] in finite.py
+                export_hf(model, out, tokenizer=prep.tokenizer, about=about)
+    except Exception as failed:  # every rank: the final checkpoint is a collective save
+        if room is None:
+            raise
+        held = f"the newest checkpoint in {room.root}"
+        if save_final is not None:  # as in a run without an export: never skipped for it
+            _save_in_room(replace(room, export=None), step, True, ranks, save_final)
+            held = f"the checkpoint {room.root / ckpt.dir_name(step)}"
+        if not isinstance(failed, LazytrainError) or isinstance(failed, PeerFailed):
+            raise
+        raise type(failed)(f"{failed}; the trained state (step {step}) is in {held}: rerun with --resume to export it "
+                           "from there") from None
+    print(f"exported the weights of step {step} to {out}", flush=True)
+    if save_final is not None:
+        _save_in_room(room, step, True, ranks, save_final)
 
 
 def _offload_dir(args, run_dir, schedule) -> str | None:
@@ -303,10 +363,10 @@ def _save(run_dir, step, model, trainer, scheduler, data, fingerprint, lr: LrSch
                              fingerprint=fingerprint)
         return
     trainer.sync_model()  # weights stepped on the GPU back into the model's masters
-    ckpt.save_checkpoint(
-        run_dir / "checkpoints", step, model_state={k: v.detach() for k, v in model.state_dict().items()},
-        optimizer_state=trainer.state_dict(), fingerprint=fingerprint, extra=extra,
-    )
+    model_state, optimizer_state = {k: v.detach() for k, v in model.state_dict().items()}, trainer.state_dict()
+    refuse_nonfinite(step, labelled_state(model_state, optimizer_state, param_names(trainer.m)))  # NOTE: [Finite state]
+    ckpt.save_checkpoint(run_dir / "checkpoints", step, model_state=model_state, optimizer_state=optimizer_state,
+                         fingerprint=fingerprint, extra=extra)
 
 
 def _restore_weights(found, model):
@@ -317,9 +377,14 @@ def _restore_weights(found, model):
 
 
 def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None, rank: int = 0):
-    from lazytrain.train.dist_checkpoint import restore_optimizer
+    from lazytrain.train.dist_checkpoint import DEFERRED, SHARDED, restore_optimizer
 
+    # First, so that a position over other data is refused before any state is set; it counts the
+    # global rows consumed, the same at any world size.
+    data.load_state_dict(found.extra["data"])
     restore_optimizer(trainer, found.optimizer_state, found.model_state)
+    if DEFERRED in found.optimizer_state.get(SHARDED, {}):  # moments read only now: NOTE: [Finite state]
+        check_restored(trainer, found.path)
     scheduler.load_state_dict(found.extra["scheduler"])
     if new_lr is not None:  # --new-lr-schedule: the new peak and curve from the checkpoint's step on
         scheduler.base_lrs = [new_lr.lr for _ in scheduler.base_lrs]
@@ -327,5 +392,4 @@ def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None, r
         for group in trainer.optimizer.param_groups:
             group["initial_lr"], group["lr"] = new_lr.lr, new_lr.lr * factor
         scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
-    data.load_state_dict(found.extra["data"])  # global rows consumed: the same at any world size
     ckpt.restore_rng(found, rank)

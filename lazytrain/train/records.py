@@ -1,30 +1,29 @@
-"""Reading training inputs: which files, the text pieces of a ``.txt``, the records of a table.
+"""Reading training inputs: which files, the text pieces of a ``.txt``, the records of a table and
+the format each is in.
 
 Plain text is read here in bounded pieces; every other format is read through the ``datasets``
 library, streamed (JSON and Parquet) or memory-mapped (a ``save_to_disk`` directory), so no input
-is ever held whole in memory. Records come out in batches of Python columns; what they mean is
+is ever held whole in memory. JSON lines are checked first (``lazytrain.train.json_lines``: NOTE:
+[Pathological JSON], NOTE: [Record size]). Records come out in batches of Python columns; which
+``Format`` each is in is decided here, and a file keeps one (``OneFormat``); what they mean is
 ``lazytrain.train.tokens``' business.
-
-NOTE: [Pathological JSON] pyarrow's JSON parser (under ``datasets``) recurses once per nesting
-level and crashes the process (SIGSEGV) somewhere past 5,000 levels, so no exception can be
-caught. Every JSON-lines file therefore gets a cheap streaming pass first (``check_json_lines``):
-bytes-level bracket counts and a regex for surrogate escapes, and the exact check only on the few
-lines those flag. Any other error the reader raises is located afterwards by a line-by-line scan
-(``locate_json_error``), so every JSON problem is reported as ``file:line`` with the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import enum
 import logging
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from lazytrain.errors import DataError
+from lazytrain.files import is_disk_full
+from lazytrain.train.json_lines import READ_BYTES, check_json_lines, is_json_array, json_line_of, locate_json_error
 
 TEXT_SUFFIXES = (".txt",)
 TABLE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -34,13 +33,12 @@ FORMATS = (
     ".txt (blank lines separate documents), .jsonl/.json/.parquet records, or a directory saved "
     "with datasets' save_to_disk()"
 )
-MAX_DEPTH = 100  # nesting a training record never needs; far below pyarrow's crash
-_READ_BYTES = 1 << 20
 # A blank line (only whitespace) between two lines separates documents; several count as one.
 _DOC_SEPARATOR = re.compile(r"\n(?:[^\S\n]*\n)+")
 _SPACE_BEFORE_WORD = re.compile(r"\s(?=\S)")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# What a path that is neither a regular file nor a directory is, by its st_mode test.
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,7 @@ def find_inputs(paths: str | Path | Sequence[str | Path]) -> list[Input]:
             raise DataError(
                 f"data path {path} does not exist; check the path passed as training data"
             )
+        _check_regular(path)
         if path.is_dir() and _saved_dataset(path):
             inputs.append(Input(path, "saved"))
         elif path.is_dir():
@@ -94,6 +93,19 @@ def find_inputs(paths: str | Path | Sequence[str | Path]) -> list[Input]:
     if not inputs:
         raise DataError(f"no data files were given; pass at least one of: {FORMATS}")
     return inputs
+
+
+def _check_regular(path: Path) -> None:
+    """Refuse a path that is neither a regular file nor a directory before anything opens it: a
+    FIFO would block the first read with no message, and the data is read several times."""
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    what = next((name for test, name in _SPECIAL if test(mode)), "a special file")
+    raise DataError(
+        f"data path {path} is {what}, not a regular file or a directory; the data is read more than "
+        "once, so write it to a file and pass that"
+    )
 
 
 # --------------------------------------------------------------------------- plain text
@@ -163,152 +175,78 @@ def text_pieces(path: Path, limit: int) -> Iterator[tuple[str, bool]]:
         ) from exc
 
 
-# --------------------------------------------------------------------------- JSON checks
-
-
-def _json_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """``(line number, line)`` of a file read in bounded chunks; a line is held whole."""
-    lineno = 0
-    parts: list[bytes] = []
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_BYTES):
-            if b"\n" not in chunk:
-                parts.append(chunk)
-                continue
-            parts.append(chunk)
-            data = b"".join(parts)
-            lines = data.split(b"\n")
-            parts = [lines.pop()]
-            for line in lines:
-                lineno += 1
-                yield lineno, line
-        tail = b"".join(parts)
-        if tail:
-            yield lineno + 1, tail
-
-
-def _depth(line: bytes) -> int:
-    depth = deepest = 0
-    for match in _JSON_TOKEN.finditer(line):
-        token = match.group()
-        if token in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token in (b"]", b"}"):
-            depth -= 1
-    return deepest
-
-
-def _line_problem(line: bytes, exact: bool) -> str | None:
-    """What is wrong with one JSON line, or None. ``exact`` parses it (slow); otherwise only
-    the checks that guard the parser run, flagged by cheap byte counts."""
-    if line.count(b"[") + line.count(b"{") > MAX_DEPTH:
-        depth = _depth(line)
-        if depth > MAX_DEPTH:
-            return (
-                f"is nested {depth} levels deep, more than the {MAX_DEPTH} a record may use; "
-                "flatten the record"
-            )
-    if not exact and not _SURROGATE_ESCAPE.search(line):
-        return None
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        return f"is not valid UTF-8 (byte {exc.start} of the line); re-encode the file as UTF-8"
-    except json.JSONDecodeError as exc:
-        return (
-            f"is not valid JSON ({exc.msg}); each line must be one JSON object such as "
-            '{"text": "..."}'
-        )
-    except ValueError as exc:  # an integer past Python's digit limit: valid JSON, not ours to judge
-        if "digits" in str(exc):
-            return None
-        raise
-    try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return (
-            "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which "
-            "is not text; fix or drop the string"
-        )
-    return None
-
-
-def is_json_array(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-
-
-def check_json_lines(path: Path) -> None:
-    """The streaming pass of NOTE: [Pathological JSON]: refuse lines that would crash or
-    garble the reader (too deep, lone surrogates), naming the line. Cheap: C-level byte scans,
-    exact parses only on flagged lines."""
-    for lineno, line in _json_lines(path):
-        problem = _line_problem(line, exact=False)
-        if problem:
-            raise DataError(f"{path}:{lineno} {problem}")
-
-
-def locate_json_error(path: Path, exc: Exception, check: Callable[[Any, str], Any]) -> DataError:
-    """A ``DataError`` for the first bad line of ``path``, found by parsing line by line after
-    the reader failed with ``exc``; ``check(record, where)`` raises on a record lazytrain cannot
-    use. Without such a line, the reader's own message with the file."""
-    if not is_json_array(path):
-        for lineno, line in _json_lines(path):
-            problem = _line_problem(line, exact=True)
-            if problem:
-                return DataError(f"{path}:{lineno} {problem}")
-            if line.strip():
-                try:
-                    check(json.loads(line), f"{path}:{lineno}")
-                except DataError as found:
-                    return found
-                except ValueError:
-                    pass
-    message = " ".join(str(exc).split())[:300]
-    if "column names don't match" in message:  # fields are fixed by the first MiB of records
-        return DataError(
-            f"{path}: its records change fields part way ({message}); keep one record format "
-            "per file, e.g. text records and prompt/completion records in separate files"
-        )
-    found = re.search(r"at position (\d+)", message)  # the whole-file parser of a JSON array
-    where = f"{path}:{_line_at(path, int(found.group(1)))}" if found else str(path)
-    return DataError(
-        f"{where} could not be read as JSON ({type(exc).__name__}: {message}); each line of a "
-        ".jsonl file must be one JSON object, its fields keeping one type throughout, and a "
-        ".json file one array of such objects"
-    )
-
-
-def _line_at(path: Path, offset: int) -> int:
-    """The line of ``path`` holding byte ``offset``."""
-    newlines = 0
-    with open(path, "rb") as f:
-        while offset > 0 and (chunk := f.read(min(offset, _READ_BYTES))):
-            newlines += chunk.count(b"\n")
-            offset -= len(chunk)
-    return newlines + 1
-
-
-def json_line_of(path: Path, row: int) -> int:
-    """The line of ``path`` holding record ``row`` (0-based): JSON-lines readers skip blank
-    lines. Scans the file, so it is only for error messages."""
-    seen = -1
-    for lineno, line in _json_lines(path):
-        if line.strip():
-            seen += 1
-            if seen == row:
-                return lineno
-    return seen + 1
-
-
 def where(inp: Input, row: int) -> str:
     """How an error names record ``row`` (0-based) of ``inp``."""
     if inp.kind == "json" and not is_json_array(inp.path):
         return f"{inp.path}:{json_line_of(inp.path, row)}"
     return f"{inp.path} record {row + 1}"
+
+
+# --------------------------------------------------------------------------- record formats
+
+
+class Format(enum.Enum):
+    """The record formats of the README's "Training data" table; one file holds one of them."""
+
+    TEXT = '{"text"}'
+    IDS = '{"input_ids"}'
+    IDS_LABELS = '{"input_ids", "labels"}'
+    INSTRUCTION = '{"prompt", "completion"}'
+    CHAT = '{"messages"}'
+
+
+def record_format(record: dict, where: str) -> Format:
+    """Which format a record is in; checks its fields' types."""
+    get = record.get if isinstance(record, dict) else (lambda _k: None)
+    if get("input_ids") is not None:
+        return Format.IDS if get("labels") is None else Format.IDS_LABELS
+    if get("messages") is not None:
+        messages = get("messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise DataError(
+                f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects'
+            )
+        return Format.CHAT
+    if get("prompt") is not None or get("completion") is not None:
+        if not isinstance(get("prompt"), str) or not isinstance(get("completion"), str):
+            raise DataError(f'{where}: "prompt" and "completion" must both be strings')
+        return Format.INSTRUCTION
+    if get("text") is not None:
+        if not isinstance(get("text"), str):
+            raise DataError(f'{where}: "text" must be a string')
+        return Format.TEXT
+    raise DataError(
+        f'{where} has none of the fields "text", "input_ids", "prompt"/"completion" or '
+        '"messages"; each record must be {"text": "..."}, {"input_ids": [...]}, '
+        '{"prompt": "...", "completion": "..."} or {"messages": [{"role": ..., "content": ...}]}'
+    )
+
+
+class OneFormat:
+    """The format of one file's records: its first record's, which every later one must share.
+    The reader fixes a file's columns from its first MiB of records, so a mix would fail or pass by
+    where it falls; refused always, it is refused at its line."""
+
+    def __init__(self) -> None:
+        self._first: tuple[Format, Callable[[], str]] | None = None
+
+    def check(self, found: Format, where: Callable[[], str]) -> None:
+        """Refuse a record (at ``where()``) whose format differs from the first one's."""
+        if self._first is None:
+            self._first = (found, where)
+        elif found is not self._first[0]:
+            first, first_where = self._first
+            raise DataError(
+                f"{where()} is a {found.value} record, but {first_where()}, the file's first, is a "
+                f"{first.value} record; keep one record format per file: move the {found.value} records "
+                "to a file of their own"
+            )
+
+    def check_record(self, record: Any, where: str) -> None:
+        """``record_format`` and ``check`` for the line-by-line scan that locates a reader error."""
+        self.check(record_format(record, where), lambda: where)
 
 
 # --------------------------------------------------------------------------- tables
@@ -346,7 +284,7 @@ def _open_table(inp: Input, cache_dir: Path, datasets):
     builder = "parquet" if inp.kind == "parquet" else "json"
     # Mixed types raise instead of becoming JSON strings (a number would turn into text);
     # smaller reads than the library's 10 MB keep its working set small.
-    options = {"on_mixed_types": None, "chunksize": _READ_BYTES} if builder == "json" else {}
+    options = {"on_mixed_types": None, "chunksize": READ_BYTES} if builder == "json" else {}
     return datasets.load_dataset(
         builder, data_files=str(inp.path), split="train", streaming=True,
         cache_dir=str(cache_dir), **options,
@@ -387,6 +325,8 @@ def record_batches(
         except DataError:
             raise
         except Exception as exc:  # the readers raise many types for one cause: unreadable data
+            if is_disk_full(exc):  # their cache under the token file's directory: not the data's fault
+                raise
             if inp.kind == "json":
                 raise locate_json_error(inp.path, exc, check) from None
             message = " ".join(str(exc).split())[:300]

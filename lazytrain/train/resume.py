@@ -1,9 +1,12 @@
 """What a resumed run takes from its checkpoint, checked before any of it is applied.
 
+- `check_records`: the records `lazytrain train` keeps in a checkpoint's `extra` (its LR schedule and
+  scheduler, data position, world size and batch) have the types and ranges a save writes, before
+  anything reads them (`settle` runs it first).
 - `check_structure`: a checkpoint whose digests match can still belong to another model of the same
-  fingerprint or have been written by other code; its weights (names, shapes, dtypes), optimizer
-  state (groups, moments, step counts), LR-scheduler position and RNG states are compared with the
-  model and schedule before anything is copied, so a mismatch is one `CheckpointError`.
+  fingerprint, or have been written by other code or by hand; every tensor and value it restores is
+  compared with the model, the schedule, the data and the run's LR schedule before anything is
+  copied, so a mismatch is one `CheckpointError` (resume_checks.py).
 - `LrSchedule` / `settle`: the run's LR schedule is recorded in every checkpoint and kept on resume;
   a flag that would change it is refused unless `--new-lr-schedule` asks for the change.
 - `trim_log`: the step log holds one record per step across resumes.
@@ -16,18 +19,14 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
-
 from lazytrain.errors import CheckpointError
 from lazytrain.files import write_atomic
-from lazytrain.runtime.optim import master_dtype
-from lazytrain.train.checkpoint import Checkpoint
-from lazytrain.train.dist_checkpoint import SHARDED
+from lazytrain.train.checkpoint import LATEST_FILE, Checkpoint
+from lazytrain.train.resume_checks import check_fit
 
 DEFAULT_STEPS = 200
 DEFAULT_LR = 3e-3
 DEFAULT_MIN_LR_RATIO = 0.1
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter state tensors
 
 
 # --------------------------------------------------------------------------- LR schedule
@@ -46,9 +45,23 @@ class LrSchedule:
     def record(self) -> dict:
         return asdict(self)
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate after `step` steps, as the run's LambdaLR gives it."""
+        return self.lr * lr_lambda(self.warmup_steps, self.steps, self.min_lr_ratio)(step)
+
     def describe(self) -> str:
         """As the flags that give it: `--lr 0.003 --warmup-steps 2 --steps 24 --min-lr-ratio 0.1`."""
         return " ".join(f"{_flag(f)} {getattr(self, f):g}" for f in ("lr", "warmup_steps", "steps", "min_lr_ratio"))
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warm-up to the peak LR, then cosine decay to `min_ratio` of it."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
 
 
 def _flag(field: str) -> str:
@@ -71,14 +84,12 @@ def settle(args, found: Checkpoint | None) -> tuple[LrSchedule, str | None]:
     schedule with the given flags replaced applies from the checkpoint's step on. Checkpoints
     written before schedules were recorded follow the flags, as they always did.
     """
+    if found is not None:
+        check_records(found)
     recorded = found.extra.get("lr_schedule") if found is not None else None
     if recorded is None:
         return _requested(args), None
-    try:
-        old = LrSchedule(**recorded)
-    except TypeError as exc:
-        raise CheckpointError(f"checkpoint {found.path} records the LR schedule {recorded!r}, which this "
-                              "lazytrain cannot read; resume with the lazytrain that wrote it") from exc
+    old = LrSchedule(**recorded)
     given = {f: getattr(args, f) for f in ("lr", "warmup_steps", "steps", "min_lr_ratio")}
     changed = {f: v for f, v in given.items() if v is not None and v != getattr(old, f)}
     if not changed:
@@ -96,113 +107,86 @@ def settle(args, found: Checkpoint | None) -> tuple[LrSchedule, str | None]:
     return new, f"new LR schedule from step {found.step}: `{new.describe()}` (was `{old.describe()}`)"
 
 
-# --------------------------------------------------------------------------- structure
+# --------------------------------------------------------------------------- records
 
 
-def check_structure(found: Checkpoint, model: torch.nn.Module, schedule) -> None:
-    """Raise `CheckpointError` unless `found` fits `model` (built on any device; only names, shapes and
-    dtypes are read) and the optimizer groups of `schedule`, in every tensor it will restore."""
-    where = f"checkpoint {found.path}"
-    fix = "resume with the model and settings that wrote it, or use a fresh --checkpoint-dir"
-    own = model.state_dict()
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    missing = [k for k in own if k not in found.model_state]
-    extra = [k for k in found.model_state if k not in own]
-    if missing or extra:
-        raise CheckpointError(f"{where} does not hold this model's weights: missing {_few(missing)}, "
-                              f"unexpected {_few(extra)}; {fix}")
-    for name, mine in own.items():
-        saved = found.model_state[name]
-        # NOTE: [Masters in the schedule's dtype] in runtime/optim.py
-        want = master_dtype(schedule, mine.dtype) if name in params else mine.dtype
-        if not isinstance(saved, torch.Tensor) or saved.shape != mine.shape:
-            shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            raise CheckpointError(f"{where} holds {name} with shape {shape}, the model's is {tuple(mine.shape)}; {fix}")
-        if saved.dtype != want:
-            raise CheckpointError(f"{where} holds {name} as {_dtype(saved.dtype)}, the run keeps it in {_dtype(want)}; "
-                                  f"{fix} (weights are never cast silently)")
-    _check_optimizer(found, schedule, where, fix)
-    scheduler = found.extra.get("scheduler")
-    if not isinstance(scheduler, dict) or scheduler.get("last_epoch") != found.step:
-        last = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
-        raise CheckpointError(f"{where} is at step {found.step} but its LR scheduler at step {last}; {fix}")
-    if not isinstance(found.extra.get("data"), dict):
-        raise CheckpointError(f"{where} holds no data position; {fix}")
-    rng = found.rng
-    if not (isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor) and rng["torch"].dtype == torch.uint8
-            and isinstance(rng.get("python"), (tuple, list))):
-        raise CheckpointError(f"{where} holds no torch and python RNG states; {fix}")
+def _int(v, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def _check_optimizer(found: Checkpoint, schedule, where: str, fix: str) -> None:
-    """Groups as the trainer builds them (one per stage, then the shared parameters), indices in that
-    order, moments shaped like their parameters, step counts within the checkpoint's step."""
-    groups = [list(stage.params) for stage in schedule.STAGES] + [list(schedule.SHARED)]
-    state = found.optimizer_state
-    if isinstance(state, dict) and SHARDED in state:  # NOTE: [Distributed checkpoints] in dist_checkpoint.py
-        _check_sharded(found, state[SHARDED], schedule, groups, where, fix)
-        return
-    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
-            and isinstance(state.get("param_groups"), list)):
-        raise CheckpointError(f"{where} holds no optimizer state (state and param_groups); {fix}")
-    saved = state["param_groups"]
-    sizes = [len(g.get("params", ())) if isinstance(g, dict) else None for g in saved]
-    if sizes != [len(g) for g in groups]:
-        raise CheckpointError(f"{where} holds optimizer groups of {sizes} parameters, this schedule steps "
-                              f"{[len(g) for g in groups]}; {fix}")
-    names, index = {}, 0
-    for group, mine in zip(saved, groups):
-        if list(group["params"]) != list(range(index, index + len(mine))):
-            raise CheckpointError(f"{where} numbers its optimizer parameters out of order; {fix}")
-        names.update(zip(group["params"], mine))
-        index += len(mine)
-    for i, entry in state["state"].items():
-        if i not in names or not isinstance(entry, dict):
-            raise CheckpointError(f"{where} holds optimizer state for unknown parameter {i!r}; {fix}")
-        shape = tuple(schedule.PLACEHOLDERS[names[i]][2])
-        path = schedule.PLACEHOLDERS[names[i]][1]
-        for key in _MOMENTS:
-            if key in entry and (not isinstance(entry[key], torch.Tensor) or tuple(entry[key].shape) != shape):
-                got = tuple(entry[key].shape) if isinstance(entry[key], torch.Tensor) else type(entry[key]).__name__
-                raise CheckpointError(f"{where} holds the optimizer's {key} of {path} with shape {got}, "
-                                      f"the parameter's is {shape}; {fix}")
-        if "step" in entry:
-            _check_step(found, entry["step"], path, where, fix)
+def _number(v, low: float = -math.inf, high: float = math.inf) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and low <= v <= high
 
 
-def _check_sharded(found: Checkpoint, state: dict, schedule, groups: list, where: str, fix: str) -> None:
-    """The sharded layout: an entry per parameter by its name in the model, each flattened whole."""
-    numel = {schedule.PLACEHOLDERS[p][1]: math.prod(schedule.PLACEHOLDERS[p][2]) for g in groups for p in g}
-    entries = state.get("state") if isinstance(state.get("state"), dict) else {}
-    if sorted(entries) != sorted(numel) or len(state.get("param_groups", ())) != len(groups):
-        raise CheckpointError(f"{where} holds optimizer state for {len(entries)} parameters in "
-                              f"{len(state.get('param_groups', ()))} groups, this schedule steps {len(numel)} in "
-                              f"{len(groups)}; {fix}")
-    for name, entry in entries.items():
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            if key == "master" and isinstance(entry, dict) and key not in entry:
-                continue  # the model's weights are the masters
-            t = entry.get(key) if isinstance(entry, dict) else None
-            if not isinstance(t, torch.Tensor) or t.numel() != numel[name]:
-                raise CheckpointError(f"{where} holds no whole {key} of {name} ({numel[name]} elements); {fix}")
-        _check_step(found, entry.get("step"), name, where, fix)
+def _bool(v) -> bool:
+    return isinstance(v, bool)
 
 
-def _check_step(found: Checkpoint, step, who: str, where: str, fix: str) -> None:
-    """An optimizer step count within the checkpoint's step."""
-    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    if not isinstance(value, (int, float)) or not 0 <= value <= found.step:
-        raise CheckpointError(f"{where} is at step {found.step} but the optimizer state of {who} at step {value!r}; {fix}")
+def _rates(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(_number(x, 0.0) for x in v)
 
 
-def _few(names: list[str]) -> str:
-    if not names:
-        return "none"
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+# Each record's entries: (check, what it must be), and the entries a save always writes.
+_LR_RECORD = {"lr": (lambda v: _number(v, 0.0, 1.0) and v > 0, "a learning rate in (0, 1]"),
+              "warmup_steps": (_int, "a number of steps"), "steps": (lambda v: _int(v, 1), "a number of steps"),
+              "min_lr_ratio": (lambda v: _number(v, 0.0, 1.0), "a ratio in [0, 1]")}
+# LambdaLR.state_dict()'s entries (`verbose`: torch before 2.7). load_state_dict sets each on the scheduler.
+_SCHEDULER = {"base_lrs": (_rates, "a list of learning rates"), "_last_lr": (_rates, "a list of learning rates"),
+              "last_epoch": (_int, "a step"), "_step_count": (_int, "a count"),
+              "lr_lambdas": (lambda v: isinstance(v, list) and all(x is None for x in v), "a list of nulls"),
+              "_get_lr_called_within_step": (_bool, "true or false"), "_is_initial": (_bool, "true or false"),
+              "verbose": (_bool, "true or false")}
+_DATA = {"version": (_int, "a version"), "epoch": (_int, "an epoch"), "row": (_int, "a row"),
+         "seed": (_int, "a seed"), "shuffle_from": (lambda v: v in (0, 1, None) and not _bool(v), "0, 1 or null"),
+         "seq_len": (lambda v: _int(v, 1), "a length"), "rows_per_epoch": (lambda v: _int(v, 1), "a number of rows"),
+         "data_digest": (lambda v: isinstance(v, str), "a digest")}
+_NEEDED = {"lr_schedule": tuple(_LR_RECORD), "scheduler": ("base_lrs", "_last_lr", "last_epoch"),
+           "data": ("version", "epoch", "row", "seed", "seq_len", "rows_per_epoch", "data_digest")}
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def check_records(found: Checkpoint) -> None:
+    """Raise `CheckpointError` unless `found.extra` holds the records `lazytrain train` saves (its
+    `_save`), each entry of the type and range a save writes: the LR schedule (absent in checkpoints
+    written before it was recorded), the LR scheduler's state, the data position, the world size and
+    one rank's batch."""
+    extra = found.extra
+
+    def refuse(what: str, value, want: str, missing: bool = False) -> CheckpointError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        said = f"no {what} ({want})" if missing else f"{what} = {shown}, not {want}"
+        return CheckpointError(f"checkpoint {found.path} records {said}; delete it (and "
+                               f"{found.path.parent / LATEST_FILE} if it names it) to resume from the previous one")
+
+    for record, spec in (("lr_schedule", _LR_RECORD), ("scheduler", _SCHEDULER), ("data", _DATA)):
+        if record == "lr_schedule" and extra.get(record) is None:
+            continue
+        value = extra.get(record)
+        if not isinstance(value, dict):
+            raise refuse(record, value, "a JSON object", missing=value is None)
+        for key in _NEEDED[record]:
+            if key not in value:
+                raise refuse(f"{record}.{key}", None, spec[key][1], missing=True)
+        for key, entry in value.items():
+            if key not in spec:
+                raise CheckpointError(f"checkpoint {found.path} records {record}.{key}, which this lazytrain does not "
+                                      "know; resume with the lazytrain that wrote it")
+            ok, want = spec[key]
+            if not ok(entry):
+                raise refuse(f"{record}.{key}", entry, want)
+    if not _int(extra.get("world_size", 1), 1):
+        raise refuse("world_size", extra.get("world_size"), "a number of ranks")
+    batch = extra.get("rank_batch", [1, 1])
+    if not (isinstance(batch, list) and len(batch) == 2 and all(_int(n, 1) for n in batch)):
+        raise refuse("rank_batch", batch, "a batch shape [rows, positions]")
+
+
+def check_structure(found: Checkpoint, prep, schedule) -> None:
+    """Raise `CheckpointError` unless `found` fits this run (`prep`: preflight's `Prepared`) and
+    `schedule` in every tensor and value it restores (resume_checks.py). Its LR state is checked
+    against the schedule the checkpoint records (with --new-lr-schedule, the old one: the new one is
+    applied after this check), or, for a checkpoint without one, the run's."""
+    recorded = found.extra.get("lr_schedule")
+    check_fit(found, prep, schedule, LrSchedule(**recorded) if recorded is not None else prep.lr)
 
 
 # --------------------------------------------------------------------------- log

@@ -29,9 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from lazytrain.errors import DataError
+from lazytrain.errors import DataError, LazytrainError, ResourceError
+from lazytrain.files import free_bytes, is_disk_full
 from lazytrain.train import records as rec
 from lazytrain.train.chat import chat_example
+from lazytrain.train.data_stats import Stats
+from lazytrain.units import format_size
 
 MASKED = np.uint32(1 << 31)
 IGNORE = -100  # the label Hugging Face's cross-entropy skips
@@ -39,17 +42,6 @@ PIECE_CHARS = 1 << 16  # the longest text handed to the tokenizer in one piece
 BATCH_CHARS = 1 << 19  # text tokenised per call (the tokenizer's parallel batch)
 BATCH_ROWS = 256  # records read per batch
 _FLUSH_TOKENS = 1 << 18
-
-
-@dataclass
-class Stats:
-    """What the data turned into. ``truncated``: examples cut to ``seq_len``; ``skipped``:
-    examples with no supervised token left (their loss would be empty)."""
-
-    documents: int = 0
-    examples: int = 0
-    truncated: int = 0
-    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,17 +107,20 @@ class _Writer:
         return had
 
     def example(self, ids: np.ndarray, supervised: np.ndarray) -> str:
-        """One example in a row of its own: "ok", "truncated" or "skipped" (nothing to learn)."""
+        """One example in a row of its own: "ok", "truncated", or skipped: "nothing" (no learnt
+        token even whole) or "truncated_away" (none left in its first ``seq_len`` tokens)."""
         fill = self.tokens % self.seq_len
         if fill == 1:  # one packed token alone in a row teaches nothing: drop it
             self._drop_last()
         elif fill:
             self._pad(self.seq_len - fill)
+        if not supervised[1:].any():  # the model shifts labels: position 0 is never predicted
+            return "nothing"
         outcome = "ok"
         if ids.size > self.seq_len:
             ids, supervised, outcome = ids[: self.seq_len], supervised[: self.seq_len], "truncated"
-        if not supervised[1:].any():  # the model shifts labels: position 0 is never predicted
-            return "skipped"
+            if not supervised[1:].any():
+                return "truncated_away"
         tokens = ids.astype(np.uint32)
         tokens[~supervised] |= MASKED
         self.masked = self.masked or not supervised.all()
@@ -146,6 +141,13 @@ class _Writer:
     def close(self) -> None:
         self._flush(whole_rows=False)
         self._file.close()
+
+    def abort(self) -> None:
+        """Close the file after a failure; what it still buffers is lost with the failed build."""
+        try:
+            self._file.close()
+        except OSError:  # its buffer's flush fails as the write did (a full disk)
+            pass
 
 
 def row_digest(path: Path, rows: int, seq_len: int, masked: bool) -> str:
@@ -203,40 +205,6 @@ def _ids(value: Any, field: str, where: str, bound: int, allow_ignore: bool = Fa
     return values.astype(np.int64)
 
 
-def kind_of(record: dict, where: str) -> str:
-    """Which format a record is in: "ids", "chat", "instruction" or "text"; checks the types."""
-    get = record.get if isinstance(record, dict) else (lambda _k: None)
-    if get("input_ids") is not None:
-        return "ids"
-    if get("messages") is not None:
-        messages = get("messages")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-        ):
-            raise DataError(
-                f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects'
-            )
-        return "chat"
-    if get("prompt") is not None or get("completion") is not None:
-        if not isinstance(get("prompt"), str) or not isinstance(get("completion"), str):
-            raise DataError(f'{where}: "prompt" and "completion" must both be strings')
-        return "instruction"
-    if get("text") is not None:
-        if not isinstance(get("text"), str):
-            raise DataError(f'{where}: "text" must be a string')
-        return "text"
-    raise DataError(
-        f'{where} has none of the fields "text", "input_ids", "prompt"/"completion" or '
-        '"messages"; each record must be {"text": "..."}, {"input_ids": [...]}, '
-        '{"prompt": "...", "completion": "..."} or {"messages": [{"role": ..., "content": ...}]}'
-    )
-
-
-def check_record(record: Any, where: str) -> None:
-    """Refuse a record lazytrain cannot use (its format's fields and their types)."""
-    kind_of(record, where)
-
-
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, without special tokens, through the Rust backend when there is
     one: it batches in parallel and skips transformers' warning about long documents."""
@@ -273,11 +241,13 @@ class _Builder:
             then([next(encoded) for _ in group])
         self._pending, self._chars = [], 0
 
-    def example(self, ids: np.ndarray, supervised: np.ndarray) -> None:
+    def example(self, ids: np.ndarray, supervised: np.ndarray, chat_without_assistant: bool = False) -> None:
         outcome = self.writer.example(ids, supervised)
-        self.stats.examples += outcome != "skipped"
-        self.stats.truncated += outcome == "truncated"
-        self.stats.skipped += outcome == "skipped"
+        self.stats.examples += outcome in ("ok", "truncated")
+        self.stats.truncated += outcome in ("truncated", "truncated_away")
+        self.stats.truncated_away += outcome == "truncated_away"
+        self.stats.nothing_to_learn += outcome == "nothing"
+        self.stats.no_assistant += outcome == "nothing" and chat_without_assistant
 
     def document(self, pieces: Iterator[tuple[str, bool]]) -> None:
         """Packed documents from ``(piece, ends_document)``, a bounded batch of text at a time."""
@@ -295,23 +265,25 @@ class _Builder:
         self.document(rec.text_pieces(path, PIECE_CHARS))
         self.flush()
 
-    def add_record(self, record: dict, where: Callable[[], str], seq_len: int) -> None:
+    def add_record(self, record: dict, where: Callable[[], str], seq_len: int, one: rec.OneFormat) -> None:
         try:
-            kind = kind_of(record, "")
+            kind = rec.record_format(record, "")
         except DataError:  # worded again with the location only now: finding a line scans
-            kind = kind_of(record, where())
-        if kind == "text":
+            kind = rec.record_format(record, where())
+        one.check(kind, where)
+        if kind is rec.Format.TEXT:
             self.document(rec.pieces(record["text"], PIECE_CHARS))
-        elif kind == "instruction":
+        elif kind is rec.Format.INSTRUCTION:
             def then(ids: list[list[int]]) -> None:
                 prompt, completion = ids
                 tokens = np.asarray(prompt + completion + [self.writer.eos], dtype=np.int64)
                 supervised = np.arange(tokens.size) >= len(prompt)
                 self.example(tokens, supervised)
             self.later([record["prompt"], record["completion"]], then)
-        elif kind == "chat":
+        elif kind is rec.Format.CHAT:
             self.flush()  # keep the records' order
-            self.example(*chat_example(self.tokenizer, record["messages"], where))
+            alone = not any(m.get("role") == "assistant" for m in record["messages"])
+            self.example(*chat_example(self.tokenizer, record["messages"], where), chat_without_assistant=alone)
         else:
             self.flush()
             self._ids_record(record, where, seq_len)
@@ -345,7 +317,8 @@ def build_rows(
     workdir: Path,
 ) -> Rows:
     """Tokenise ``inputs`` in order into ``workdir/tokens.u32`` (see NOTE: [Packing and
-    masking]); raises ``DataError`` naming the file and line of any unusable record."""
+    masking]); raises ``DataError`` naming the file and line of any unusable record, and
+    ``ResourceError`` naming the token file if its disk fills."""
     path = workdir / "tokens.u32"
     writer = _Writer(path, seq_len, eos, pad)
     builder = _Builder(writer, tokenizer, vocab_bound)
@@ -354,16 +327,31 @@ def build_rows(
             if inp.kind == "text":
                 builder.add_txt(inp.path)
                 continue
+            one = rec.OneFormat()
             for first, columns in rec.record_batches(
-                inp, BATCH_ROWS, workdir / "datasets-cache", check_record
+                inp, BATCH_ROWS, workdir / "datasets-cache", rec.OneFormat().check_record
             ):
                 for i, record in enumerate(_rows_of(columns)):
                     where = lambda inp=inp, row=first + i: rec.where(inp, row)  # noqa: E731
-                    builder.add_record(record, where, seq_len)
+                    builder.add_record(record, where, seq_len, one)
             builder.flush()
-    finally:
         writer.close()
+    except BaseException as exc:
+        writer.abort()
+        if isinstance(exc, Exception) and not isinstance(exc, LazytrainError) and is_disk_full(exc):
+            raise _disk_full(path, writer.written) from None
+        raise
     return Rows(path, writer.tokens, writer.masked, builder.stats)
+
+
+def _disk_full(path: Path, written: int) -> ResourceError:
+    free = free_bytes(path)
+    has = f", {format_size(free)} free" if free is not None else ""
+    return ResourceError(
+        f"no space left on the disk to write the token file {path}: it had written {format_size(4 * written)} "
+        f"({written} tokens at 4 bytes each) when the disk filled{has}; set TMPDIR to a directory on a disk "
+        "with room for 4 bytes a token of the training data, or free space on that disk"
+    )
 
 
 def _rows_of(columns: dict[str, list]) -> Iterator[dict]:
