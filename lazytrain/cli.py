@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, distributed.PeerFailed):  # rank 0 says what another rank's failure was
             distributed.await_report()
         else:
-            print(f"lazytrain: error: {exc}", file=sys.stderr, flush=True)
+            text = " ".join(str(exc).split())  # one line, whatever a quoted foreign message held
+            print(f"lazytrain: error: {text}", file=sys.stderr, flush=True)
             distributed.reported()
         return 2
     except OSError as exc:  # NOTE: [Full disk] in files.py: writes that know no size end here

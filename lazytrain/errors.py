@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def one_line(exc: BaseException) -> str:
+    """A foreign exception in one line, to quote inside a lazytrain message: its type and its
+    message's first line (torch's and transformers' texts run over several)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
 class LazytrainError(Exception):
     """Base class: the CLI prints these as one clean line and exits non-zero."""
 

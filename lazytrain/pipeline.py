@@ -23,7 +23,7 @@ import torch
 
 from lazytrain import hardware as hw_profiles
 from lazytrain.codegen.render import render
-from lazytrain.errors import LazytrainError, PlanError
+from lazytrain.errors import LazytrainError, PlanError, one_line
 from lazytrain.hardware import Hardware
 from lazytrain.ir import dump
 from lazytrain.ir.capture import capture
@@ -72,7 +72,7 @@ class _Hook:
         except LazytrainError:
             raise
         except Exception as exc:
-            raise PlanError(f"stage {name} failed: {type(exc).__name__}: {exc}") from exc
+            raise PlanError(f"stage {name} failed: {one_line(exc)}") from exc
         if self.time_passes:
             print(f"[lazytrain] {name:<9} {time.perf_counter() - start:8.3f} s", file=sys.stderr)
             info = getattr(out, "solver", None)

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-from lazytrain.errors import ScheduleMismatch
+from lazytrain.errors import ScheduleMismatch, one_line
 from lazytrain.ir.events import Event, Kind, Stream
 
 __all__ = ["chrome_trace", "write_trace", "plot_png", "load_measured", "save_measured", "memory_curve", "event_name"]
@@ -220,7 +220,7 @@ def load_measured(path, schedule_module: ModuleType | None = None) -> list[tuple
         data = json.loads(path.read_text())
         fingerprint, rows = data["fingerprint"], [(int(i), float(s), float(t)) for i, s, t in data["events"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ScheduleMismatch(f"{path} is not a measured timeline ({type(exc).__name__}: {exc}); "
+        raise ScheduleMismatch(f"{path} is not a measured timeline ({one_line(exc)}); "
                                "write one with `lazytrain.timeline.save_measured`") from None
     if schedule_module is not None:
         if fingerprint != schedule_module.FINGERPRINT:

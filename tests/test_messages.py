@@ -91,3 +91,13 @@ def test_compiling_in_place_ops_prints_no_torch_deprecation(tmp_path, capsys):
         code, _, err = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--hardware", "cpu")
     assert code == 0, err
     assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def test_a_config_error_is_one_line(tmp_path, capsys):
+    """transformers' refusal of a config spans several lines; lazytrain quotes its first."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    code, _, err = run(capsys, "train", "--model", str(model), "--steps", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "cannot be read as a Hugging Face config" in err

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from lazytrain.errors import LazytrainError, TraceError
+from lazytrain.errors import LazytrainError, TraceError, one_line
 from lazytrain.ir.canonical import canonical_order
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, Value
 from lazytrain.ir.target import on_target
@@ -69,7 +69,7 @@ def load_model_file(path: str | Path) -> tuple[Callable[[], torch.nn.Module], Ca
         raise TraceError(f"importing {path} called sys.exit({exc.code!r}){_user_line(exc, path)}; a model file is "
                          "imported, not run: put script code under `if __name__ == '__main__':`") from None
     except Exception as exc:  # the user's file failed at import: show where
-        raise TraceError(f"importing {path} failed{_user_line(exc, path)}: {_first_line(exc)}; fix the file, "
+        raise TraceError(f"importing {path} failed{_user_line(exc, path)}: {one_line(exc)}; fix the file, "
                          "or import its helpers from modules beside it") from None
     finally:
         if folder in sys.path:
@@ -94,14 +94,9 @@ def _reported(fn: Callable, path: Path) -> Callable:
         except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in model code is no model's answer
             meta = " (at compile time it runs under torch.device('meta'): no tensor holds values)" \
                 if fn.__name__ == "build_model" and torch.get_default_device().type == "meta" else ""
-            raise TraceError(f"{fn.__name__}() in {path} raised{_user_line(exc, path)}: {_first_line(exc)}; "
+            raise TraceError(f"{fn.__name__}() in {path} raised{_user_line(exc, path)}: {one_line(exc)}; "
                              f"fix {fn.__name__}(){meta}") from None
     return call
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _user_line(exc: BaseException, path: Path) -> str:

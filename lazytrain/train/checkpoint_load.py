@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lazytrain.errors import CheckpointError
+from lazytrain.errors import CheckpointError, one_line
 from lazytrain.train.checkpoint import (
     _DATA_FILES,
     DCP_FORMAT,
@@ -220,7 +220,3 @@ def _rng_problem(rng) -> str | None:
     return None
 
 
-def one_line(exc: BaseException) -> str:
-    """`exc` in one line: its type, and its message's first line."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazytrain.errors import DataError
+from lazytrain.errors import DataError, one_line
 from lazytrain.train import records, tokens
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -84,7 +84,7 @@ def load_tokenizer(path: str | Path):
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
     except Exception as exc:  # the libraries raise many types for one cause: unreadable files
         raise DataError(
-            f"could not load a tokenizer from {path}: {type(exc).__name__}: {exc}; pass a "
+            f"could not load a tokenizer from {path}: {one_line(exc)}; pass a "
             "directory saved with tokenizer.save_pretrained() or a valid tokenizer.json"
         ) from exc
     if tokenizer.eos_token is None:

@@ -32,9 +32,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from lazytrain.errors import CheckpointError
+from lazytrain.errors import CheckpointError, one_line
 from lazytrain.train.checkpoint import DCP_METADATA, LATEST_FILE
-from lazytrain.train.checkpoint_load import one_line
 
 _META = "torch.distributed.checkpoint.metadata"
 ALLOWED = frozenset({

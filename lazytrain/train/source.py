@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from lazytrain.errors import DataError, TraceError
+from lazytrain.errors import DataError, TraceError, one_line
 from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
 from lazytrain.train import weights as ckpt_weights
 
@@ -79,8 +79,8 @@ def _resolve_dir(path: Path, batch_size: int | None, seq_len: int | None, weight
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types for one cause: a config it cannot read
-        raise TraceError(f"{path / 'config.json'} cannot be read as a Hugging Face config ({type(exc).__name__}: "
-                         f"{exc}); restore the config.json that came with the model") from None
+        raise TraceError(f"{path / 'config.json'} cannot be read as a Hugging Face config ("
+                         f"{one_line(exc)}); restore the config.json that came with the model") from None
     config.use_cache = False
 
     def build_model():
@@ -102,7 +102,7 @@ def _resolve_dir(path: Path, batch_size: int | None, seq_len: int | None, weight
             meta_model = build_on_meta(build_model)
         except Exception as exc:  # an architecture this transformers cannot build
             raise TraceError(f"transformers cannot build a causal LM from {path / 'config.json'} "
-                             f"({type(exc).__name__}: {exc}); use a decoder model directory") from None
+                             f"({one_line(exc)}); use a decoder model directory") from None
         ckpt_weights.check(checkpoint, meta_model, str(path / "config.json"))
     shape = (batch_size or 8, seq_len or min(256, getattr(config, "max_position_embeddings", 256)))
     tok = path if any((path / f).is_file() for f in _TOKENIZER_FILES) else None

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from lazytrain.errors import DataError
+from lazytrain.errors import DataError, one_line
 from lazytrain.train.tensor_file import DTYPES
 
 SINGLE_FILE = "model.safetensors"
@@ -99,7 +99,7 @@ def _read_index(path: Path) -> dict[str, Path]:
             raise TypeError("weight_map is not a mapping of tensor names to file names")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DataError(
-            f"index {path} cannot be read ({type(exc).__name__}: {exc}); restore the "
+            f"index {path} cannot be read ({one_line(exc)}); restore the "
             f'{INDEX_FILE} that came with the shards (a JSON object with a "weight_map")') from None
     first: dict[str, str] = {}
     for name, file in weight_map.items():
@@ -148,7 +148,7 @@ def _read_header(shard: Path, origin: Path) -> dict[str, tuple[tuple[int, ...], 
     except Exception as exc:  # safetensors raises its own error types for one cause: a bad file
         where = f" (named by {origin})" if shard != origin else ""
         raise DataError(
-            f"{shard}{where} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
+            f"{shard}{where} is not a readable safetensors file ({one_line(exc)}); "
             "download it again") from None
 
 
