@@ -14,6 +14,13 @@ the batches an uninterrupted run would have.
 NOTE: [Epoch order] Positions saved before epoch 0 was shuffled (no ``shuffle_from`` in the state)
 read epoch 0 in file order and later epochs permuted; they resume so, as the run began.
 
+NOTE: [Data across ranks]
+On several ranks every rank tokenises the same inputs and walks the same sequence of global
+batches (the same permutations, from the same seed); rank r of N takes rows r·B/N to (r+1)·B/N of
+each global batch of B rows, so the N ranks together train on exactly the batch one process would.
+The position (``state_dict()``) counts global rows, the same on every rank, so a checkpoint of any
+world size resumes at any other that divides B.
+
 Every problem with the data is a ``DataError`` that names the file (and line) and the fix.
 """
 
