@@ -52,17 +52,19 @@ def cmd_compile(args):
     from lazytrain.passes.lower import lower
     from lazytrain.passes.solve import evaluate, heuristics
     from lazytrain.passes.verify import verify
+    from lazytrain.options import CompileOptions
     from lazytrain.pipeline import analyse, compile_model
     from lazytrain.units import parse_size
 
     hw = hardware.load(args.hardware)
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
     b = batch(args.model, args.batch, args.seq)
-    budget = hw.max_budget if args.budget == "max" else parse_size(args.budget)
-    CASES.mkdir(exist_ok=True)
-    compiled = compile_model(meta, b, budget, hw, source=f"bench:{args.model}", time_limit=args.time_limit,
+    options = CompileOptions(budget="max" if args.budget == "max" else parse_size(args.budget), time_limit=args.time_limit,
                              optimizer_states=args.states, master_weights=args.master, clipping="off",  # runs do not clip
                              disk=args.disk)
+    CASES.mkdir(exist_ok=True)
+    compiled = compile_model(meta, b, hardware=hw, options=options, source=f"bench:{args.model}")
+    budget = compiled.plan.budget
     (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
     print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
     if args.states != "32bit" or args.master != "fp32":

@@ -43,6 +43,7 @@ def main(argv=None):
     from bench.shapes import batch, meta_model
     from lazytrain import hardware
     from lazytrain.ir.capture import capture
+    from lazytrain.options import CompileOptions
     from lazytrain.pipeline import compile_model
     from lazytrain.units import parse_size
 
@@ -51,7 +52,8 @@ def main(argv=None):
         hw = dataclasses.replace(hw, host_memory_bytes=parse_size(args.host_memory))
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
     b = batch(args.model, args.batch, args.seq)
-    budget = None if args.budget == "max" else parse_size(args.budget)
+    options = CompileOptions(budget="max" if args.budget == "max" else parse_size(args.budget), time_limit=args.time_limit,
+                             optimizer_states=args.states, master_weights=args.master)
     capture(meta, b, "", hw.device)  # warm-up
     ratios = []
     for i in range(args.repeat):
@@ -59,8 +61,7 @@ def main(argv=None):
         capture(meta, b, "", hw.device)  # the capture the compile runs: for the profile's device
         cap = time.perf_counter() - start
         start = time.perf_counter()
-        c = compile_model(meta, b, budget, hw, time_limit=args.time_limit, time_passes=True,
-                          optimizer_states=args.states, master_weights=args.master)
+        c = compile_model(meta, b, hardware=hw, options=options, time_passes=True)
         total = time.perf_counter() - start
         ratios.append(total / cap)
         s = c.plan.solver

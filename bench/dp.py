@@ -13,6 +13,7 @@ over the first world size listed. NCCL's NVLink multicast stays off (NCCL_NVLS_E
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -36,17 +37,18 @@ def cmd_compile(args) -> None:
 
     from bench.shapes import batch, meta_model
     from lazytrain import hardware
+    from lazytrain.options import CompileOptions
     from lazytrain.pipeline import compile_model
     from lazytrain.units import parse_size
 
     hw = hardware.load(args.hardware)
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
-    budget = hw.max_budget if args.budget == "max" else parse_size(args.budget)
+    options = CompileOptions(budget="max" if args.budget == "max" else parse_size(args.budget),
+                             optimizer_states=args.states, master_weights=args.master, clipping="off")  # the runs do not clip
     CASES.mkdir(parents=True, exist_ok=True)
     for world in map(int, args.world.split(",")):
-        c = compile_model(meta, batch(args.model, args.batch, args.seq), budget, hw, source=f"bench:{args.model}",
-                          optimizer_states=args.states, master_weights=args.master, world_size=world,
-                          clipping="off")  # the runs do not clip
+        c = compile_model(meta, batch(args.model, args.batch, args.seq), hardware=hw, source=f"bench:{args.model}",
+                          options=dataclasses.replace(options, world_size=world))
         (CASES / f"{_name(args, world)}.py").write_text(c.source_text)
         print(f"world {world}: predicted {c.plan.step_s:.3f} s a step, peak {c.plan.peak_bytes / 2**30:.1f} GiB a GPU")
 

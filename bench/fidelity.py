@@ -102,6 +102,7 @@ def cmd_compile(args) -> None:
     from bench.shapes import batch, meta_model
     from lazytrain import hardware
     from lazytrain.errors import LazytrainError
+    from lazytrain.options import CompileOptions
     from lazytrain.pipeline import compile_model, minimum_budget
     from lazytrain.units import format_size, parse_size
 
@@ -112,16 +113,16 @@ def cmd_compile(args) -> None:
         hw_case = dataclasses.replace(hw, host_memory_bytes=parse_size(case.host)) if case.host else hw
         meta = meta_model(case.model, case.seq).to(torch.bfloat16)
         b = batch(case.model, case.batch, case.seq)
-        opts = dict(optimizer_states=case.states, master_weights=case.master)
+        precision = CompileOptions(optimizer_states=case.states, master_weights=case.master)
         refused = CASE_DIR / f"{case.name}.refused.json"
         refused.unlink(missing_ok=True)
         try:
-            if case.budget == "min":
-                budget = minimum_budget(meta, b, hw_case, **opts)
-            else:
-                budget = hw_case.max_budget if case.budget == "max" else parse_size(case.budget)
-            compiled = compile_model(meta, b, budget, hw_case, source=f"bench:{case.model}", time_limit=args.time_limit,
-                                     clipping=case.clipping, disk=bool(case.host), **opts)
+            # "min": the smallest budget at the case's precision, with the default clipping and no disk tier
+            budget = minimum_budget(meta, b, hw_case, options=precision) if case.budget == "min" else (
+                "max" if case.budget == "max" else parse_size(case.budget))
+            options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
+                                          disk=bool(case.host))
+            compiled = compile_model(meta, b, hardware=hw_case, options=options, source=f"bench:{case.model}")
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")

@@ -111,20 +111,37 @@ def _chunk_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{exc}, or 'off'") from None
 
 
-def cmd_compile(args) -> int:
+def compile_options(args):
+    """The CompileOptions of `lazytrain compile`'s flags."""
     import torch
 
-    from lazytrain.compile_file import compile_file
+    from lazytrain.options import CompileOptions
     from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 
-    chunk_bytes = LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes
-    compiled = compile_file(args.model, args.output, budget=args.budget, hardware=args.hardware,
-                            time_limit=args.time_limit, dump_dir=args.dump_ir, time_passes=args.time_passes,
-                            dtype=getattr(torch, args.dtype) if args.dtype else None,
-                            optimizer_states=args.optimizer_states, master_weights=args.master_weights,
-                            loss_chunk_bytes=chunk_bytes, world_size=args.world_size,
-                            shard_state=False if args.replicate_state else None, clipping=args.clipping,
-                            disk=args.disk)
+    return CompileOptions(budget=args.budget, time_limit=args.time_limit,
+                          dtype=getattr(torch, args.dtype) if args.dtype else None,
+                          optimizer_states=args.optimizer_states, master_weights=args.master_weights,
+                          loss_chunk_bytes=LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes,
+                          world_size=args.world_size, shard_state=False if args.replicate_state else None,
+                          clipping=args.clipping, disk=args.disk)
+
+
+def train_options(args):
+    """The CompileOptions of `lazytrain train`'s flags, for compiling on the fly: the master weights
+    (when not given: the model's dtype's), the ranks and their sharding are the run's to fill in
+    (`train/loop.py`)."""
+    from lazytrain.options import CompileOptions
+
+    clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
+    return CompileOptions(budget=args.budget, time_limit=args.time_limit, optimizer_states=args.optimizer_states or "32bit",
+                          master_weights=args.master_weights or "fp32", clipping=clipping, disk=args.disk)
+
+
+def cmd_compile(args) -> int:
+    from lazytrain.compile_file import compile_file
+
+    compiled = compile_file(args.model, args.output, compile_options(args), hardware=args.hardware, dump_dir=args.dump_ir,
+                            time_passes=args.time_passes)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 
@@ -161,7 +178,7 @@ def cmd_train(args) -> int:
         return 0
     from lazytrain.train.loop import train
 
-    train(args)
+    train(args, train_options(args))
     return 0
 
 
@@ -231,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_at_least(1), default=None, help="for model directories (model files set their own)")
     t.add_argument("--seq-len", type=_at_least(1), default=None, help="for model directories (model files set their own)")
     t.add_argument("--schedule", type=_path, default=None, help="a compiled schedule (default: compile on the fly)")
-    t.add_argument("--budget", type=_budget, default=None, help="GPU budget when compiling on the fly: a size, min (default) or max")
+    t.add_argument("--budget", type=_budget, default="min", help="GPU budget when compiling on the fly: a size, min (default) or max")
     t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
     t.add_argument("--time-limit", type=_number(0), default=60.0, help="solver time limit in seconds")
     t.add_argument("--optimizer-states", choices=["32bit", "8bit"], default=None,

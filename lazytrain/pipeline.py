@@ -8,6 +8,9 @@
 Between stages a hook checks the stage's output (the IR lint after capture, the schedule verifier
 after lower), dumps it on request (`--dump-ir DIR`: one file per stage, deterministic) and times it
 (`--time-passes`). A failure inside a stage names the stage.
+
+The choices a compile is made with travel as one CompileOptions (lazytrain/options.py), checked when
+it is built; the stages get theirs after blocks, and the budget is resolved once, before solve.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
+from lazytrain.options import CompileOptions, apply_options, from_settings
+from lazytrain.passes.blocks import Stages, blocks
 from lazytrain.passes.causal import causal
-from lazytrain.passes.blocks import CLIPPING_MODES, MASTER_BYTES, Stages, blocks
-from lazytrain.passes.chunk import LOSS_CHUNK_BYTES, chunk, decide
+from lazytrain.passes.chunk import chunk, decide
 from lazytrain.passes.costs import costs
 from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
@@ -50,6 +54,7 @@ class Compiled:
     memory_trace: tuple[int, ...]
     source_text: str  # the generated schedule.py
     hardware: Hardware
+    options: CompileOptions  # as given: `plan.budget` is the budget they resolved to
 
 
 class _Hook:
@@ -94,10 +99,14 @@ def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
     return hw
 
 
-def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None,
-            optimizer_states: str = "32bit", master_weights: str = "fp32", loss_chunk_bytes: int = LOSS_CHUNK_BYTES):
-    """The stages before the solver: capture, costs, liveness, blocks, chunk."""
+def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None, *,
+            options: CompileOptions | None = None, **settings):
+    """The stages before the solver: capture, costs, liveness, blocks, chunk; the model cast to the
+    options' dtype first, the stages given the fields the options decide (`apply_options`)."""
+    options = from_settings(options, None, settings)
     hook = hook or _Hook(None, False)
+    if options.dtype is not None:
+        model = model.to(options.dtype)
     graph = hook.run("capture", capture, model, batch, source, hw.device)
     lint(graph)
     hook.dump(0, "capture", dump.text(graph))
@@ -110,85 +119,61 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook.dump(2, "costs", dump.text(graph, node_costs))
     last_use = hook.run("liveness", liveness, graph, node_costs)
     hook.dump(3, "liveness", "".join(f"{n} {i}\n" for n, i in last_use.items()))
-    stages = hook.run("blocks", blocks, graph, node_costs, last_use, optimizer_states)
-    stages = dataclasses.replace(stages, master_bytes=MASTER_BYTES[master_weights])
+    stages = apply_options(hook.run("blocks", blocks, graph, node_costs, last_use), options, hw)
     hook.dump(4, "blocks", stages_text(stages))
-    decision = hook.run("chunk", decide, graph, stages, loss_chunk_bytes)
+    decision = hook.run("chunk", decide, graph, stages, options.loss_chunk_bytes)
     chunked = chunk(stages, decision, hw.bytes_per_s)
     hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + limits_text(chunked, limits(chunked)) + stages_text(chunked))
     return graph, chunked
 
 
+def resolve_budget(options: CompileOptions, stages: Stages, hw: Hardware, hook: _Hook | None = None) -> int:
+    """The budget in bytes the plan is solved for: the device's memory less what no plan can use
+    for None and "max" (`Hardware.max_budget`), the smallest feasible budget of these stages for
+    "min" (no second capture), and bytes as given."""
+    match options.budget:
+        case None | "max":
+            return hw.max_budget
+        case "min":
+            return (hook or _Hook(None, False)).run("minimum", smallest_budget, stages, hw)
+        case budget:
+            return budget
+
+
+def _hardware(hardware: str | Hardware | None, options: CompileOptions) -> Hardware:
+    return for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), options.optimizer_states)
+
+
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None = None, hardware: str | Hardware | None = None, *,
-                  source: str = "", time_limit: float = 60.0, dump_dir=None, time_passes: bool = False,
-                  dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
-                  loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1,
-                  shard_state: bool | None = None, clipping: str = "exact", disk: bool = False) -> Compiled:
-    """Compile `model(**batch)`'s training step for a GPU budget in bytes (None: the device's memory;
-    "min": the smallest feasible one).
-    `dtype` casts the (meta) model first: compute runs in it, the runtime keeps fp32 masters.
-    `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
-    `master_weights` "fp32" or "bf16" (updated with stochastic rounding).
-    `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk).
-    `world_size` is the number of data-parallel ranks the schedule runs on; `batch` is one rank's
-    batch (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
-    sharded for several ranks with 32-bit states) shards master weights and optimizer states over
-    the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank.
-    `clipping` is the gradient clipping the schedule runs with (NOTE: [Gradient clipping] in
-    runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
-    previous step's) or "off" (bind then refuses `max_grad_norm`). `disk` lets the plan keep host-stepped
-    stages' optimizer states on disk where host memory runs short (NOTE: [Disk-resident states] in
-    passes/disk_model.py); the runtime keeps them under bind's `offload_dir`."""
-    hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
-    if dtype is not None:
-        model = model.to(dtype)
+                  options: CompileOptions | None = None, source: str = "", dump_dir=None, time_passes: bool = False,
+                  **settings) -> Compiled:
+    """Compile `model(**batch)`'s training step, for `options` (lazytrain/options.py) or for a `budget`
+    and settings given as keywords (`time_limit=`, `optimizer_states=`, `world_size=`, ...), which
+    make one CompileOptions. `hardware` is a profile's name or file, or a Hardware (None: h200);
+    `batch` is one rank's batch."""
+    options = from_settings(options, budget, settings)
+    hw = _hardware(hardware, options)
     hook = _Hook(dump_dir, time_passes)
-    graph, stages = analyse(model, batch, hw, source, hook, optimizer_states, master_weights, loss_chunk_bytes)
-    stages = data_parallel(stages, hw, world_size, shard_state, optimizer_states)
-    if clipping not in CLIPPING_MODES:
-        raise PlanError(f"clipping {clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
-    stages = dataclasses.replace(stages, clipping=clipping, disk=bool(disk))
-    if budget == "min":  # the smallest feasible budget of these stages: no second capture
-        budget = hook.run("minimum", smallest_budget, stages, hw)
-    budget = hw.max_budget if budget is None else int(budget)
-    plan = hook.run("solve", cached_solve, stages, hw, budget, time_limit)
+    graph, stages = analyse(model, batch, hw, source, hook, options=options)
+    budget = resolve_budget(options, stages, hw, hook)
+    plan = hook.run("solve", cached_solve, stages, hw, budget, options.time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
     hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
-    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, optimizer_states, master_weights,
-                    world_size)
-    return Compiled(graph, stages, plan, schedule, trace, text, hw)
+    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, options.optimizer_states,
+                    options.master_weights, options.world_size)
+    return Compiled(graph, stages, plan, schedule, trace, text, hw, options)
 
 
-def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None,
-                   dtype: torch.dtype | None = None, optimizer_states: str = "32bit", master_weights: str = "fp32",
-                   loss_chunk_bytes: int = LOSS_CHUNK_BYTES, world_size: int = 1, shard_state: bool | None = None) -> int:
-    hw = for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), optimizer_states)
-    if dtype is not None:
-        model = model.to(dtype)
-    _, stages = analyse(model, batch, hw, optimizer_states=optimizer_states, master_weights=master_weights,
-                        loss_chunk_bytes=loss_chunk_bytes)
-    return smallest_budget(data_parallel(stages, hw, world_size, shard_state, optimizer_states), hw)
-
-
-def data_parallel(stages: Stages, hw: Hardware, world_size: int, shard_state: bool | None, optimizer_states: str) -> Stages:
-    """The stages for `world_size` ranks, their state sharded or replicated (NOTE: [Sharded state] in
-    runtime/sharding.py)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise PlanError(f"world_size {world_size!r} is not a number of ranks; pass an integer >= 1 (1: one process)")
-    sharded = world_size > 1 and (shard_state if shard_state is not None else optimizer_states == "32bit")
-    if sharded and optimizer_states == "8bit":
-        raise PlanError(
-            "sharded optimizer state (the default with --world-size > 1) keeps 32-bit states only: bitsandbytes' 8-bit "
-            "states are quantised in blocks of whole tensors, which a shard would cut. Use --optimizer-states 32bit, "
-            "or replicate the state on every rank (--replicate-state; shard_state=False)")
-    if sharded and not hw.link_bandwidth > 0:
-        raise PlanError(
-            f"hardware profile '{hw.name}' has no link_bandwidth (the data-parallel ranks' all-gather bandwidth), which "
-            "a plan with sharded state needs: run `lazytrain profile` under `torchrun --nproc-per-node 2` on this "
-            "machine, or add \"link_bandwidth\" (bytes/s) to the profile, or replicate the state (--replicate-state)")
-    return dataclasses.replace(stages, world_size=world_size, sharded=sharded)
+def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None, *,
+                   options: CompileOptions | None = None, **settings) -> int:
+    """The smallest feasible budget of `model(**batch)` compiled with these options (their budget
+    aside), in bytes."""
+    options = from_settings(options, None, settings)
+    hw = _hardware(hardware, options)
+    _, stages = analyse(model, batch, hw, options=options)
+    return smallest_budget(stages, hw)
 
 
 def stages_text(stages: Stages) -> str:

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from lazytrain.errors import DistributedError, LazytrainError
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-DEFAULT_TIMEOUT_S = 600.0
 REPORTED = "lazytrain/rank0-reported"
 REPORT_WAIT_S = 30.0  # NOTE: [Launching]: a bound, so a rank 0 that died of a bug holds no one up for long
 _STORE = None  # the process group's store and this rank, kept past the group's teardown (the CLI reports after it)

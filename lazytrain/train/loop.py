@@ -28,6 +28,7 @@ from tqdm import tqdm
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError, LazytrainError
 from lazytrain.files import write_atomic
+from lazytrain.options import CompileOptions, check_budget
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.optim import master_dtype
 from lazytrain.runtime.schedule import load_schedule, load_source
@@ -47,7 +48,7 @@ from lazytrain.train.source import ModelSource
 from lazytrain.units import format_size
 
 
-def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
+def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, bool]:
     """On rank 0 only: the schedule's source text, and whether it was compiled here (False for
     --schedule)."""
     if args.schedule:
@@ -63,20 +64,15 @@ def _schedule_text(args, prep: Prepared) -> tuple[str, bool]:
 
     hw = _hardware(args)
     batch = _zeros(prep.rank_batch)
-    opts = {"optimizer_states": args.optimizer_states or "32bit",
-            "master_weights": args.master_weights or default_masters(prep.meta_model),
-            "world_size": prep.world, "shard_state": None if hw.link_bandwidth > 0 else False}  # NOTE: [State in train]
+    options = replace(options, master_weights=args.master_weights or default_masters(prep.meta_model),
+                      world_size=prep.world, shard_state=None if hw.link_bandwidth > 0 else False)  # NOTE: [State in train]
     if prep.world > 1 and not hw.link_bandwidth > 0:
         print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
               "rank; `torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json` measures it", flush=True)
-    budget = "min" if args.budget is None else hw.max_budget if args.budget == "max" else args.budget
-    if isinstance(budget, int):
-        hw.check_budget(budget)
+    check_budget(options, hw)
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
-    clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
-    compiled = compile_model(prep.meta_model, batch, budget, hw, source=str(prep.source.path), time_limit=args.time_limit,
-                             clipping=clipping, disk=args.disk, **opts)
+    compiled = compile_model(prep.meta_model, batch, hardware=hw, options=options, source=str(prep.source.path))
     return compiled.source_text, True
 
 
@@ -162,12 +158,14 @@ def _host_gib() -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def train(args) -> dict:
+def train(args, options: CompileOptions) -> dict:
+    """Train as `args` (`lazytrain train`'s flags) say; a schedule compiled here is compiled with
+    `options` (cli.train_options), completed with the run's ranks and model."""
     ranks = distributed.from_env(args.nproc_per_node, _device(args), args.dist_timeout)  # NOTE: [Launching]
     distributed.quiet_others(ranks)
     try:
         with contextlib.ExitStack() as held:  # the run directory's lock, released as the run ends
-            return _train(args, ranks, held)
+            return _train(args, options, ranks, held)
     finally:
         distributed.teardown(ranks)
 
@@ -180,7 +178,7 @@ def _device(args) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _train(args, ranks: Ranks | None, held: contextlib.ExitStack) -> dict:
+def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.ExitStack) -> dict:
     main = ranks is None or ranks.main
     locked = False
     with together(ranks, "checking the inputs"):  # every input checked before the compile; nothing written yet
@@ -189,7 +187,7 @@ def _train(args, ranks: Ranks | None, held: contextlib.ExitStack) -> dict:
             locked = True
         prep = prepare(args, ranks.rank if ranks else 0, ranks.world if ranks else 1)
     source, run_dir, found, lr, data = prep.source, prep.run_dir, prep.found, prep.lr, prep.data
-    schedule_text, compiled_here = from_rank0(ranks, lambda: _schedule_text(args, prep), "the compile")
+    schedule_text, compiled_here = from_rank0(ranks, lambda: _schedule_text(args, options, prep), "the compile")
     with together(ranks, "checking the schedule"):  # the same schedule on every rank; bind checks its checksum
         schedule = load_source(schedule_text, f"lazytrain_train_schedule_{id(prep)}", args.schedule or None)
         _check_schedule(args, schedule, prep)
