@@ -192,8 +192,7 @@ def stages_text(stages: Stages) -> str:
 def plan_text(stages: Stages, plan: Plan) -> str:
     data = {
         "budget": plan.budget, "peak_bytes": plan.peak_bytes, "host_bytes": plan.host_bytes,
-        "decisions": [{"stage": s.name, "stream": d.stream, "recompute": d.recompute, "outputs": d.outputs.value,
-                       "gpu_step": d.gpu_step, "disk": d.disk} for s, d in zip(stages, plan.decisions)],
+        "decisions": [{"stage": s.name, "placement": repr(p)} for s, p in zip(stages, plan.decisions)],
         "disk_bytes": plan.disk_bytes, "disk_s": plan.disk_s,
         "windows": [list(w[:2]) for w in plan.windows],
     }

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lazytrain.codegen.render import render
-from lazytrain.ir.plan import OutMode, StageDecision
+from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Tier, Weights
 from lazytrain.passes.footprint import can_put_outputs_on_disk
 from lazytrain.passes.lower import lower
 from lazytrain.passes.solve import evaluate
@@ -406,7 +406,7 @@ def producers(stages, s: int) -> set[int]:
     return set(g.producers)
 
 
-def repair(stages, raw) -> list[StageDecision]:
+def repair(stages, raw) -> list[Placement]:
     """Turn any (stream, recompute, outputs[, gpu_step[, fetch ahead[, step in backward]]]) per stage into decisions
     that keep solve's rules:
     stream only with weights, and (but for the last stage) only when recomputing; chunked stages do
@@ -421,40 +421,56 @@ def repair(stages, raw) -> list[StageDecision]:
     stream = [bool(r[0]) and stages[s].param_bytes > 0 and (rec[s] or s == S - 1) for s, r in enumerate(raw)]
     outs = [r[2] for r in raw]
     for s, g in enumerate(stages):
-        if outs[s] is OutMode.DISK and not (stages.disk and can_put_outputs_on_disk(stages, s)):
-            outs[s] = OutMode.OFFLOAD
-        if outs[s] is not OutMode.KEEP and g.chunks == 1 and g.consumers and not rec[s]:
-            outs[s] = OutMode.KEEP
+        if outs[s] is Outputs.DISK and not (stages.disk and can_put_outputs_on_disk(stages, s)):
+            outs[s] = Outputs.OFFLOAD
+        if outs[s] is not Outputs.KEEP and g.chunks == 1 and g.consumers and not rec[s]:
+            outs[s] = Outputs.KEEP
         if outs[s].offloaded and (
                 not g.consumers or g.consumers[-1] == S - 1 or not all(rec[c] for c in g.consumers)):
-            outs[s] = OutMode.KEEP
-        if outs[s] is OutMode.DROP and (not g.chain or stream[s] or not rec[s + 1]):
-            outs[s] = OutMode.KEEP
+            outs[s] = Outputs.KEEP
+        if outs[s] is Outputs.DROP and (not g.chain or stream[s] or not rec[s + 1]):
+            outs[s] = Outputs.KEEP
     for s in range(S):
-        if outs[s] is OutMode.DROP and any(outs[p].offloaded for p in producers(stages, s)):
-            outs[s] = OutMode.KEEP
+        if outs[s] is Outputs.DROP and any(outs[p].offloaded for p in producers(stages, s)):
+            outs[s] = Outputs.KEEP
     gpu_step = [stream[s] and len(r) > 3 and bool(r[3]) for s, r in enumerate(raw)]
     ahead = [2 if gpu_step[s] and s >= 2 and len(r) > 4 and r[4] else 1 for s, r in enumerate(raw)]
     # a step in backward (NOTE: [Backward steps]): GPU-stepped, not ahead, not the first two or the last stage
     back = [gpu_step[s] and ahead[s] == 1 and 2 <= s < S - 1 and len(r) > 5 and bool(r[5]) for s, r in enumerate(raw)]
-    return [StageDecision(stream[s], rec[s], outs[s], gpu_step[s], ahead[s], backward_step=back[s]) for s in range(S)]
+    internals = [Internals.RECOMPUTED if r else Internals.SAVED for r in rec]
+    return [Placement(Weights(), internals[s], outs[s]) if not stream[s] else
+            Placement(Weights(streamed=True, lookahead=ahead[s]), internals[s], outs[s],
+                      Step.in_backward() if back[s] else Step.at_prefetch() if gpu_step[s] else Step.host())
+            for s in range(S)]
 
 
-def decisions(spec) -> list[StageDecision]:
-    """Shorthand, three letters per stage -> StageDecision. "-"/"S"/"G": resident/streamed weights
-    (G: streamed, optimizer step on the GPU; E: the same, its states fetched 2 windows ahead; B: the
-    same, stepped right after its backward; D: streamed, stepped on the host with its states on disk;
-    X: streamed, stepped on the GPU by a job that reads its states from disk; K: the same as B, its
-    states on disk; M: the same as K, its fp32 master on disk too),
-    "r"/"R": internals saved/recomputed, "k"/"o"/"d"/"f": outputs kept/offloaded/dropped/offloaded
-    on to the offload file.
-    E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage."""
+# The first letter of a stage in `decisions`: its weights and its optimizer step's kind.
+PLACES = {
+    "-": (Weights(), Step.resident()),  # resident, stepped on the device as its backward ends
+    "S": (Weights(streamed=True), Step.host()),  # streamed, stepped on the host
+    "G": (Weights(streamed=True), Step.at_prefetch()),  # streamed, stepped on the device at its next prefetch
+    "E": (Weights(streamed=True, lookahead=2), Step.at_prefetch()),  # G, fetched 2 windows ahead
+    "B": (Weights(streamed=True), Step.in_backward()),  # streamed, stepped on the device right after its backward
+    "D": (Weights(streamed=True), Step.host(Tier.DISK)),  # S, its states on disk
+    "X": (Weights(streamed=True), Step.job()),  # streamed, stepped on the device by a job reading its states from disk
+    "K": (Weights(streamed=True), Step.in_backward(Tier.DISK)),  # B, its states on disk
+    "M": (Weights(streamed=True), Step.in_backward(Tier.DISK, Tier.DISK)),  # K, its fp32 master on disk too
+}
+INTERNALS = {"r": Internals.SAVED, "R": Internals.RECOMPUTED}
+OUTPUTS = {"k": Outputs.KEEP, "o": Outputs.OFFLOAD, "d": Outputs.DROP, "f": Outputs.DISK}
+
+
+def decisions(spec) -> list[Placement]:
+    """Shorthand, three letters per stage -> its Placement: weights and step (`PLACES`: "-" resident,
+    "S"/"G"/"E"/"B"/"D"/"X"/"K"/"M" streamed with the step kinds there), internals ("r" saved, "R"
+    recomputed), outputs ("k" kept, "o" offloaded, "d" dropped, "f" offloaded on to the offload file).
+    E.g. ["-Rd", "-Rd", "SRk"]: a dropped segment of two, then a streamed, recomputed stage. A
+    combination no runtime path implements ("SRd": a streamed stage's outputs dropped) raises
+    PlacementError here."""
     out = []
-    for item in spec:
-        stream, rec, mode = item
-        out.append(StageDecision(stream in "SGEDXBKM", rec == "R", {"k": OutMode.KEEP, "o": OutMode.OFFLOAD, "d": OutMode.DROP, "f": OutMode.DISK}[mode],
-                                 stream in "GEXBKM", 2 if stream == "E" else 1, stream in "DXKM", stream in "BKM",
-                                 master_disk=stream == "M"))
+    for place, internals, outputs in spec:
+        weights, step = PLACES[place]
+        out.append(Placement(weights, INTERNALS[internals], OUTPUTS[outputs], step))
     return out
 
 

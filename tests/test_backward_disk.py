@@ -19,6 +19,7 @@ from lazytrain.runtime.schedule import load_source
 from lazytrain.summary import summary
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
+from lazytrain.ir.placement import Tier
 from lazytrain.pipeline import for_states
 from models import (assert_disk_resume_bit_identical, disk_gpt, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
                     offload_files, unique_name)
@@ -78,11 +79,11 @@ def test_the_solver_takes_them_where_the_host_binds():
     fixed = evaluate(stages, hw, 1 << 40, decisions(["-rk", "GRk"] + ["KRk"] * 22 + ["GRk", "-rk"]))
     budget = fixed.peak_bytes + hw.allocator_reserve_bytes
     roomy = solve(stages, hw, budget, time_limit=30)
-    assert not any(d.disk_backward for d in roomy.decisions)
+    assert not any(d.kind == "backward" and d.step.states is Tier.DISK for d in roomy.decisions)
     small = dataclasses.replace(hw, host_memory_bytes=fixed.host_bytes + HOST_RESERVE)
     plan = solve(stages, small, budget, time_limit=30)
     assert plan.host_bytes <= small.host_capacity and plan.peak_bytes <= budget - hw.allocator_reserve_bytes
-    assert sum(d.disk_backward for d in plan.decisions) >= DISK_RING, plan.decisions
+    assert sum(d.kind == "backward" and d.step.states is Tier.DISK for d in plan.decisions) >= DISK_RING, plan.decisions
 
 
 def test_replay_and_adamw_steps_from_disk(gpt, tmp_path):

@@ -62,7 +62,7 @@ def test_a_forward_without_autograd_holds_its_liveness_peak_with_its_outputs_in_
     assert forward_workspace(layer) + layer.out_bytes == layer.peak_bytes
     compiled = compile_model(meta, batch, "min", HW)
     recomputed = [e for e in compiled.schedule.events if e.kind is Kind.COMPUTE and e.phase is Phase.FWD
-                  and compiled.plan.decisions[e.stage].recompute and compiled.stages[e.stage].consumers]
+                  and compiled.plan.decisions[e.stage].recomputed and compiled.stages[e.stage].consumers]
     assert recomputed
     for e in recomputed:
         assert e.workspace + compiled.stages[e.stage].out_bytes == compiled.stages[e.stage].peak_bytes

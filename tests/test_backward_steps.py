@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.ir.events import Kind, Phase, Stream
-from lazytrain.ir.plan import OutMode
+from lazytrain.ir.placement import Outputs
 from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
 from models import (assert_adamw_weights, assert_previous_norm_steps, assert_same_steps, bind_source, check_replay, decisions,
@@ -85,7 +85,7 @@ def test_exact_clipping_refuses_backward_steps(gpt):
     with pytest.raises(PlanError):
         evaluate(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40, decisions(SPEC))
     plan = solve(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40)
-    assert not any(d.backward_step for d in plan.decisions)
+    assert not any(d.kind == "backward" for d in plan.decisions)
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -93,7 +93,7 @@ def test_exact_clipping_refuses_backward_steps(gpt):
 def test_random_decisions_with_backward_steps(gpt, data):
     """Any valid vector with steps in backward: verified at its predicted peak, eager's loss and gradients."""
     graph, stages, batch, real = gpt
-    raw = data.draw(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans(),
+    raw = data.draw(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(Outputs)), st.booleans(),
                                        st.booleans(), st.booleans()), min_size=len(stages), max_size=len(stages)))
     check_forced(graph, stages, batch, real, repair(stages, raw))
 

@@ -11,11 +11,10 @@ import torch
 
 from lazytrain import hardware
 from lazytrain.errors import ScheduleMismatch, TrainingError
-from lazytrain.ir.plan import OutMode, StageDecision
 from lazytrain.passes.footprint import cpu_step_s
 from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
-from models import BlockSpec, ModelSpec, bind_source, random_block_model
+from models import BlockSpec, ModelSpec, bind_source, decisions, random_block_model
 
 HP = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
 GiB = 1 << 30
@@ -92,7 +91,7 @@ def test_exact_clipping_keeps_host_steps_out_of_backward():
     fast = hardware.load("cpu")
     slow = dataclasses.replace(fast, cpu_adamw_params_per_s=3e7)
     stages = analyse(meta, batch, fast)[1]
-    streamed = [StageDecision(True, True, OutMode.KEEP) for _ in stages]
+    streamed = decisions(["SRk"] * len(stages))
 
     def windows(clipping, hw):
         plan = evaluate(dataclasses.replace(stages, clipping=clipping), hw, 1 << 40, streamed)

@@ -105,7 +105,7 @@ def test_host_memory_per_rank_counts_shards():
     for world, shard in ((2, False), (2, True), (4, True)):
         budget = minimum_budget(meta, batch, "cpu", world_size=world, shard_state=shard)
         plan = compile_model(meta, batch, budget, "cpu", time_limit=20, world_size=world, shard_state=shard).plan
-        assert any(d.stream for d in plan.decisions)
+        assert any(d.streamed for d in plan.decisions)
         host[(world, shard)] = plan.host_bytes
     assert host[(2, True)] < host[(2, False)]
     assert host[(4, True)] < host[(2, True)]

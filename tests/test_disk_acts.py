@@ -18,7 +18,7 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
-from lazytrain.ir.plan import OutMode
+from lazytrain.ir.placement import Outputs
 from lazytrain.passes.footprint import ACT_RING, disk_act_bytes, disk_io_s
 from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse, for_states
@@ -59,7 +59,7 @@ def test_the_plan_moves_the_outputs_to_disk_through_a_ring(gpt):
     slow = evaluate(stages, dataclasses.replace(HW, disk_read_bandwidth=1e4, disk_write_bandwidth=1e4), 1 << 40,
                     decisions(SPEC))
     assert slow.disk_s > 10 * on_disk.step_s and slow.step_s >= slow.disk_s
-    assert [d.outputs for d in on_disk.decisions[:5]] == [OutMode.DISK] * 5
+    assert [d.outputs for d in on_disk.decisions[:5]] == [Outputs.DISK] * 5
 
 
 def test_they_need_the_option_the_space_and_an_early_last_reader(gpt):
@@ -78,8 +78,8 @@ def test_they_need_the_option_the_space_and_an_early_last_reader(gpt):
 def test_random_decisions_with_outputs_on_disk(gpt, data):
     """Any valid vector with outputs on disk: verified at its predicted peak, eager's loss and gradients."""
     graph, stages, batch, real = gpt
-    raw = data.draw(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from([OutMode.DISK, OutMode.KEEP,
-                                                                                      OutMode.DROP]), st.booleans()),
+    raw = data.draw(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from([Outputs.DISK, Outputs.KEEP,
+                                                                                      Outputs.DROP]), st.booleans()),
                              min_size=len(stages), max_size=len(stages)))
     check_forced(graph, stages, batch, real, repair(stages, raw))
 
@@ -152,8 +152,8 @@ def test_the_solver_takes_them_where_the_host_binds():
     fixed = evaluate(stages, hw, 1 << 40, decisions(["-Rf"] * 7 + ["-Rk", "-Rk", "-rk"]))
     budget = fixed.peak_bytes + hw.allocator_reserve_bytes
     roomy = solve(stages, hw, budget, time_limit=30)
-    assert not any(d.outputs is OutMode.DISK for d in roomy.decisions)
+    assert not any(d.outputs is Outputs.DISK for d in roomy.decisions)
     small = dataclasses.replace(hw, host_memory_bytes=fixed.host_bytes + HOST_RESERVE)
     plan = solve(stages, small, budget, time_limit=30)
     assert plan.host_bytes <= small.host_capacity and plan.peak_bytes <= budget - hw.allocator_reserve_bytes
-    assert any(d.outputs is OutMode.DISK for d in plan.decisions), plan.decisions
+    assert any(d.outputs is Outputs.DISK for d in plan.decisions), plan.decisions

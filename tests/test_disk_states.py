@@ -15,6 +15,7 @@ import torch
 from lazytrain import hardware
 from lazytrain.errors import InfeasibleBudget, PlanError, ResourceError
 from lazytrain.ir.events import Kind
+from lazytrain.ir.placement import Tier
 from lazytrain.passes.footprint import disk_state_bytes, disk_step_s
 from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
@@ -78,8 +79,9 @@ def test_the_solver_uses_the_disk_where_the_host_runs_short(gpt):
     with pytest.raises(PlanError):
         solve(dataclasses.replace(stages, disk=False), small, budget, time_limit=20)
     plan = solve(stages, small, budget, time_limit=20)
-    assert any(d.disk for d in plan.decisions) and plan.host_bytes <= host
-    assert plan.disk_bytes == sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, plan.decisions) if d.disk)
+    assert any(d.step.states is Tier.DISK for d in plan.decisions) and plan.host_bytes <= host
+    assert plan.disk_bytes == sum(disk_state_bytes(g.param_numel) for g, d in zip(stages, plan.decisions)
+                                  if d.step.states is Tier.DISK)
 
 
 def test_replay_and_adamw_steps_with_states_on_disk(gpt, tmp_path):

@@ -89,7 +89,7 @@ def test_the_solver_does_not_search_disk_steps_yet():
         plan = solve(stages, small, fixed.peak_bytes + HW.allocator_reserve_bytes, time_limit=20)
     except PlanError:
         return
-    assert not any(d.disk_step for d in plan.decisions)
+    assert not any(d.kind == "job" for d in plan.decisions)
 
 
 @pytest.mark.skipif(not solve_module.SEARCH_DISK_STEPS, reason="NOTE: [Disk steps not searched] in passes/solve.py")

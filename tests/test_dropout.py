@@ -12,7 +12,7 @@ from torch import nn
 
 from lazytrain import hardware
 from lazytrain.ir.capture import capture
-from lazytrain.ir.plan import OutMode
+from lazytrain.ir.placement import Outputs
 from lazytrain.passes.solve import smallest_budget
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.runtime.schedule import load_source
@@ -157,7 +157,7 @@ def test_smallest_budget_recomputes_random_stages(random_model):
     need = smallest_budget(stages, HW)
     meta, _, _ = dropout_model(0.1)
     compiled = compile_model(meta, batch, need, HW, source="tests", time_limit=20)
-    assert any((d.recompute or d.outputs is OutMode.DROP) for s, d in zip(stages, compiled.plan.decisions) if s.random)
+    assert any((d.recomputed or d.outputs is Outputs.DROP) for s, d in zip(stages, compiled.plan.decisions) if s.random)
     assert "random=True" in compiled.source_text
     check_seeded_replay(compiled.source_text, real, batch, steps=2, lr=1e-2, eps=1e-6)
 
@@ -190,7 +190,7 @@ def test_hf_zero_dropout_configs_stream(family):
     assert _random_nodes(graph) == [] and not any(s.random for s in stages)
     compiled = compile_model(meta, batch, smallest_budget(stages, HW), HW, source="tests", time_limit=20)
     blocks = [d for s, d in zip(stages, compiled.plan.decisions) if s.name not in ("prologue", "epilogue")]
-    assert blocks and all(d.stream and d.recompute for d in blocks)
+    assert blocks and all(d.streamed and d.recomputed for d in blocks)
     check_replay(compiled.source_text, real, batch)
 
 
@@ -202,7 +202,7 @@ def test_hf_real_dropout_at_smallest_budget(family):
     graph, stages = analyse(meta, batch, HW)
     assert all(s.random for s in stages[1:-1])  # every block
     compiled = compile_model(meta, batch, smallest_budget(stages, HW), HW, source="tests", time_limit=20)
-    assert any(d.recompute for d in compiled.plan.decisions)
+    assert any(d.recomputed for d in compiled.plan.decisions)
     check_seeded_replay(compiled.source_text, real, batch)
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from lazytrain import hardware
 from lazytrain.errors import PlanError, VerifyError
 from lazytrain.ir.events import Kind, Phase
-from lazytrain.ir.plan import OutMode
+from lazytrain.ir.placement import Outputs, PlacementError
 from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse
@@ -47,7 +47,7 @@ def gpt():
 
 
 def raw_decisions(n: int):
-    return st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)), st.booleans(), st.booleans()),
+    return st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(Outputs)), st.booleans(), st.booleans()),
                     min_size=n, max_size=n)
 
 
@@ -173,7 +173,6 @@ def test_multi_consumer_table():
 @pytest.mark.parametrize("spec, rule", [
     (["-Rk", "-Rk", "-Ro", "-rk", "-Rk"], "offload needs every consumer to recompute"),
     (["-Rk", "-Rd", "-rk", "-Rk", "-Rk"], "drop needs the next stage to recompute"),
-    (["-Rk", "SRd", "-Rk", "-Rk", "-Rk"], "drop needs resident weights"),
     (["-Ro", "-Rd", "-Rk", "-Rk", "-Rk"], "no drop when a producer of its inputs is offloaded"),
     (["-Rk", "-Rk", "-Rk", "-Ro", "-Rk"], "no offload when the last consumer is the last stage"),
     (["-Rk", "-Rk", "-Rk", "-Rk", "-Ro"], "the loss stage has no consumers to offload for"),
@@ -183,6 +182,13 @@ def test_invalid_decisions_raise(gpt, spec, rule):
     _, stages, _, _ = gpt
     with pytest.raises(PlanError, match="not a valid plan"):
         evaluate(stages, HW, 1 << 40, decisions(spec))
+
+
+def test_dropped_outputs_need_resident_weights():
+    """A streamed stage's outputs are never dropped (recomputing them would fetch its weights again):
+    such a placement is refused as it is built, before any plan."""
+    with pytest.raises(PlacementError, match="outputs are not dropped"):
+        decisions(["-Rk", "SRd", "-Rk", "-Rk", "-Rk"])
 
 
 def test_decisions_over_budget_raise(gpt):
@@ -324,7 +330,7 @@ def test_random_decisions_steps_equal_clipped_adamw(gpt, data):
     graph, stages, batch, real = gpt
     decs = repair(stages, data.draw(raw_decisions(len(stages))))
     if currently_in_test_context():
-        event(f"{sum(d.gpu_step for d in decs)} GPU-stepped streamed stages")
+        event(f"{sum(d.streamed and d.optimizer == 'gpu' for d in decs)} GPU-stepped streamed stages")
     check_steps(forced(graph, stages, batch, decs, HW).source_text, real, batch)
 
 
@@ -359,8 +365,8 @@ def test_solver_places_streamed_steps_by_rate(gpt, cpu_rate, gpu_steps):
     graph, stages, batch, real = gpt
     hw = dataclasses.replace(HW, cpu_adamw_params_per_s=cpu_rate)
     plan = solve(stages, hw, smallest_budget(stages, hw) * 2)
-    streamed = [d for d in plan.decisions if d.stream]
-    assert streamed and all(d.gpu_step == gpu_steps for d in streamed)
+    streamed = [d for d in plan.decisions if d.streamed]
+    assert streamed and all((d.optimizer == "gpu") == gpu_steps for d in streamed)
 
 
 def test_states_fetched_two_windows_ahead(gpt):

@@ -71,16 +71,17 @@ def schedule_source(case: str) -> str:
 def _gpu_stepped(meta) -> str:
     from lazytrain import hardware
     from lazytrain.codegen.render import render
-    from lazytrain.ir.plan import OutMode, StageDecision
     from lazytrain.passes.lower import lower
     from lazytrain.passes.solve import evaluate
     from lazytrain.pipeline import analyse
 
     hw = hardware.load("h200")
     graph, stages = analyse(meta, tiny_batch(), hw)
+    from models import decisions
+
     last = len(stages) - 1
-    decisions = [StageDecision(g.param_bytes > 0, s != last, OutMode.KEEP, g.param_bytes > 0) for s, g in enumerate(stages)]
-    plan = evaluate(stages, hw, 1 << 40, decisions)
+    decs = decisions([("G" if g.param_bytes > 0 else "-") + ("R" if s != last else "r") + "k" for s, g in enumerate(stages)])
+    plan = evaluate(stages, hw, 1 << 40, decs)
     return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name)
 
 

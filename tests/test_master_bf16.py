@@ -9,7 +9,6 @@ import torch
 from models import bind_source, decisions, tiny_gpt_pair, unique_name
 
 from lazytrain.codegen.render import render
-from lazytrain.ir.plan import OutMode, StageDecision
 from lazytrain.passes.lower import lower
 from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
@@ -66,9 +65,7 @@ def test_bf16_masters_train_like_fp32_masters():
     parameters become bf16, and 25 steps track the fp32-master run's losses."""
     meta, real, batch = tiny_gpt_pair()
     meta = meta.to(torch.bfloat16)
-    d = [StageDecision(False, True, OutMode.KEEP), StageDecision(True, True, OutMode.KEEP, True),
-         StageDecision(True, True, OutMode.KEEP), StageDecision(True, True, OutMode.KEEP, True),
-         StageDecision(False, False, OutMode.KEEP)]
+    d = decisions(["-Rk", "GRk", "SRk", "GRk", "-rk"])
     hp = dict(lr=3e-3, max_grad_norm=1.0)
     torch.manual_seed(0)
     model, ours = _train(_schedule(meta, batch, d), real, batch, 25, **hp)
@@ -98,9 +95,7 @@ def test_bf16_masters_resume_bit_identical():
     applies pending GPU-step updates early) and resumed ends bit-identical to a straight run."""
     meta, real, batch = tiny_gpt_pair()
     meta = meta.to(torch.bfloat16)
-    d = [StageDecision(False, True, OutMode.KEEP), StageDecision(True, True, OutMode.KEEP, True),
-         StageDecision(True, True, OutMode.KEEP), StageDecision(True, True, OutMode.KEEP, True),
-         StageDecision(False, False, OutMode.KEEP)]
+    d = decisions(["-Rk", "GRk", "SRk", "GRk", "-rk"])
     text = _schedule(meta, batch, d)
     batches = []
     for i in range(4):
@@ -161,14 +156,14 @@ def test_resident_steps_hold_their_twins_only_while_they_run():
     streamed = [g.largest_numel == biggest for g in stages]
     assert deferred_step_bytes(stages, [not x for x in streamed]) < everything
     last = len(stages) - 1
-    resident = [StageDecision(False, False, OutMode.KEEP) for _ in stages]
-    streaming = [StageDecision(x, x and s < last, OutMode.KEEP, x) for s, x in enumerate(streamed)]
+    resident = decisions(["-rk"] * len(stages))
+    streaming = decisions([("G" if x else "-") + ("R" if x and s < last else "r") + "k" for s, x in enumerate(streamed)])
     for chosen, deferred in ((resident, everything), (streaming, deferred_step_bytes(stages, [not x for x in streamed]))):
         schedule = lower(stages, evaluate(stages, hw, 1 << 30, chosen), hw)
         assert not any(b.name == "twins" for b in schedule.buffers)
         steps = {e.stage: e.workspace for e in schedule.events if e.kind.value == "opt_step" and e.device == "gpu"}
         for s, d in enumerate(chosen):
-            if not d.stream:
+            if not d.streamed:
                 assert steps[s] >= TWIN_BYTES * stages[s].largest_numel
         assert schedule.events[-1].kind.value == "free" and schedule.events[-1].workspace == deferred
         first_bwd = next(i for i, e in enumerate(schedule.events) if e.phase is not None and e.phase.value == "bwd")

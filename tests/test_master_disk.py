@@ -16,6 +16,7 @@ import torch
 from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.hardware import HOST_RESERVE
+from lazytrain.ir.placement import PlacementError, Step, Tier
 from lazytrain.passes.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s, disk_master_bytes
 from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse, for_states
@@ -64,10 +65,8 @@ def test_it_needs_fp32_masters_of_16_bit_weights_and_a_step_in_backward_from_dis
     _, stages, _, _ = gpt
     with pytest.raises(PlanError):  # compiled without --disk
         evaluate(dataclasses.replace(stages, disk=False), HW, 1 << 40, decisions(MASTERS))
-    wide = decisions(MASTERS)
-    wide[3] = dataclasses.replace(wide[3], disk=False)  # a step in backward, its states on the host
-    with pytest.raises(PlanError):
-        evaluate(stages, HW, 1 << 40, wide)
+    with pytest.raises(PlacementError, match="no optimizer step runs"):  # a step in backward, its states on the host
+        Step.in_backward(Tier.HOST, Tier.DISK)
     meta, _ = model_pair(lambda: tiny_gpt.TinyGPT(layers=6))
     _, fp32 = analyse(meta, gpt[2], HW)  # fp32 compute: the master is the weights
     with pytest.raises(PlanError):
@@ -133,11 +132,11 @@ def test_the_solver_takes_them_where_the_host_binds():
     fixed = evaluate(stages, hw, 1 << 40, decisions(["-rk", "GRk"] + ["MRk"] * 10 + ["GRk", "-rk"]))
     budget = fixed.peak_bytes + hw.allocator_reserve_bytes
     roomy = solve(stages, hw, budget, time_limit=20)
-    assert not any(d.master_disk for d in roomy.decisions)
+    assert not any(d.step.master is Tier.DISK for d in roomy.decisions)
     small = dataclasses.replace(hw, host_memory_bytes=fixed.host_bytes + HOST_RESERVE)
     plan = solve(stages, small, budget, time_limit=20)
     assert plan.host_bytes <= small.host_capacity and plan.peak_bytes <= budget - hw.allocator_reserve_bytes
-    assert any(d.master_disk for d in plan.decisions), plan.decisions
+    assert any(d.step.master is Tier.DISK for d in plan.decisions), plan.decisions
 
 
 def test_a_copy_of_the_model_is_its_own(gpt, tmp_path):

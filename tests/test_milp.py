@@ -11,7 +11,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from lazytrain import hardware
-from lazytrain.ir.plan import OutMode, StageDecision
+from lazytrain.ir.placement import Internals, Outputs, Placement, PlacementError, Step, Weights
 from lazytrain.passes import milp
 from lazytrain.passes.solve import GAP, _build, evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
@@ -94,11 +94,29 @@ def test_exposure_cuts_keep_the_optimum(hw, case, slack):
     assert lp >= lp0 * (1 - 1e-9)
 
 
-def _any_decisions(data, stages) -> list[StageDecision]:
-    """Any decision vector, valid or not: the models with and without extra rows must agree on it."""
-    return [StageDecision(*data.draw(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(OutMode)),
-                                                st.booleans(), st.sampled_from([1, 2]))))
-            for _ in stages]
+def _placements() -> list[Placement]:
+    """Every placement of resident or streamed weights (fetched 1 or 2 windows ahead), saved or
+    recomputed internals, any outputs, stepped on the device, on the host or at the prefetch, that
+    constructs (a stage's axes agree)."""
+    out = []
+    for weights in (Weights(), Weights(streamed=True), Weights(streamed=True, lookahead=2)):
+        for internals in Internals:
+            for outputs in Outputs:
+                for step in (Step.resident(), Step.host(), Step.at_prefetch()):
+                    try:
+                        out.append(Placement(weights, internals, outputs, step))
+                    except PlacementError:
+                        continue
+    return out
+
+
+PLACEMENTS = _placements()
+
+
+def _any_decisions(data, stages) -> list[Placement]:
+    """Any decision vector, a valid plan or not (the rules across stages, and a lookahead of 2 at the
+    first two, are the solver's): the models with and without extra rows must agree on it."""
+    return [data.draw(st.sampled_from(PLACEMENTS)) for _ in stages]
 
 
 @settings(max_examples=examples(60), deadline=None)

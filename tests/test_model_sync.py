@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lazytrain import hardware
-from lazytrain.ir.plan import OutMode
+from lazytrain.ir.placement import Outputs
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
 from models import adamw_reference, bind_source, decisions, forced, hf_pair, repair, tiny_gpt_pair, unique_name
@@ -159,8 +159,8 @@ def test_save_pretrained_sees_pending_updates(tmp_path):
 
     meta, real, batch = hf_pair("qwen2", layers=2)
     graph, stages = analyse(meta, batch, HW)
-    decs = repair(stages, [(True, True, OutMode.KEEP, True)] * len(stages))
-    assert any(d.gpu_step for d in decs)
+    decs = repair(stages, [(True, True, Outputs.KEEP, True)] * len(stages))
+    assert any(d.kind == "prefetch" for d in decs)
     text = forced(graph, stages, batch, decs, HW).source_text
     trainer, model = bind_source(text, real, **HP)
     trainer.step(batch)
@@ -184,8 +184,8 @@ def test_the_plan_leaves_room_to_apply_a_pending_update_between_steps():
     meta, _, batch = tiny_gpt_pair()
     _, stages = analyse(meta, batch, HW)
     decs = decisions(PLAN)
-    flush = max(flush_bytes(stages, s) for s, d in enumerate(decs) if d.gpu_step)
-    no_gpu_steps = [d if not d.gpu_step else decisions(["SRk"])[0] for d in decs]
+    flush = max(flush_bytes(stages, s) for s, d in enumerate(decs) if d.kind == "prefetch")
+    no_gpu_steps = [d if d.kind != "prefetch" else decisions(["SRk"])[0] for d in decs]
     assert flush > 0 and tail_bytes(stages, decs, HW) == tail_bytes(stages, no_gpu_steps, HW) + flush
     plan = evaluate(stages, HW, 1 << 40, decs)
     assert plan.peak_bytes >= tail_bytes(stages, decs, HW)

@@ -84,7 +84,7 @@ def test_experts_are_one_block(case):
         targets = [c.graph[p].target for p in stage.params]
         experts = [t for t in targets if ".experts." in t]
         assert experts and all(t.startswith(stage.name + ".") for t in experts), (stage.name, targets)
-    assert any(d.stream for s, d in zip(c.stages, c.plan.decisions) if s.name.startswith("model.layers."))
+    assert any(d.streamed for s, d in zip(c.stages, c.plan.decisions) if s.name.startswith("model.layers."))
 
 
 def test_schedule_for_the_gpu_refuses_the_cpu():

@@ -8,11 +8,10 @@ import dataclasses
 import pytest
 
 from lazytrain import hardware
-from lazytrain.ir.plan import OutMode, StageDecision
 from lazytrain.passes.footprint import gpu_step_s
 from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
-from models import tiny_gpt_pair
+from models import decisions, tiny_gpt_pair
 
 BUDGET = 1 << 34
 
@@ -22,7 +21,7 @@ def _resident(clipping: str, lost: float, pace: float):
     hw = dataclasses.replace(hardware.load("cpu"), gpu_step_lost=lost, gpu_step_pace=pace)
     _, stages = analyse(meta, batch, hw)
     stages = dataclasses.replace(stages, clipping=clipping)
-    plan = evaluate(stages, hw, BUDGET, [StageDecision(False, False, OutMode.KEEP) for _ in stages])
+    plan = evaluate(stages, hw, BUDGET, decisions(["-rk"] * len(stages)))
     M = stages.master_bytes
     steps = [gpu_step_s(g.param_numel, len(g.params), hw, M) for g in stages]
     shared = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, M)
@@ -74,11 +73,10 @@ def test_a_streamed_step_runs_beside_its_windows_transfers():
     _, stages = analyse(meta, batch, hw)
     stages = dataclasses.replace(stages, clipping="off")  # GPU steps in the forward cannot know the global norm
     S = len(stages)  # streamed stages recompute, but the last, whose weights stay from F to B
-    decisions = [StageDecision(True, s < S - 1, OutMode.KEEP, gpu_step=True, lookahead=2 if s >= 2 else 1)
-                 for s in range(S)]
+    decs = decisions([("E" if s >= 2 else "G") + ("R" if s < S - 1 else "r") + "k" for s in range(S)])
     rate = hw.gpu_adamw_params_per_s
-    fast = evaluate(stages, hw, BUDGET, decisions)
-    slow = evaluate(stages, dataclasses.replace(hw, gpu_adamw_params_per_s=rate / 2), BUDGET, decisions)
+    fast = evaluate(stages, hw, BUDGET, decs)
+    slow = evaluate(stages, dataclasses.replace(hw, gpu_adamw_params_per_s=rate / 2), BUDGET, decs)
     M = stages.master_bytes
     trailing = sum(gpu_step_s(stages[s].param_numel, len(stages[s].params), hw, M) for s in (0, 1))
     shared = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, M)  # the tied head's, after backward

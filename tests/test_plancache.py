@@ -106,6 +106,25 @@ def test_a_file_for_other_inputs_is_not_used(stages, cache):
     assert json.loads((where / f"{other}.json").read_text())["key"] == other
 
 
+def test_an_entry_naming_no_placement_is_a_miss(stages, cache):
+    """An entry written when decisions were flags (a dict each), or one whose text names no valid
+    placement, is solved again and overwritten, never an error."""
+    where, calls = cache
+    budget = smallest_budget(stages, HW) * 2
+    plancache.cached_solve(stages, HW, budget)
+    (path,) = where.glob("*.json")
+    data = json.loads(path.read_text())
+    assert all(d.startswith("Placement(") for d in data["plan"]["decisions"])
+    flags = {"stream": False, "recompute": False, "outputs": "keep", "gpu_step": False, "lookahead": 1, "disk": False}
+    refused = "Placement(Weights(streamed=True), Internals.SAVED, Outputs.KEEP, Step.resident())"
+    for n, old in enumerate((flags, refused, "__import__('os')", "Placement(Nowhere())"), start=2):
+        data["plan"]["decisions"] = [old] * len(stages)
+        path.write_text(json.dumps(data))
+        plancache.cached_solve(stages, HW, budget)
+        assert len(calls) == n
+        assert json.loads(path.read_text())["plan"]["decisions"][0].startswith("Placement(Weights(")
+
+
 def test_no_cache_writes_nothing(stages, cache, monkeypatch):
     where, calls = cache
     monkeypatch.setenv("LAZYTRAIN_NO_CACHE", "1")

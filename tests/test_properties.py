@@ -44,7 +44,7 @@ def test_random_budgets(spec, above, below):
     assert trace == c.memory_trace
     assert max(trace) <= c.plan.peak_bytes <= budget
     if currently_in_test_context():
-        event(f"{sum(d.stream for d in c.plan.decisions)} of {len(c.stages)} stages streamed")
+        event(f"{sum(d.streamed for d in c.plan.decisions)} of {len(c.stages)} stages streamed")
     check_replay(c.source_text, real, batch)
 
     # infeasible: anything below the smallest budget

@@ -13,6 +13,7 @@ import pytest
 from lazytrain import hardware
 from lazytrain.errors import PlanError, ScheduleMismatch
 from lazytrain.ir.events import Kind, Phase
+from lazytrain.ir.placement import Step
 from lazytrain.passes.footprint import resident_grad_bytes
 from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
@@ -27,7 +28,8 @@ SPEC = ["-rk", "-rk", "-Rk", "-rk", "-rk"]  # all resident
 
 def freeing(spec=SPEC, stages=(2, 3, 4)) -> list:
     """`decisions(spec)` with `stages` freeing their gradients after B(s-2)."""
-    return [dataclasses.replace(d, free_grads=s in stages) for s, d in enumerate(decisions(spec))]
+    frees = Step.resident(frees_grads=True)
+    return [dataclasses.replace(d, step=frees) if s in stages else d for s, d in enumerate(decisions(spec))]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_exact_clipping_and_the_first_two_stages_cannot_free_them(gpt):
         evaluate(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40, freeing())
     with pytest.raises(PlanError):
         evaluate(stages, HW, 1 << 40, freeing(stages=(1,)))
-    assert not any(d.free_grads for d in solve(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40).decisions)
+    assert not any(d.step.frees_grads for d in solve(dataclasses.replace(stages, clipping="exact"), HW, 1 << 40).decisions)
 
 
 def test_the_solver_frees_them_where_memory_binds(gpt):
@@ -86,7 +88,7 @@ def test_the_solver_frees_them_where_memory_binds(gpt):
     hw = dataclasses.replace(HW, host_memory_bytes=kept.host_bytes)  # no room on the host to stream a block
     least = smallest_budget(stages, hw)
     assert least < smallest_budget(stages, dataclasses.replace(hw, gpu_step_pace=0.0))  # none may free them
-    assert any(d.free_grads for d in solve(stages, hw, least).decisions)
+    assert any(d.step.frees_grads for d in solve(stages, hw, least).decisions)
 
 
 def test_deadlines_the_optimizer_stream_cannot_meet_refuse_the_plan(gpt):

@@ -13,7 +13,8 @@ import jinja2
 from lazytrain.codegen.printers import print_event
 from lazytrain.ir.dump import format_arg, format_call, format_value
 from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec
-from lazytrain.ir.plan import OutMode, Plan
+from lazytrain.ir.placement import Outputs, Placement, Tier, describe
+from lazytrain.ir.plan import Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.chunk_rules import LOSS_OP
@@ -21,7 +22,7 @@ from lazytrain.passes.footprint import prefetches_from_master
 from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
-from lazytrain.summary import CLIPPING_TEXT, internals, memory_name, optimizer_place
+from lazytrain.summary import CLIPPING_TEXT, memory_name
 from lazytrain.units import format_size
 
 _ENV = jinja2.Environment(
@@ -165,6 +166,34 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
+def _stage_fields(p: Placement) -> dict[str, bool]:
+    """The placement as the flags the runtime's `Stage` (runtime/schedule.py) reads: a stage stepped
+    on the device (at its prefetch, by a job, or in its backward), in its backward, with its states or
+    its master on disk, its weights cast on use."""
+    kind = p.kind
+    return {"gpu_step": kind in ("prefetch", "job", "backward"), "backward_step": kind == "backward",
+            "disk": p.step.states is Tier.DISK, "master_disk": p.step.master is Tier.DISK, "cast_weights": p.weights.cast_on_use}
+
+
+def _stage_line(graph: Graph, s, p: Placement, lim, from_master: bool, grads_freed: bool, optimizer_states: str) -> str:
+    """The schedule's `Stage(...)` entry for stage `s` under its placement `p`."""
+    flags = _stage_fields(p)
+    return (
+        f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
+        f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
+        f"grad_outputs={s.grad_outputs!r}, recompute={p.recomputed!r}, stream={p.streamed!r}, "
+        f"outputs_mode={p.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
+        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", loss_sum=True" if sums_loss(graph, s) else "")
+        + "".join(f", {name}=True" for name in ("gpu_step", "backward_step", "disk", "master_disk") if flags[name])
+        + (", from_master=True" if from_master else "")
+        + (", grads_freed=True" if grads_freed else "")
+        + (", cast_weights=True" if flags["cast_weights"] else "")
+        + (f", out_bytes={s.out_bytes}" if p.outputs is Outputs.DISK else "")
+        + (f", skips={s.skips!r}" if s.skips else "")
+        + (f", states={p.states(optimizer_states)!r}" if p.states(optimizer_states) != "32bit" else "")
+        + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),")
+
+
 def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: dict, hardware: str,
            optimizer_states: str = "32bit", master_weights: str = "fp32", world_size: int = 1) -> str:
     buffers = {b.name: b for b in schedule.buffers}
@@ -172,41 +201,18 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     closed = limits(stages)
     decision_lines = []
     from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(plan.decisions)]
-    for s, d, lim in zip(stages, plan.decisions, closed):
+    for s, p, lim in zip(stages, plan.decisions, closed):
         decision_lines.append(
             f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
-            f"{'streamed' if d.stream else 'resident':<8}  internals {internals(s.chunks, d.recompute):<10}  "
-            f"outputs {d.outputs.value:<7}  optimizer on {optimizer_place(graph.device, d.optimizer)}"
-            + (f" ({d.states(optimizer_states)} states)" if optimizer_states != "32bit" else "")
-            + (", fetched 2 windows ahead" if d.lookahead == 2 else "") + (", in its backward" if d.backward_step else "")
-            + (", states on disk" if d.disk else "") + (", master on disk" if d.master_disk else "")
-            + (", weights fetched from its fp32 master" if from_master[s.index] else "")
-            + (", weights cast from its master on use" if d.cast_weights else "")
-            + (", gradients freed at its step" if d.free_grads else "")
+            + describe(p, graph.device, optimizer_states, from_master[s.index], s.chunks)
             + (f"; forward and backward in {chunk_text(s)}" if s.chunks > 1 else ""))
         decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
         for n in graph.of(OpKind.PARAM, OpKind.BUFFER, OpKind.INPUT)
     ]
-    stage_lines = [
-        f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
-        f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
-        f"grad_outputs={s.grad_outputs!r}, recompute={d.recompute!r}, stream={d.stream!r}, "
-        f"outputs_mode={d.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
-        f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", loss_sum=True" if sums_loss(graph, s) else "")
-        + (", gpu_step=True" if d.gpu_step else "")
-        + (", backward_step=True" if d.backward_step else "") + (", disk=True" if d.disk else "")
-        + (", master_disk=True" if d.master_disk else "")
-        + (", from_master=True" if from_master[s.index] else "")
-        + (", grads_freed=True" if s.index in schedule.grads_freed else "")
-        + (", cast_weights=True" if d.cast_weights else "")
-        + (f", out_bytes={s.out_bytes}" if d.outputs is OutMode.DISK else "")
-        + (f", skips={s.skips!r}" if s.skips else "")
-        + (f", states={d.states(optimizer_states)!r}" if d.states(optimizer_states) != "32bit" else "")
-        + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),"
-        for s, d, lim in zip(stages, plan.decisions, closed)
-    ]
+    stage_lines = [_stage_line(graph, s, p, lim, from_master[s.index], s.index in schedule.grads_freed, optimizer_states)
+                   for s, p, lim in zip(stages, plan.decisions, closed)]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"
                     for b in schedule.buffers]
     info = plan.solver

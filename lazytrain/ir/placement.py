@@ -86,7 +86,8 @@ class Tier(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    """Resident on the device between steps, or streamed in from the host before each use."""
+    """Resident on the device between steps, or streamed: kept on the host and prefetched for the
+    stage's forward and again for its backward."""
     streamed: bool = False
     # streamed only: the forward prefetch starts this many windows ahead; 2 only for a step at the
     # prefetch, which then has two windows to land (NOTE: [GPU-step lag] in passes/solve.py)
@@ -149,8 +150,9 @@ class Step:
 
     @staticmethod
     def at_prefetch() -> Step:
-        """On the device at the next step's forward prefetch, master and states streamed in and out
-        (NOTE: [GPU-stepped streamed stages] in passes/solve.py)."""
+        """On the device at the next step's forward prefetch: the fp32 master, the optimizer states and
+        the gradient streamed in with it and back out after (NOTE: [GPU-stepped streamed stages] in
+        passes/solve.py)."""
         return Step(On.DEVICE, When.PREFETCH, Tier.HOST, Tier.HOST)
 
     @staticmethod
@@ -161,9 +163,12 @@ class Step:
 
     @staticmethod
     def in_backward(states: Tier = Tier.HOST, master: Tier = Tier.HOST) -> Step:
-        """On the device right after its backward, on the gradient there (NOTE: [Backward steps] in
-        passes/step_model.py); states on disk pass through a ring of host buffers (NOTE: [Backward
-        steps from disk] in passes/disk_model.py), and so may the fp32 master (NOTE: [Masters on disk])."""
+        """On the device right after its backward, on the gradient there (no host copy of it), master
+        and states fetched beside the backward prefetch and written back after (NOTE: [Backward
+        steps] in passes/step_model.py); needs clipping off or by the previous norm. States on disk
+        pass through host memory only around the step, in a ring of host buffers (NOTE: [Backward
+        steps from disk] in passes/disk_model.py), and so may an fp32 master of 16-bit weights, the
+        host then keeping the compute-dtype copy the prefetches read (NOTE: [Masters on disk] there)."""
         return Step(On.DEVICE, When.BACKWARD, states, master)
 
     def __repr__(self) -> str:

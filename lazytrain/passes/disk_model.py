@@ -116,23 +116,24 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
 
 # NOTE: [Masters on disk]
 # A stage stepped in backward from disk (NOTE: [Backward steps from disk]) with fp32 masters of
-# 16-bit weights may keep its master in the offload file too (`mdisk`, a `StageDecision` with
-# `master_disk`). The master then passes through the ring with the states: the disk thread reads
-# both into a ring buffer before the step, the H2D beside the backward prefetch takes the master
-# from there, and the write-back after the step returns it there before both are written back. Its
-# prefetches cannot read the master (NOTE: [Weights from the master] in footprint.py), so the host
-# keeps the compute-dtype copy they read, which the step's write-back refreshes: per parameter the
-# host gives up the master's 4 bytes for the copy's 2, the disk holds 4 more and moves 8 more a step
-# (read and written), a ring buffer grows by 4, H2D carries 2 fewer on each prefetch and D2H 2 more
-# after the step, and the weight slot needs no staging region. Between steps the master is the
-# file: the model's parameter is the region, mapped (NOTE: [Mapped regions] in runtime/disk.py),
-# so `state_dict`, checkpoints, `sync_model` and exports read it there and resuming writes into it.
-# bf16 masters are not put on disk: there the master is the weights the prefetches read, so a
-# streamed block's weights would cross the disk three times a step (two reads, a write), about 3 s
-# for a 72B layer on the H200 box's disk against its 0.2 s of compute at 8 x 1024 tokens.
+# 16-bit weights may keep its master in the offload file too (`mdisk`, a placement stepped by
+# `Step.in_backward(Tier.DISK, Tier.DISK)`). The master then passes through the ring with the
+# states: the disk thread reads both into a ring buffer before the step, the H2D beside the backward
+# prefetch takes the master from there, and the write-back after the step returns it there before
+# both are written back. Its prefetches cannot read the master (NOTE: [Weights from the master] in
+# footprint.py), so the host keeps the compute-dtype copy they read, which the step's write-back
+# refreshes: per parameter the host gives up the master's 4 bytes for the copy's 2, the disk holds 4
+# more and moves 8 more a step (read and written), a ring buffer grows by 4, H2D carries 2 fewer on
+# each prefetch and D2H 2 more after the step, and the weight slot needs no staging region. Between
+# steps the master is the file: the model's parameter is the region, mapped (NOTE: [Mapped regions]
+# in runtime/disk.py), so `state_dict`, checkpoints, `sync_model` and exports read it there and
+# resuming writes into it. bf16 masters are not put on disk: there the master is the weights the
+# prefetches read, so a streamed block's weights would cross the disk three times a step (two reads,
+# a write), about 3 s for a 72B layer on the H200 box's disk against its 0.2 s of compute at
+# 8 x 1024 tokens.
 # NOTE: [Activations on disk]
-# A stage's offloaded outputs (OutMode.OFFLOAD: to host memory during F(s+1)..F(cmax), back during
-# B(cmax+1)) may go on to the offload file (`adisk`, OutMode.DISK), where host memory binds and
+# A stage's offloaded outputs (Outputs.OFFLOAD: to host memory during F(s+1)..F(cmax), back during
+# B(cmax+1)) may go on to the offload file (`adisk`, Outputs.DISK), where host memory binds and
 # nothing else fits: they are searched where steps in backward are (NOTE: [Backward steps where
 # nothing else fits] in solve.py). The GPU side and its PCIe copies are an offload's; on the host
 # they pass through a ring of ACT_RING page-locked buffers (runtime/disk_acts.py), each as large as
@@ -165,7 +166,7 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
 # steps' moments.
 # NOTE: [Backward steps from disk]
 # A stage stepped in backward (NOTE: [Backward steps] in step_model.py) may keep its optimizer states in the offload
-# file (`bdisk`, a `StageDecision` with `backward_step` and `disk`): they come into host memory only
+# file (`bdisk`, a placement stepped by `Step.in_backward(Tier.DISK)`): they come into host memory only
 # around the step, into one of DISK_RING page-locked buffers (footprint.py), which the H2D beside
 # the backward prefetch reads and the write-back after the step fills; a disk thread reads them in
 # before B(s+1), in the order backward needs them, and writes them back once the write-back has
@@ -182,10 +183,10 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
 # so a disk-bound plan is predicted long: the 72B shape at 8 x 1024 on the H200 box (32 such blocks,
 # 57 GB read and written a step) measured 57.82 s against 62.76 predicted (bench/README.md).
 # NOTE: [Disk-stepped stages]
-# The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a `StageDecision`
-# with both `gpu_step` and `disk`): their optimizer states (8-bit or 32-bit, as a GPU step keeps
-# them) live in the offload file. A GPU step at the next prefetch (`gstep`) cannot use the disk:
-# the prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
+# The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a placement whose
+# step is `Step.job()`): their optimizer states (8-bit or 32-bit, as a GPU step keeps them) live
+# in the offload file. A GPU step at the next prefetch (`gstep`) cannot use the disk: the
+# prefetch windows of a forward are short (a 32B layer's at 32 x 1024 tokens, 0.06 s), and
 # reading a layer's states takes far longer (1 GB at 2 GB/s), so every state would sit in host
 # memory from a read long before its window to a write long after it. Instead such a stage's step
 # is a job on the host worker. It may start once its gradient has landed (after backward with exact

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazytrain.hardware import Hardware
+from lazytrain.ir.placement import Placement, Tier
 from lazytrain.passes.blocks import STATE_BYTES, Stage, Stages
 from lazytrain.runtime.carve import aligned
 from lazytrain.runtime.disk_acts import RING_SIZE as ACT_RING_SIZE
@@ -47,7 +48,7 @@ def resident_grad_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES
 # NOTE: [Resident gradients freed at their step]
 # Where a resident stage's step runs beside backward (clipping off or by the previous norm: NOTE:
 # [Device steps beside compute] in hardware/__init__.py), its gradients need not wait for the next
-# step (`free_grads`, a decision): its step must then be done by the end of B(s-2), and the
+# step (`Step.frees_grads`, a decision): its step must then be done by the end of B(s-2), and the
 # gradients go there (`lower` frees them after that backward; the runtime drops them, their memory
 # reused once the optimizer stream is done with them). A resident parameter then holds its gradient
 # for three windows instead of from its backward to the tail: of the 12 bytes a parameter of fp32
@@ -185,8 +186,8 @@ def disk_gpu_job_s(param_bytes: int, numel: int, tensors: int, hw: Hardware, sta
 
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:
     """Host memory a streamed stage adds beyond its master: AdamW states, the page-locked gradient
-    buffer and the gradient in the master's dtype (only a CPU step needs it: `gpu_step` subtracts
-    it), and in mixed precision the compute-dtype copy to prefetch."""
+    buffer and the gradient in the master's dtype (only a host step needs it: a step on the device
+    subtracts it), and in mixed precision the compute-dtype copy to prefetch."""
     mixed = param_bytes if param_bytes != master * numel else 0
     return int(state_bytes * numel) + param_bytes + master * numel + mixed
 
@@ -208,11 +209,11 @@ def weights_from_master(stages: Stages, s: int) -> bool:
     return mixed and g.param_numel > 0 and not sharded
 
 
-def prefetches_from_master(stages: Stages, s: int, d) -> bool:
-    """Whether stage `s`, under its decision `d`, prefetches from its fp32 master: not where the
-    master lives on disk, which leaves the host the compute-dtype copy (NOTE: [Masters on disk] in
-    disk_model.py)."""
-    return d.stream and d.gpu_step and weights_from_master(stages, s) and not d.master_disk
+def prefetches_from_master(stages: Stages, s: int, p: Placement) -> bool:
+    """Whether stage `s`, under its placement `p`, prefetches from its fp32 master: a streamed stage
+    stepped on the device, but not where the master lives on disk, which leaves the host the
+    compute-dtype copy (NOTE: [Masters on disk] in disk_model.py)."""
+    return p.kind in ("prefetch", "job", "backward") and weights_from_master(stages, s) and p.step.master is not Tier.DISK
 
 
 def master_staging_bytes(g) -> int:
@@ -308,7 +309,7 @@ def disk_step_slot(stages: Stages, s: int) -> int:
 def disk_step_slot_bytes(stages: Stages, decisions) -> int:
     """The GPU buffer disk-stepped stages' jobs take turns in, held for the whole step: the largest
     `disk_step_slot` among them."""
-    return max((disk_step_slot(stages, s) for s, d in enumerate(decisions) if d.disk_step), default=0)
+    return max((disk_step_slot(stages, s) for s, p in enumerate(decisions) if p.kind == "job"), default=0)
 
 
 def backward_workspace(g) -> int:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
-from lazytrain.ir.plan import OutMode, Plan
+from lazytrain.ir.placement import Outputs, Tier
+from lazytrain.ir.plan import Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.shards import (
     comm_s,
@@ -124,9 +125,9 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             if phase is Phase.BWD:
                 if chunked:
                     return g.bwd_s + g.fwd_s
-                return g.bwd_s + (g.remat_s if plan.decisions[stage].recompute else 0.0)
+                return g.bwd_s + (g.remat_s if plan.decisions[stage].recomputed else 0.0)
             return 0.0 if chunked else g.fwd_s
-        if kind is Kind.PREFETCH and plan.decisions[stage].cast_weights:  # NOTE: [Resident weights cast on use]
+        if kind is Kind.PREFETCH and plan.decisions[stage].weights.cast_on_use:  # NOTE: [Resident weights cast on use]
             return cast_s(g, hw, stages.master_bytes)
         if kind in (Kind.PREFETCH, Kind.RELOAD):
             return moved / hw.h2d_bandwidth
@@ -135,15 +136,18 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
         if kind in (Kind.REDUCE, Kind.GATHER):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
-            if g is not None and plan.decisions[stage].disk_step:  # NOTE: [Disk-stepped stages]
-                return disk_gpu_job_s(g.param_bytes, g.param_numel, len(g.params), hw, stages.state_bytes,
-                                      stages.master_bytes)
-            if g is not None and plan.decisions[stage].stream and not plan.decisions[stage].gpu_step:
-                disk = disk_step_s(g.param_numel, hw) if plan.decisions[stage].disk else 0.0  # NOTE: [Disk-resident states]
-                return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes) + disk
             if g is None:
                 return gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes)
-            return gpu_step_s(g.param_numel, len(g.params), hw, stages.master_bytes)
+            p = plan.decisions[stage]
+            match p.kind:
+                case "job":  # NOTE: [Disk-stepped stages]
+                    return disk_gpu_job_s(g.param_bytes, g.param_numel, len(g.params), hw, stages.state_bytes,
+                                          stages.master_bytes)
+                case "host":
+                    disk = disk_step_s(g.param_numel, hw) if p.step.states is Tier.DISK else 0.0  # NOTE: [Disk-resident states]
+                    return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes) + disk
+                case _:
+                    return gpu_step_s(g.param_numel, len(g.params), hw, stages.master_bytes)
         return 0.0
     return duration
 
@@ -169,8 +173,8 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     b.buffer("shared", "gpu", shared, persistent=True)
     # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
     # [Resident steps] in footprint.py); the runtime's FREE of one is a no-op
-    rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.stream}
-    freed = {s for s in rgrads if s >= 0 and dec[s].free_grads}  # NOTE: [Resident gradients freed at their step]
+    rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.streamed}
+    freed = {s for s in rgrads if s >= 0 and dec[s].step.frees_grads}  # NOTE: [Resident gradients freed at their step]
     if stages.shared_params:
         rgrads[-1] = "rgrad:shared"
         # sharded: the full gradients go at their reduce-scatter, the shard stays
@@ -179,14 +183,14 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.buffer("sg:shared", "gpu", shard_grad_bytes(stages.shared_bytes, stages.shared_numel, nshared, M, n))
     for s, g in enumerate(stages):
         P = len(g.params)
-        if not dec[s].stream:
+        if not dec[s].streamed:
             if n > 1:
                 b.buffer(f"res:{s}", "gpu", resident_sharded_bytes(g.param_bytes, g.param_numel, P, stages.state_bytes, M, n),
                          persistent=True)
                 b.buffer(rgrads[s], "gpu", g.param_bytes)
                 b.buffer(f"sg:{s}", "gpu", shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n))
             else:
-                cast = g.param_bytes if dec[s].cast_weights else 0  # NOTE: [Resident weights cast on use] in footprint.py
+                cast = g.param_bytes if dec[s].weights.cast_on_use else 0  # NOTE: [Resident weights cast on use] in footprint.py
                 b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - cast,
                          persistent=True)
                 b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
@@ -198,15 +202,18 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
             # (a step in backward reads it on the device: NOTE: [Backward steps] in step_model.py)
-            if not dec[s].backward_step:
-                b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=dec[s].at_prefetch)
+            kind = dec[s].kind
+            if kind != "backward":
+                b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=kind == "prefetch")
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
-            if dec[s].backward_step:  # NOTE: [Backward step twins] in footprint.py
-                b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel))
-            elif dec[s].gpu_step and not dec[s].disk_step:  # at the prefetch
-                b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
-                                                                 g.largest_numel), g.param_numel, P, n))
+            match kind:
+                case "backward":  # NOTE: [Backward step twins] in footprint.py
+                    b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
+                                                                    g.largest_numel))
+                case "prefetch":
+                    b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
+                                                                     g.largest_numel), g.param_numel, P, n))
         b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
@@ -221,13 +228,18 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     def held_to(p: int) -> int:
         """The backward after which stage p's outputs go: its first reader's, or its own when its
         autograd graph holds them (a saving stage)."""
-        saving = not dec[p].recompute and stages[p].chunks == 1
+        saving = not dec[p].recomputed and stages[p].chunks == 1
         return p if saving else stages[p].consumers[0]
-    weights = lambda s: (f"w:{s}",) if dec[s].stream else (f"res:{s}",) + ((f"w:{s}",) if dec[s].cast_weights else ())  # noqa: E731
+
+    def weights(s: int) -> tuple[str, ...]:
+        """The buffers stage `s`'s compute reads its weights from (a slot cast on use beside the home)."""
+        if dec[s].streamed:
+            return (f"w:{s}",)
+        return (f"res:{s}",) + ((f"w:{s}",) if dec[s].weights.cast_on_use else ())
 
     def cast(s: int):
         """NOTE: [Resident weights cast on use] in footprint.py: the weights from the master, before a use."""
-        if dec[s].cast_weights:
+        if dec[s].weights.cast_on_use:
             b.emit(Stream.COMPUTE, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=0)
     acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
 
@@ -264,7 +276,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     def prefetch(s: int):
         g = stages[s]
-        if not dec[s].at_prefetch:
+        if dec[s].kind != "prefetch":
             # sharded: only this rank's shard of the new weights comes over; the rest from the other ranks
             b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(weights_bytes(s), s))
             if n > 1:
@@ -275,40 +287,43 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
 
     def gpu_step(s: int):
-        if dec[s].at_prefetch:
+        if dec[s].kind == "prefetch":
             stepped[s] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"opt:{s}", f"w:{s}"), device="gpu")
             if n > 1:
                 gather(s, f"w:{s}", after=(stepped[s],))
 
     def step_out(s: int):
-        if dec[s].at_prefetch:
+        if dec[s].kind == "prefetch":
             # the new weights first: the slot's FREE after this forward waits for this copy only
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],), moved=weights_bytes(s))
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],), moved=states_out(s))
-        elif dec[s].stream and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
+        elif dec[s].streamed and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
             b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
 
     def host_step(s: int):
         """A streamed stage's step on the host worker once its gradient has landed: AdamW on the CPU,
         or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in disk_model.py)."""
-        if not dec[s].gpu_step or dec[s].disk_step:
-            b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="disk" if dec[s].disk_step else "cpu")
+        match dec[s].kind:
+            case "host":
+                b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="cpu")
+            case "job":
+                b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="disk")
 
     def reduce(k: int):
         """Reduce-scatter of stage `k`'s gradients; a streamed stage's shard goes to the host."""
         g = stages[k]
-        b.emit(Stream.COMM, Kind.REDUCE, k, reads=(f"g:{k}" if dec[k].stream else rgrads[k],), allocs=(f"sg:{k}",),
+        b.emit(Stream.COMM, Kind.REDUCE, k, reads=(f"g:{k}" if dec[k].streamed else rgrads[k],), allocs=(f"sg:{k}",),
                moved=g.param_bytes, workspace=comm_workspace(g.param_bytes, g.param_numel, len(g.params), n))
-        if dec[k].stream:
+        if dec[k].streamed:
             b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"sg:{k}",), allocs=(f"host:grad:{k}",))
 
     def reduced(k: int):
         """After the backward that overlapped stage `k`'s reduce-scatter: its full gradients go, and
         its shard is stepped (a resident stage's new weights then gathered)."""
-        if dec[k].stream:
+        if dec[k].streamed:
             b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"g:{k}",))
             b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"sg:{k}",))
-            if not dec[k].gpu_step:
+            if dec[k].kind == "host":
                 b.emit(Stream.CPU, Kind.OPT_STEP, k, reads=(f"host:grad:{k}",), device="cpu")
             return
         b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(rgrads[k],))
@@ -318,14 +333,14 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     # ---- forward ----------------------------------------------------------------------------
     b.t = win_start["pre"]
-    if dec[0].stream:
+    if dec[0].streamed:
         prefetch(0)
         gpu_step(0)
     for s, g in enumerate(stages):
         b.t = win_start[f"F{s}"]
-        if s + 1 < S and dec[s + 1].stream and dec[s + 1].lookahead == 1:
+        if s + 1 < S and dec[s + 1].streamed and dec[s + 1].weights.lookahead == 1:
             prefetch(s + 1)
-        if s + 2 < S and dec[s + 2].lookahead == 2:
+        if s + 2 < S and dec[s + 2].weights.lookahead == 2:
             prefetch(s + 2)
         if s > 0:
             # Issued after this window's prefetches: a prefetch's slot waits for the compute work
@@ -337,54 +352,54 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         for p in producers[s]:
             if dec[p].outputs.offloaded and s == p + 1:
                 b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
-        save = not dec[s].recompute and g.chunks == 1
+        save = not dec[s].recomputed and g.chunks == 1
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
         # a saving forward holds its operators' own workspace beside what it saves (NOTE: [Operator workspace])
         cast(s)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
                allocs=allocs, workspace=saving_workspace(g) if save else forward_workspace(g))
-        if dec[s].stream and s < S - 1 or dec[s].cast_weights:
+        if dec[s].streamed and s < S - 1 or dec[s].weights.cast_on_use:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
-        if dec[s].at_prefetch:  # after this forward: compute waits here for the write-back, if late
+        if dec[s].kind == "prefetch":  # after this forward: compute waits here for the write-back, if late
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
         for p in producers[s]:
             mode = dec[p].outputs
-            if (mode.offloaded and stages[p].consumers[-1] == s) or (mode is OutMode.DROP and s == p + 1):
+            if (mode.offloaded and stages[p].consumers[-1] == s) or (mode is Outputs.DROP and s == p + 1):
                 b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
 
     # ---- backward ---------------------------------------------------------------------------
     for s in reversed(range(S)):
         g = stages[s]
         b.t = win_start[f"B{s}"]
-        if s - 1 >= 0 and dec[s - 1].backward_step:  # NOTE: [Backward steps]: master and states beside the weights
+        if s - 1 >= 0 and dec[s - 1].kind == "backward":  # NOTE: [Backward steps]: master and states beside the weights
             b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"opt:{s - 1}", f"w:{s - 1}"),
                    moved=step_out_bytes(s - 1) - stages[s - 1].param_bytes + weights_bytes(s - 1))
-        elif s - 1 >= 0 and dec[s - 1].stream:
+        elif s - 1 >= 0 and dec[s - 1].streamed:
             b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",), moved=weights_bytes(s - 1))
         for p in range(S):
             if dec[p].outputs.offloaded and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
         if s + 1 < S and n > 1:  # NOTE: [Sharded state] in runtime/sharding.py
             reduce(s + 1)
-        elif s + 1 < S and dec[s + 1].backward_step:  # beside this backward: the last one's stage steps, goes back
+        elif s + 1 < S and dec[s + 1].kind == "backward":  # beside this backward: the last one's stage steps, goes back
             k = s + 1
             stepped[k] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"opt:{k}", f"w:{k}", f"g:{k}"), device="gpu")
             b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],), moved=weights_bytes(k))
             b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],), moved=states_out(k))
-        elif s + 1 < S and dec[s + 1].stream:
+        elif s + 1 < S and dec[s + 1].streamed:
             b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
-        if s >= 1 and dec[s - 1].outputs is OutMode.DROP and dec[s].outputs is not OutMode.DROP:
+        if s >= 1 and dec[s - 1].outputs is Outputs.DROP and dec[s].outputs is not Outputs.DROP:
             j = s - 1
-            while j - 1 >= 0 and dec[j - 1].outputs is OutMode.DROP:
+            while j - 1 >= 0 and dec[j - 1].outputs is Outputs.DROP:
                 j -= 1
             for i in range(j, s):  # regenerate the dropped segment bottom-up
                 b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + weights(i) + acts_in(i),
                        allocs=(f"act:{i}",), workspace=forward_workspace(stages[i]))
-        save = not dec[s].recompute and g.chunks == 1
+        save = not dec[s].recomputed and g.chunks == 1
         reads = ("fixed",) + weights(s) + acts_in(s) + ((f"saved:{s}",) if save else ()) + \
             ((f"grad:{s}",) if g.grad_outputs else ())
         allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].grad_outputs and stages.grad_maker(p) == s) + \
-            ((f"g:{s}",) if dec[s].stream else (rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in rgrads else ())
+            ((f"g:{s}",) if dec[s].streamed else (rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in rgrads else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
         cast(s)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
@@ -399,27 +414,28 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"act:{s}",))
         if g.grad_outputs:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
-        if dec[s].stream and not dec[s].backward_step or dec[s].cast_weights:  # a backward-stepped slot goes after its write-back
+        # a backward-stepped slot goes after its write-back
+        if dec[s].streamed and dec[s].kind != "backward" or dec[s].weights.cast_on_use:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
         if s + 1 < S and n > 1:
             reduced(s + 1)
-        elif s + 1 < S and dec[s + 1].backward_step:
+        elif s + 1 < S and dec[s + 1].kind == "backward":
             pass  # freed after the next backward (NOTE: [Backward steps])
-        elif s + 1 < S and dec[s + 1].stream:
+        elif s + 1 < S and dec[s + 1].streamed:
             b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
             host_step(s + 1)
-        if not dec[s].stream and n == 1:
+        if not dec[s].streamed and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
         if s + 2 < S and s + 2 in freed:  # NOTE: [Resident gradients freed at their step] in footprint.py
             b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(rgrads[s + 2],))
-        if s + 2 < S and dec[s + 2].backward_step:  # stepped and written back beside two backwards
+        if s + 2 < S and dec[s + 2].kind == "backward":  # stepped and written back beside two backwards
             for buf in (f"g:{s + 2}", f"w:{s + 2}", f"opt:{s + 2}"):
                 b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(buf,))
     b.t = win_start["tail"]
     if n > 1:
         return _sharded_tail(b, stages, plan, hw, reduce, reduced, gather, rgrads, n)
-    if dec[0].stream:
+    if dec[0].streamed:
         b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
         b.emit(Stream.COMPUTE, Kind.FREE, 0, frees=("g:0",))
         host_step(0)
@@ -429,7 +445,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     kept = {k: name for k, name in rgrads.items() if k not in freed}
     if kept:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
         b.emit(Stream.COMPUTE, Kind.FREE, min(kept), frees=tuple(kept.values()),
-               workspace=deferred_step_bytes(stages, [not d.stream for d in dec]))
+               workspace=deferred_step_bytes(stages, [not d.streamed for d in dec]))
     return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes, frozenset(freed))
 
 
@@ -448,6 +464,6 @@ def _sharded_tail(b: _Builder, stages: Stages, plan: Plan, hw: Hardware, reduce,
     kept = tuple(f"sg:{s}" for s in sorted(rgrads) if s >= 0) + (("sg:shared",) if stages.shared_params else ())
     if kept:  # the shards of resident gradients stay until the next step starts (NOTE: [Resident steps])
         b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=kept,
-               workspace=sharded_deferred_bytes(stages, [not d.stream for d in plan.decisions], n))
+               workspace=sharded_deferred_bytes(stages, [not d.streamed for d in plan.decisions], n))
     return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
 

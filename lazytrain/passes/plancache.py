@@ -21,11 +21,13 @@ import time
 from pathlib import Path
 
 from lazytrain.hardware import Hardware
-from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
+from lazytrain.errors import PlanError
+from lazytrain.ir.placement import NAMESPACE, Placement
+from lazytrain.ir.plan import Plan, SolverInfo
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.solve import GAP, solve
 
-FORMAT = 1  # bump when the plan's fields change meaning
+FORMAT = 2  # bump when the plan's fields change meaning (2: each decision a placement's constructor call)
 
 
 def code_digest() -> str:
@@ -82,14 +84,26 @@ def key(stages: Stages, hw: Hardware, budget: int, gap: float = GAP) -> str:
 
 def _to_json(plan: Plan) -> dict:
     data = dataclasses.asdict(plan)
-    data["decisions"] = [dict(d, outputs=d["outputs"].value) for d in data["decisions"]]
+    data["decisions"] = [repr(p) for p in plan.decisions]  # as a schedule writes them: `Placement(...)`
     return data
+
+
+def _placement(text) -> Placement:
+    """A placement its `repr` wrote, evaluated back with only the placement types in scope. An entry
+    written before placements had a type holds a dict of flags there: a miss (ValueError), as is any
+    text that names no valid placement (PlacementError, from its constructors)."""
+    if not isinstance(text, str) or not text.startswith("Placement("):
+        raise ValueError(f"not a placement: {text!r}")
+    p = eval(text, {"__builtins__": {}}, dict(NAMESPACE))  # no builtins: only the placement types are named
+    if not isinstance(p, Placement):
+        raise ValueError(f"not a placement: {text!r}")
+    return p
 
 
 def _from_json(data: dict) -> Plan:
     info = data["solver"]
     return Plan(
-        decisions=tuple(StageDecision(**dict(d, outputs=OutMode(d["outputs"]))) for d in data["decisions"]),
+        decisions=tuple(_placement(d) for d in data["decisions"]),
         budget=data["budget"], peak_bytes=data["peak_bytes"], host_bytes=data["host_bytes"], step_s=data["step_s"],
         compute_s=data["compute_s"], recompute_s=data["recompute_s"], exposed_s=data["exposed_s"],
         optimizer_s=data["optimizer_s"], windows=tuple(tuple(w) for w in data["windows"]),
@@ -104,7 +118,7 @@ def load(k: str) -> Plan | None:
         if data.get("key") != k:  # a file renamed or written for other inputs
             return None
         return _from_json(data["plan"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, NameError, SyntaxError, PlanError):
         return None
 
 

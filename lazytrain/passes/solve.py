@@ -77,7 +77,8 @@ if getattr(_cbc, "has_cbc", False):
 
 from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
-from lazytrain.ir.plan import OutMode, Plan, SolverInfo, StageDecision
+from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Tier, Weights
+from lazytrain.ir.plan import Plan, SolverInfo
 from lazytrain.passes import cuts as cuts_
 from lazytrain.passes import milp
 from lazytrain.passes.blocks import Stages
@@ -206,7 +207,7 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
     return exposed
 
 
-def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision] | None = None, cuts: bool = True,
+def _build(stages, hw, budget, minimise_memory: bool, fixed: list[Placement] | None = None, cuts: bool = True,
            backward_steps: bool | None = None):
     """The MIP; `cuts`: with the valid rows of passes/cuts.py, which change no plan's value;
     `backward_steps`: whether the search may step blocks in backward (NOTE: [Backward steps where
@@ -261,27 +262,47 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[StageDecision]
     return m, v, model, exposed
 
 
-def _decisions(v, S, val) -> list[StageDecision]:
-    out = []
-    for s in range(S):
-        on = {k: val(v[k][s]) > 0.5 for k in KEYS}
-        mode = (OutMode.DISK if on["adisk"] else OutMode.OFFLOAD) if on["off"] else OutMode.DROP if on["drop"] else OutMode.KEEP
-        out.append(StageDecision(on["stream"], on["recompute"], mode, on["gstep"] or on["dstep"], 2 if on["ahead"] else 1,
-                                 on["disk"] or on["dstep"] or on["bdisk"], on["bstep"], on["free"], on["cast"], on["mdisk"]))
-    return out
+def _decisions(v, S, val) -> list[Placement]:
+    """The placements the binaries' values name (`_start` is the inverse)."""
+    return [_placement({k: val(v[k][s]) > 0.5 for k in KEYS}) for s in range(S)]
 
 
-def heuristics(stages: Stages) -> dict[str, list[StageDecision]]:
+def _placement(on: dict[str, bool]) -> Placement:
+    """One stage's placement from its binaries: `stream` picks resident or streamed weights, and a
+    streamed stage's step kind is `dstep` (a job), `gstep` with `bstep` (in backward) or alone (at the
+    prefetch), else a host step."""
+    internals = Internals.RECOMPUTED if on["recompute"] else Internals.SAVED
+    outputs = (Outputs.DISK if on["adisk"] else Outputs.OFFLOAD) if on["off"] else Outputs.DROP if on["drop"] else Outputs.KEEP
+    tier = {False: Tier.HOST, True: Tier.DISK}
+    if not on["stream"]:
+        return Placement(Weights(cast_on_use=on["cast"]), internals, outputs, Step.resident(frees_grads=on["free"]))
+    if on["dstep"]:
+        step = Step.job()
+    elif on["gstep"] and on["bstep"]:
+        step = Step.in_backward(tier[on["bdisk"]], tier[on["mdisk"]])
+    elif on["gstep"]:
+        step = Step.at_prefetch()
+    else:
+        step = Step.host(tier[on["disk"]])
+    return Placement(Weights(streamed=True, lookahead=2 if on["ahead"] else 1), internals, outputs, step)
+
+
+def heuristics(stages: Stages) -> dict[str, list[Placement]]:
     """Fixed policies, as layer-streaming trainers use: warm starts for CBC and the fallback when
     the solver finds nothing in time."""
     closed = limits(stages)
 
-    def policy(stream: bool, recompute: bool, gpu_step: bool = False) -> list[StageDecision]:
-        return [StageDecision(stream and not lim.stream, recompute and not lim.recompute, OutMode.KEEP,
-                              gpu_step and stream and not lim.stream) for lim in closed]
+    def policy(stream: bool, recompute: bool, step: Step = Step.host()) -> list[Placement]:
+        """`step`: a streamed stage's (a stage that cannot stream stays resident)."""
+        def one(lim) -> Placement:
+            internals = Internals.RECOMPUTED if recompute and not lim.recompute else Internals.SAVED
+            if not stream or lim.stream:
+                return Placement(Weights(), internals, Outputs.KEEP, Step.resident())
+            return Placement(Weights(streamed=True), internals, Outputs.KEEP, step)
+        return [one(lim) for lim in closed]
     return {
         "stream every block, checkpoint every block": policy(True, True),
-        "stream every block, optimizer on the GPU, checkpoint every block": policy(True, True, gpu_step=True),
+        "stream every block, optimizer on the GPU, checkpoint every block": policy(True, True, Step.at_prefetch()),
         "everything resident, checkpoint every block": policy(False, True),
         "everything resident and saved": policy(False, False),
     }
@@ -299,13 +320,21 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
     return min(fits, key=lambda f: f[1].step_s) if fits else None
 
 
-def _start(v, decisions: list[StageDecision]) -> dict:
-    """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan)."""
-    return {v[key][s]: float(value) for s, d in enumerate(decisions) for key, value in (
-        ("stream", d.stream), ("recompute", d.recompute), ("off", d.outputs.offloaded),
-        ("drop", d.outputs is OutMode.DROP), ("gstep", d.gpu_step and not d.disk_step), ("ahead", d.lookahead == 2),
-        ("disk", d.disk and not d.gpu_step), ("dstep", d.disk_step), ("bstep", d.backward_step), ("bdisk", d.disk_backward), ("adisk", d.outputs is OutMode.DISK), ("mdisk", d.master_disk),
-        ("free", d.free_grads), ("cast", d.cast_weights))}
+def _start(v, decisions: list[Placement]) -> dict:
+    """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan): the
+    inverse of `_decisions`."""
+    return {v[key][s]: float(value) for s, p in enumerate(decisions) for key, value in _binaries(p).items()}
+
+
+def _binaries(p: Placement) -> dict[str, bool]:
+    """One stage's binaries (`KEYS`) for its placement."""
+    kind, step = p.kind, p.step
+    return {
+        "stream": p.streamed, "recompute": p.recomputed, "off": p.outputs.offloaded, "drop": p.outputs is Outputs.DROP,
+        "gstep": kind in ("prefetch", "backward"), "ahead": p.weights.lookahead == 2,
+        "disk": kind == "host" and step.states is Tier.DISK, "dstep": kind == "job", "bstep": kind == "backward",
+        "bdisk": kind == "backward" and step.states is Tier.DISK, "adisk": p.outputs is Outputs.DISK,
+        "mdisk": step.master is Tier.DISK, "free": step.frees_grads, "cast": p.weights.cast_on_use}
 
 
 def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInfo) -> Plan:
@@ -329,34 +358,36 @@ def _plan(stages, hw, budget, v, model, exposed, r: milp.Result, info: SolverInf
     )
 
 
-def disk_bytes(stages: Stages, s: int, d: StageDecision) -> int:
+def disk_bytes(stages: Stages, s: int, p: Placement) -> int:
     """What stage `s` keeps on disk: a host-stepped stage's fp32 moments, a GPU-stepped stage's
     states (NOTE: [Disk-resident states], NOTE: [Disk-stepped stages] in disk_model.py), and its
     outputs between forward and backward (NOTE: [Activations on disk] there), and the master of a
     step in backward from disk (NOTE: [Masters on disk] there)."""
     g = stages[s]
-    acts = disk_act_bytes(g) if d.outputs is OutMode.DISK else 0
-    if not d.disk:
+    acts = disk_act_bytes(g) if p.outputs is Outputs.DISK else 0
+    if p.step.states is not Tier.DISK:
         return acts
-    master = disk_master_bytes(g) if d.master_disk else 0
-    return acts + master + (disk_gpu_state_bytes(g.param_numel, stages.state_bytes) if d.gpu_step
-                            else disk_state_bytes(g.param_numel))
+    master = disk_master_bytes(g) if p.step.master is Tier.DISK else 0
+    # a host step's fp32 moments, or a device step's (a job's or one in backward) states as it keeps them
+    return acts + master + (disk_state_bytes(g.param_numel) if p.kind == "host"
+                            else disk_gpu_state_bytes(g.param_numel, stages.state_bytes))
 
 
 def tail_bytes(stages: Stages, decisions, hw: Hardware) -> int:
     """GPU bytes after backward: resident weights, their gradients, and the steps gradient clipping
     defers until then (NOTE: [Resident steps])."""
     M = stages.master_bytes
-    resident = [not d.stream for d in decisions]
+    resident = [not p.streamed for p in decisions]
     n = sharding(stages)
     if n > 1:
         return sharded_tail(stages, hw, [int(r) for r in resident], sharded_deferred_bytes(stages, resident, n), n)
-    flush = max((flush_bytes(stages, s) for s, d in enumerate(decisions) if d.at_prefetch), default=0)  # NOTE: [Flushed updates]
+    # NOTE: [Flushed updates]
+    flush = max((flush_bytes(stages, s) for s, p in enumerate(decisions) if p.kind == "prefetch"), default=0)
     slot = disk_step_slot_bytes(stages, decisions)  # NOTE: [Disk-stepped stages] in disk_model.py
     return fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + deferred_step_bytes(stages, resident) + flush + slot + sum(
-        resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - (g.param_bytes if d.cast_weights else 0)
-        + (0 if d.free_grads else resident_grad_bytes(g.param_bytes, g.param_numel, M))
-        for g, r, d in zip(stages, resident, decisions) if r)
+        resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - (g.param_bytes if p.weights.cast_on_use else 0)
+        + (0 if p.step.frees_grads else resident_grad_bytes(g.param_bytes, g.param_numel, M))
+        for g, r, p in zip(stages, resident, decisions) if r)
 
 
 def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:
@@ -466,7 +497,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
     return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, message=msg, seconds=took))
 
 
-def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[StageDecision], *,
+def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[Placement], *,
              status: str = "fixed", message: str = "") -> Plan:
     """The plan for given decisions: transfer placement solved, memory and time predicted. Raises
     `PlanError` if the decisions break a rule (e.g. dropping outputs a saved stage needs) or the budget."""
