@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from types import ModuleType
 
+from lazytrain.ir.placement import Placement, describe
 from lazytrain.units import format_size
 
 _WIDTH = 40  # characters of the memory bar at the peak window
@@ -24,11 +25,6 @@ def memory_name(device: str) -> str:
     """What the memory a plan budgets is called: the GPU's on CUDA; on the CPU, where one processor
     plays both the device and the host, the device's."""
     return "GPU" if device == "cuda" else "device"
-
-
-def optimizer_place(device: str, on: str) -> str:
-    """Where a stage's optimizer step runs ("gpu" or "cpu" in the plan), in words for `device`."""
-    return on if device == "cuda" else {"gpu": "device", "cpu": "host"}[on]
 
 
 def _ms(s: float) -> str:
@@ -60,28 +56,16 @@ def summary(schedule: ModuleType) -> str:
         f"gradient clipping: {m.CLIPPING} ({CLIPPING_TEXT[m.CLIPPING]})",
         *_ranks_line(m),
         "",
-        f"{'stage':<28}{'kind':<6}{'weights':>11}  {'placement':<10}{'internals':<12}{'outputs':<9}optimizer",
+        "decisions per stage:",
     ]
-    for s in m.STAGES:
-        lines.append(
-            f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
-            f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
-            f"{s.outputs_mode:<9}{optimizer_place(m.DEVICE, 'cpu' if s.stream and not s.gpu_step else 'gpu')}"
-            + (", in its backward" if getattr(s, "backward_step", False) else "")
-            + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else "")
-            + (", master on disk" if getattr(s, "master_disk", False) else "")
-            + (", cast on use" if getattr(s, "cast_weights", False) else "")
-            + (", gradients freed at its step" if getattr(s, "grads_freed", False) else ""))
+    chosen = m.OPTIMIZER_STATES
+    lines += [decision_line(s, s.placement, m.DEVICE, chosen, s.from_master) for s in m.STAGES]
     limited = [s for s in m.STAGES if s.limits]
     if limited:  # pass `limits`: decisions a stage can never take
         lines.append("what no plan can change:")
         for s in limited:
             lines += [f"{f'{s.index:>3} {s.name}' if i == 0 else '':<28}{note}" for i, note in enumerate(s.limits)]
-    for s in (s for s in m.STAGES if s.chunks > 1):  # NOTE: [Chunked loss] in runtime/replay.py
-        how = (f"along tokens, {s.chunk_len} positions of one row each" if s.chunk_len else
-               f"along rows, {next(iter(m.BATCH.values()))[0][0] // s.chunks} row(s) each")
-        lines.append(f"stage {s.index} ({s.name}) runs its forward and backward in {s.chunks} chunks {how}")
-    skipping = [s for s in m.STAGES if s.recompute and s.skips]
+    skipping = [s for s in m.STAGES if s.placement.recomputed and s.skips]
     if skipping:  # NOTE: [Skipped recompute] in passes/remat.py
         lines.append(f"recompute before backward leaves out the linears no backward reads: stages "
                      f"{_ranges([s.index for s in skipping])} ({', '.join(skipping[0].skips)} in stage {skipping[0].index})")
@@ -110,19 +94,28 @@ def _ranks_line(m: ModuleType) -> list[str]:
             "ranks as each stage's backward ends (in the predicted step, where the profile has a link_bandwidth)"]
 
 
-def internals(chunks: int, recompute: bool) -> str:
-    """A stage's internals: saved from forward to backward, recomputed, or (a chunked loss stage)
-    neither. The schedule's header (codegen) and this summary print the same words."""
-    return f"{chunks} chunks" if chunks > 1 else "recomputed" if recompute else "saved"
+def chunk_text(stage) -> str:
+    """How a chunked stage (an IR or a schedule's `Stage`) is cut, in words."""
+    if stage.chunk_len:
+        return f"{stage.chunks} chunks along tokens ({stage.chunk_len} positions of one row each)"
+    return f"{stage.chunks} chunks along rows"
+
+
+def decision_line(stage, placement: Placement, device: str, states: str, from_master: bool) -> str:
+    """A stage's decisions in one line, which the schedule's header (codegen) and this summary both
+    print; `stage` is the IR's or the schedule's (`describe` in ir/placement.py words the placement)."""
+    return (f"{stage.index:>3} {stage.name:<24} kind {stage.kind}  weights {format_size(stage.param_bytes):>10} "
+            + describe(placement, device, states, from_master, stage.chunks)
+            + (f"; forward and backward in {chunk_text(stage)}" if stage.chunks > 1 else ""))
 
 
 def _states_line(m: ModuleType) -> str:
     """AdamW state bytes by tier: resident stages (and shared weights) keep theirs on the GPU,
     streamed stages on the host; host-stepped stages' states are fp32 whatever was chosen."""
     per = {"32bit": 8.0, "8bit": getattr(m, "STATE_BYTES", 8.0)}
-    gpu = sum(s.param_numel * per[s.states] for s in m.STAGES if not s.stream) + sum(
+    gpu = sum(s.param_numel * per[s.states] for s in m.STAGES if not s.placement.streamed) + sum(
         math.prod(m.PLACEHOLDERS[p][2]) for p in m.SHARED) * per[getattr(m, "OPTIMIZER_STATES", "32bit")]
-    host = sum(s.param_numel * per[s.states] for s in m.STAGES if s.stream)
+    host = sum(s.param_numel * per[s.states] for s in m.STAGES if s.placement.streamed)
     if getattr(m, "SHARDED", False):  # a rank's 1/N (NOTE: [Sharded state] in runtime/sharding.py)
         gpu, host = gpu / m.WORLD_SIZE, host / m.WORLD_SIZE
     fp32 = [s.index for s in m.STAGES if s.states == "32bit"]

@@ -56,7 +56,7 @@ def test_the_plan_moves_the_states_to_disk_through_a_ring(gpt):
                     decisions(SPEC))
     assert slow.disk_s > 10 * on_disk.step_s and slow.step_s >= slow.disk_s
     text = summary(load_source(forced(*gpt[:3], decisions(SPEC), HW).source_text, unique_name()))
-    assert "device, in its backward, from disk" in text and "; disk " in text
+    assert "in its backward, states on disk" in text and "; disk " in text
 
 
 def test_they_need_the_option_the_space_and_no_exact_clipping(gpt):

@@ -64,7 +64,7 @@ def test_the_schedule_casts_before_each_use_and_verifies_at_the_plans_peak(mixed
             use = next(x for x in events if x.kind is Kind.COMPUTE and x.stage == s and x.phase is phase)
             free = next(x for x in events if x.kind is Kind.FREE and x.frees == (f"w:{s}",) and x.id > use.id)
             assert e.id < use.id < free.id
-    assert f.source_text.count("cast_weights=True") == 2
+    assert f.source_text.count("Weights(cast_on_use=True)") == 2
 
 
 def test_training_equals_the_plan_with_a_kept_copy(mixed):

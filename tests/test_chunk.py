@@ -317,7 +317,7 @@ def test_tokens_in_the_dump_and_inspect(tmp_path):
     assert dumped.startswith("# last stage: 4 chunks along tokens: 1 row(s) x 4 pieces of 8 positions\n")
     assert "chunks=4 chunk_len=8 whole=['pad', " in dumped
     text = summary(load_source(c.source_text, "lt_test_chunk_summary"))
-    assert "runs its forward and backward in 4 chunks along tokens, 8 positions of one row each" in text
+    assert "forward and backward in 4 chunks along tokens (8 positions of one row each)" in text
     assert "forward and backward in 4 chunks along tokens (8 positions of one row each)" in c.source_text
 
 

@@ -87,7 +87,7 @@ def test_random_decisions_with_outputs_on_disk(gpt, data):
 def test_the_schedule_and_its_summary_say_so(gpt):
     text = forced(*gpt[:3], decisions(SPEC), HW).source_text
     module = load_source(text, unique_name())
-    assert [s.outputs_mode for s in module.STAGES[:6]] == ["disk"] * 5 + ["keep"]
+    assert [s.placement.outputs.value for s in module.STAGES[:6]] == ["disk"] * 5 + ["keep"]
     assert all(s.out_bytes == gpt[1][s.index].out_bytes for s in module.STAGES[:5])
     assert "outputs disk" in text
 
@@ -123,7 +123,7 @@ def test_a_step_that_fails_halfway_leaves_a_clean_ring(gpt, tmp_path):
     _, stages, _, _ = gpt
     text = forced(*gpt[:3], decisions(SPEC), HW).source_text
     module = load_source(text, unique_name())
-    disk = [s for s in module.STAGES if s.outputs_mode == "disk"]
+    disk = [s for s in module.STAGES if s.placement.outputs.value == "disk"]
     ring = DiskActivations(disk, [4, 3, 2, 1, 0], tmp_path, None)
     for s in disk:
         outputs = {name: torch.full((4, 8), float(s.index)) for name in s.outputs}

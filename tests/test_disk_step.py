@@ -66,7 +66,7 @@ def test_the_plan_counts_disk_stepped_states_off_the_host(gpt):
     assert not any(b.startswith("opt:") for b in buffers)
     assert not any(e.kind is Kind.OPT_STEP and e.device == "gpu" and e.stage in (1, 3) for e in schedule.events)
     text = summary(load_source(forced(graph, stages, batch, decisions(SPEC), HW).source_text, unique_name()))
-    assert "device, from disk" in text and "; disk " in text
+    assert "in a job of its own, states on disk" in text and "; disk " in text
 
 
 def test_disk_steps_need_the_option_and_the_space(gpt):

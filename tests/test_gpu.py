@@ -245,7 +245,7 @@ def test_eight_bit_steps_equal_bitsandbytes_on_gpu(case):
     pytest.importorskip("bitsandbytes")
     if case == "fp32_min_8bit":  # streamed stages step on the GPU in 8-bit, or on the host in 32-bit
         source = schedule_source(case)
-        assert "gpu_step=True" in source and "states='8bit'" in source
+        assert "Step.at_prefetch()" in source and "states='8bit'" in source
     start, model, ref = clipped_steps(case, lambda m, **hp: mixed_8bit(case, m, **hp), lr=1e-3, eps=1e-6, weight_decay=0.1)
     # GPU gradients are not bitwise reproducible (atomic adds), and 8-bit moments turn ulp-level
     # differences into quantisation-step ones; on the CPU the steps are bit-identical

@@ -297,7 +297,7 @@ def test_resident_masters_load_straight_onto_their_device(tmp_path):
     spec[1] = "SRk"  # the first decoder layer streamed, the rest resident
     module = load_source(forced(graph, stages, source.example_batch(), decisions(spec), hw).source_text, unique_name())
     resident = resident_targets(module)
-    streamed_names = {module.PLACEHOLDERS[p][1] for s in module.STAGES if s.stream for p in s.params}
+    streamed_names = {module.PLACEHOLDERS[p][1] for s in module.STAGES if s.placement.streamed for p in s.params}
     assert streamed_names and resident and not resident & streamed_names
     model, _ = source.materialize(places=dict.fromkeys(resident, torch.device("meta")))
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -76,7 +76,7 @@ def test_it_needs_fp32_masters_of_16_bit_weights_and_a_step_in_backward_from_dis
 def test_training_equals_the_masters_on_the_host(gpt, tmp_path):
     graph, stages, batch, real = gpt
     texts = [forced(graph, stages, batch, decisions(spec), HW).source_text for spec in (STATES, MASTERS)]
-    assert texts[1].count("master_disk=True") == len(ON_DISK)
+    assert texts[1].count("Tier.DISK, Tier.DISK") == len(ON_DISK)
     # NOTE: [Weights from the master]: only blocks.0 (GPU-stepped at its prefetch) prefetches from its master
     assert texts[0].count("from_master=True") == 1 + len(ON_DISK) and texts[1].count("from_master=True") == 1
     assert_same_steps(texts, real, batch, tmp_path, **HP)
@@ -175,7 +175,7 @@ def test_train_loads_them_straight_into_the_file(tmp_path):
     masters = DiskMasters(schedule, tmp_path / "offload")
     model = _materialize(source, schedule, masters)
     targets = {schedule.PLACEHOLDERS[p][1]: p for p in masters.layout}
-    assert len(targets) == sum(len(s.params) for s in schedule.STAGES if s.master_disk) > 0
+    assert len(targets) == sum(len(s.params) for s in schedule.STAGES if s.placement.step.master.value == "disk") > 0
     mapped = mapped_ranges(masters.file.path)
     params = dict(model.named_parameters())
     assert all(any(lo <= params[t].data_ptr() < hi for lo, hi in mapped) for t in targets)
@@ -195,5 +195,5 @@ def test_train_resumes_masters_on_disk_bit_identically(tmp_path, capsys):
     backward with masters and states on disk: killed after a checkpoint and resumed, it ends with
     the uninterrupted run's weights, to the bit."""
     schedule = builtin_schedule(tmp_path, lambda n: ["-rk", "GRk"] + ["MRk"] * (n - 3) + ["-rk"], HW, torch.bfloat16)
-    assert "master_disk=True" in schedule.read_text()
+    assert "Tier.DISK, Tier.DISK" in schedule.read_text()
     assert_train_resumes_bit_identically(schedule, tmp_path, capsys)

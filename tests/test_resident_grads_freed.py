@@ -70,7 +70,7 @@ def test_the_schedule_frees_them_after_b_s_minus_2_at_the_plans_peak(gpt):
         assert step.id < after.id < free.id
         if s > 2:
             assert free.id < next(e.id for e in events if e.kind is Kind.COMPUTE and e.phase is Phase.BWD and e.stage == s - 3)
-    assert "grads_freed=True" in f.source_text
+    assert "Step.resident(frees_grads=True)" in f.source_text
 
 
 def test_exact_clipping_and_the_first_two_stages_cannot_free_them(gpt):

@@ -13,7 +13,7 @@ import jinja2
 from lazytrain.codegen.printers import print_event
 from lazytrain.ir.dump import format_arg, format_call, format_value
 from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec
-from lazytrain.ir.placement import Outputs, Placement, Tier, describe
+from lazytrain.ir.placement import Outputs, Placement
 from lazytrain.ir.plan import Plan
 from lazytrain.passes.blocks import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
@@ -22,7 +22,7 @@ from lazytrain.passes.footprint import prefetches_from_master
 from lazytrain.passes.limits import limits
 from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
-from lazytrain.summary import CLIPPING_TEXT, memory_name
+from lazytrain.summary import CLIPPING_TEXT, chunk_text, decision_line, memory_name
 from lazytrain.units import format_size
 
 _ENV = jinja2.Environment(
@@ -89,13 +89,6 @@ def whole_outputs(graph: Graph, stage) -> tuple[str, ...]:
     whole = set(stage.whole)
     read = {r for n in stage.nodes if n not in whole for r in graph[n].inputs()}
     return tuple(n for n in stage.whole if n in read)
-
-
-def chunk_text(stage) -> str:
-    """How a chunked stage is cut, in words (the schedule's docstrings and header)."""
-    if stage.chunk_len:
-        return f"{stage.chunks} chunks along tokens ({stage.chunk_len} positions of one row each)"
-    return f"{stage.chunks} chunks along rows"
 
 
 def _node_lines(graph: Graph, stage, names: tuple[str, ...], keep: set[str], summed: bool) -> list[str]:
@@ -166,28 +159,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def _stage_fields(p: Placement) -> dict[str, bool]:
-    """The placement as the flags the runtime's `Stage` (runtime/schedule.py) reads: a stage stepped
-    on the device (at its prefetch, by a job, or in its backward), in its backward, with its states or
-    its master on disk, its weights cast on use."""
-    kind = p.kind
-    return {"gpu_step": kind in ("prefetch", "job", "backward"), "backward_step": kind == "backward",
-            "disk": p.step.states is Tier.DISK, "master_disk": p.step.master is Tier.DISK, "cast_weights": p.weights.cast_on_use}
-
-
-def _stage_line(graph: Graph, s, p: Placement, lim, from_master: bool, grads_freed: bool, optimizer_states: str) -> str:
+def _stage_line(graph: Graph, s, p: Placement, lim, from_master: bool, optimizer_states: str) -> str:
     """The schedule's `Stage(...)` entry for stage `s` under its placement `p`."""
-    flags = _stage_fields(p)
     return (
         f"Stage({s.index}, {s.name!r}, stage_{s.index}, placeholders={s.placeholders!r}, params={s.params!r}, "
         f"inputs={s.inputs!r}, outputs={s.outputs!r}, grad_inputs={s.grad_inputs!r}, "
-        f"grad_outputs={s.grad_outputs!r}, recompute={p.recomputed!r}, stream={p.streamed!r}, "
-        f"outputs_mode={p.outputs.value!r}, kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
+        f"grad_outputs={s.grad_outputs!r}, placement={p!r}, "
+        f"kind={s.kind!r}, param_bytes={s.param_bytes}, param_numel={s.param_numel}, "
         f"chunks={s.chunks}" + _chunk_fields(graph, s) + (", loss_sum=True" if sums_loss(graph, s) else "")
-        + "".join(f", {name}=True" for name in ("gpu_step", "backward_step", "disk", "master_disk") if flags[name])
         + (", from_master=True" if from_master else "")
-        + (", grads_freed=True" if grads_freed else "")
-        + (", cast_weights=True" if flags["cast_weights"] else "")
         + (f", out_bytes={s.out_bytes}" if p.outputs is Outputs.DISK else "")
         + (f", skips={s.skips!r}" if s.skips else "")
         + (f", states={p.states(optimizer_states)!r}" if p.states(optimizer_states) != "32bit" else "")
@@ -202,16 +182,13 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
     decision_lines = []
     from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(plan.decisions)]
     for s, p, lim in zip(stages, plan.decisions, closed):
-        decision_lines.append(
-            f"{s.index:>3} {s.name:<24} kind {s.kind}  weights {format_size(s.param_bytes):>10} "
-            + describe(p, graph.device, optimizer_states, from_master[s.index], s.chunks)
-            + (f"; forward and backward in {chunk_text(s)}" if s.chunks > 1 else ""))
+        decision_lines.append(decision_line(s, p, graph.device, optimizer_states, from_master[s.index]))
         decision_lines += [f"{'':>4}{note}" for note in lim.notes()]
     placeholders = [
         (n.name, n.op.value, n.target, tuple(n.spec.shape), n.spec.dtype)
         for n in graph.of(OpKind.PARAM, OpKind.BUFFER, OpKind.INPUT)
     ]
-    stage_lines = [_stage_line(graph, s, p, lim, from_master[s.index], s.index in schedule.grads_freed, optimizer_states)
+    stage_lines = [_stage_line(graph, s, p, lim, from_master[s.index], optimizer_states)
                    for s, p, lim in zip(stages, plan.decisions, closed)]
     buffer_lines = [f"Buffer({b.name!r}, {b.pool!r}, {b.bytes}, persistent={b.persistent}),  # {format_size(b.bytes)}"
                     for b in schedule.buffers]

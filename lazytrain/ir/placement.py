@@ -230,6 +230,11 @@ class Placement:
         return self.internals is Internals.RECOMPUTED
 
     @property
+    def device_stepped(self) -> bool:
+        """A streamed stage stepped on the device: at its prefetch, by a job, or in its backward."""
+        return self.weights.streamed and self.step.on is On.DEVICE
+
+    @property
     def kind(self) -> str:
         """The optimizer step's kind (`Step.kind`): the rule that plans it and the handler that runs it."""
         return self.step.kind

@@ -35,6 +35,7 @@ import contextlib
 import torch
 
 from lazytrain.ir.events import Event, Kind, Phase, Stream
+from lazytrain.ir.placement import Outputs
 from lazytrain.runtime import rng
 
 
@@ -88,7 +89,7 @@ class Replay:
             if event.kind is Kind.OPT_STEP and event.stage in self.stepper.backward:  # NOTE: [Backward steps]
                 self.streams.run_aside(event, lambda s=event.stage: self._backward_step(s, optimize), after_compute=True)
                 continue
-            if event.kind is Kind.OPT_STEP and event.stage >= 0 and event.device == "gpu" and self.stages[event.stage].gpu_step:
+            if event.kind is Kind.OPT_STEP and event.stage >= 0 and event.device == "gpu" and self.stages[event.stage].placement.device_stepped:
                 # last step's update of a GPU-stepped streamed stage, at its prefetch
                 self.streams.run_aside(event, lambda s=event.stage: self._gpu_step(s), after_compute=False)
                 continue
@@ -185,8 +186,8 @@ class Replay:
         if e.phase is Phase.FWD:
             if stage.chunks > 1:  # its loss comes out of its backward (NOTE: [Chunked loss])
                 return
-            leaves, outs = self._call(stage, grad=not stage.recompute)
-            if not stage.recompute:
+            leaves, outs = self._call(stage, grad=not stage.placement.recomputed)
+            if not stage.placement.recomputed:
                 self.saved[e.stage] = (leaves, outs)
             self._publish(stage, outs)
         elif e.phase is Phase.RECOMPUTE:
@@ -197,7 +198,7 @@ class Replay:
             self._backward(stage)
 
     def _backward(self, stage):
-        leaves, outs = self.saved.pop(stage.index) if not stage.recompute else self._call(
+        leaves, outs = self.saved.pop(stage.index) if not stage.placement.recomputed else self._call(
             stage, grad=True, remat=True, again=True)
         tensors, grads = [], []
         for name, t in zip(stage.outputs, outs):
@@ -264,14 +265,14 @@ class Replay:
         if self.dp is not None:  # before anything reads them (NOTE: [Data parallel] in data_parallel.py)
             names = stage.params + (self.m.SHARED if stage.index == 0 else ())
             self.dp.reduce_grads(stage.index, [work[p].grad for p in names if work[p].grad is not None])
-        if stage.stream:  # gradients of streamed weights wait in g:S for their offload
+        if stage.placement.streamed:  # gradients of streamed weights wait in g:S for their offload
             self.gbuf[stage.index] = {p: work[p].grad for p in stage.params}
             for p in stage.params:
                 work[p].grad = None
         if self.max_grad_norm is not None:
             names = stage.params + (self.m.SHARED if stage.index == 0 else ())
-            done = [g for g in (self.gbuf[stage.index].values() if stage.stream else ()) if g is not None]
-            done += [work[p].grad for p in names if not stage.stream or p in self.m.SHARED if work[p].grad is not None]
+            done = [g for g in (self.gbuf[stage.index].values() if stage.placement.streamed else ()) if g is not None]
+            done += [work[p].grad for p in names if not stage.placement.streamed or p in self.m.SHARED if work[p].grad is not None]
             self._add_norm(done)
 
     def _reduce(self, e: Event):
@@ -290,7 +291,7 @@ class Replay:
             elif self.cuda:  # the compute stream may reuse it once the collective has read it
                 work[p].grad.record_stream(torch.cuda.current_stream())
             work[p].grad = None
-        if s >= 0 and self.stages[s].stream:  # the shard goes to the host (OFFLOAD sg:S)
+        if s >= 0 and self.stages[s].placement.streamed:  # the shard goes to the host (OFFLOAD sg:S)
             self.gbuf[s] = shards
             if self.cuda:  # made on the comm stream's pool, read by the copy: not reused before it is done
                 for g in shards.values():
@@ -308,7 +309,7 @@ class Replay:
         if e.stage not in self.pending_gather:
             return
         self._gather_stage(e.stage)
-        if e.stage >= 0 and self.stages[e.stage].stream and e.stage not in self.stepper.params:
+        if e.stage >= 0 and self.stages[e.stage].placement.streamed and e.stage not in self.stepper.params:
             self.gathered.add(e.stage)  # its OFFLOAD w:S takes them to the host
         self.streams.stepped_at(e.stage)  # the next compute that reads them waits for this
 
@@ -341,7 +342,7 @@ class Replay:
             self.pending_gather.add(s)
 
     def _prefetch(self, e: Event):
-        if getattr(self.stages[e.stage], "cast_weights", False):
+        if self.stages[e.stage].placement.weights.cast_on_use:
             self._cast_weights(e.stage)
             return
         job = self.cpu_jobs.pop(e.stage, None)
@@ -401,7 +402,7 @@ class Replay:
                     host = self.host_grad[name] = self.pinned.empty(g.shape, g.dtype)
                 host.copy_(g, non_blocking=True)
                 self.fresh.add(name)
-        elif self.stages[e.stage].outputs_mode == "disk":  # NOTE: [Activations on disk] in passes/disk_model.py
+        elif self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in passes/disk_model.py
             outputs = {name: self.env[name] for name in self.stages[e.stage].outputs if name in self.env}
             self.act_disk.offload(e.stage, outputs, self._landed)
         else:
@@ -414,7 +415,7 @@ class Replay:
                     host.copy_(t, non_blocking=True)
 
     def _reload(self, e: Event):
-        if self.stages[e.stage].outputs_mode == "disk":  # NOTE: [Activations on disk] in passes/disk_model.py
+        if self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in passes/disk_model.py
             for name, host in self.act_disk.reload(e.stage).items():
                 self.env[name] = self._to_device(host, copy=True)  # the buffer goes back to the ring
             self.act_disk.release(e.stage, self._landed())

@@ -1,7 +1,7 @@
 """What a generated schedule module imports: the event IR, `Stage`, `bind_module`, `check_integrity`.
 
 NOTE: [Runtime imports]
-This package imports torch and `lazytrain.ir.events` only: never `lazytrain.passes`, python-mip or
+This package imports torch, `lazytrain.ir.events` and `lazytrain.ir.placement` (pure Python) only: never `lazytrain.passes`, python-mip or
 networkx, so a schedule compiled on a laptop runs where only torch is installed.
 
 NOTE: [Schedule checksum]
@@ -27,9 +27,10 @@ from typing import Callable
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
+from lazytrain.ir.placement import Internals, On, Outputs, Placement, Step, Tier, Weights, When
 
-__all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module", "check_integrity", "load_schedule",
-           "load_source"]
+__all__ = ["Buffer", "Event", "Internals", "Kind", "On", "Outputs", "Phase", "Placement", "Stage", "Step", "Stream", "Tier",
+           "Weights", "When", "bind_module", "check_integrity", "load_schedule", "load_source"]
 
 # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`; 4: `DEVICE`, the
 # device type the stages were captured for (NOTE: [Capture on the target device] in ir/target.py),
@@ -51,8 +52,9 @@ __all__ = ["Buffer", "Event", "Kind", "Phase", "Stage", "Stream", "bind_module",
 # between forward and backward (NOTE: [Activations on disk] in passes/disk_model.py); 15: `Stage.master_disk`, a
 # step in backward from disk whose fp32 master lives in the offload file too (NOTE: [Masters on disk] there); 16:
 # `Stage.loss_sum` on a loss stage that returns its sum and count, by which data-parallel ranks weight their
-# gradients (NOTE: [Data parallel] in data_parallel.py)
-FORMAT_VERSION = 16
+# gradients (NOTE: [Data parallel] in data_parallel.py); 17: `Stage.placement`, each stage's decisions as one typed
+# value (ir/placement.py), in place of the flags versions 8 to 15 added one at a time
+FORMAT_VERSION = 17
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)
@@ -76,13 +78,10 @@ class Stage:
     outputs: tuple[str, ...] = ()
     grad_inputs: tuple[str, ...] = ()
     grad_outputs: tuple[str, ...] = ()
-    recompute: bool = False
-    stream: bool = False
-    outputs_mode: str = "keep"
-    kind: str = ""
+    placement: Placement = Placement()  # what the plan decided for it (ir/placement.py)
+    kind: str = ""  # the block kind's letter: identical blocks share it (pass `blocks`)
     param_bytes: int = 0
     param_numel: int = 0
-    gpu_step: bool = False  # streamed, with its optimizer step on the GPU: at the next prefetch, or with `disk` in a job
     chunks: int = 1  # >1: forward and backward run together over this many slices of the batch
     chunk_len: int = 0  # >0: the slices are pieces of one row, this many positions each (NOTE: [Chunked loss])
     loss_sum: bool = False  # `fn(..., loss_sum=True)` returns (sum of the losses, targets counted): NOTE: [Data parallel]
@@ -93,13 +92,8 @@ class Stage:
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
-    disk: bool = False  # its optimizer states live in the offload file between steps (runtime/disk_states.py)
-    backward_step: bool = False  # GPU-stepped right after its backward, on the gradient there (runtime/gpu_step.py)
     from_master: bool = False  # prefetched from its fp32 master, no compute-dtype host copy (runtime/store.py)
-    grads_freed: bool = False  # resident: its gradients dropped after B(s-2), its step issued by then (runtime/replay.py)
-    cast_weights: bool = False  # resident: no compute copy; cast from the master into a slot before each use (runtime/store.py)
-    master_disk: bool = False  # with `disk` and `backward_step`: its fp32 master lives in the offload file (runtime/disk_states.py)
-    out_bytes: int = 0  # with outputs_mode "disk": its outputs' bytes, which size its region of the offload file (runtime/disk_acts.py)
+    out_bytes: int = 0  # with outputs on disk: its outputs' bytes, which size its region of the offload file (runtime/disk_acts.py)
 
 
 def load_source(text: str, name: str = "lazytrain_schedule", path: str | None = None) -> ModuleType:

@@ -132,7 +132,7 @@ class ShardedState:
             names = self._names(s)
             if not names:
                 continue
-            streamed = s >= 0 and self.stages[s].stream
+            streamed = s >= 0 and self.stages[s].placement.streamed
             (self.store.refresh_source if streamed else self.store.refresh_work)(names)
             if not self.sharded:
                 continue

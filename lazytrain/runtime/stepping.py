@@ -139,7 +139,7 @@ class Stepping:
         stages = range(-1, len(self.stages)) if all_stages else [stage]
         for s in stages:
             for p in self._names(s):
-                streamed = s >= 0 and self.stages[s].stream
+                streamed = s >= 0 and self.stages[s].placement.streamed
                 if streamed:  # page-locked buffers stay (allocating them is slow); the mark is consumed
                     src = self.host_grad[p] if p in self.fresh else None
                     self.fresh.discard(p)

@@ -29,6 +29,7 @@ import torch
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind
+from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.runtime import model_sync
 from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_acts import DiskActivations
@@ -122,9 +123,9 @@ class Trainer(Replay, Stepping, ShardedState):
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
         # NOTE: [Resident gradients freed at their step] in passes/footprint.py
-        self.grads_freed = frozenset(s.index for s in self.stages if getattr(s, "grads_freed", False))
+        self.grads_freed = frozenset(s.index for s in self.stages if s.placement.step.frees_grads)
         self.issued: set[int] = set()  # stages whose device step was issued in the running step
-        if serial_optimizer and (self.grads_freed or any(getattr(s, "backward_step", False) for s in self.stages)):
+        if serial_optimizer and (self.grads_freed or any(s.placement.kind == "backward" for s in self.stages)):
             raise ScheduleMismatch("serial_optimizer runs every optimizer step after backward, but this schedule steps "
                                    "some blocks inside it (NOTE: [Backward steps], [Resident gradients freed at their "
                                    "step]); bind without serial_optimizer")
@@ -143,10 +144,10 @@ class Trainer(Replay, Stepping, ShardedState):
                                           foreach=foreach)
         # NOTE: [Disk-resident states] and [Disk-stepped stages] in passes/disk_model.py: under
         # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
-        on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
-        in_backward = frozenset(s.index for s in self.stages if getattr(s, "backward_step", False))
-        disk_stepped = {s: ps for s, ps in ((s.index, s.params) for s in self.stages if getattr(s, "disk", False)
-                                            and s.gpu_step) if s not in in_backward}
+        on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if s.placement.step.states is Tier.DISK}
+        in_backward = frozenset(s.index for s in self.stages if s.placement.kind == "backward")
+        disk_stepped = {s: ps for s, ps in ((s.index, s.params) for s in self.stages if s.placement.step.states is Tier.DISK
+                                            and s.placement.device_stepped) if s not in in_backward}
         self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
                                       always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),
                                       ring=frozenset(on_disk) & in_backward, masters=disk_masters,
@@ -154,7 +155,7 @@ class Trainer(Replay, Stepping, ShardedState):
         if self.disk_states is not None:  # NOTE: [Masters on disk] in passes/disk_model.py
             self.store.staged = self.disk_states.staged
         # NOTE: [Activations on disk] in passes/disk_model.py: outputs through a ring of their own
-        acts = [s for s in self.stages if s.outputs_mode == "disk"]
+        acts = [s for s in self.stages if s.placement.outputs is Outputs.DISK]
         acts_on_disk = {s.index for s in acts}
         reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in acts_on_disk]
         self.act_disk = DiskActivations(acts, reloads, offload_dir or tempfile.gettempdir(), self.pinned) if acts else None
@@ -164,7 +165,7 @@ class Trainer(Replay, Stepping, ShardedState):
         self.host_act: dict[str, torch.Tensor] = {}
         self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.stepper = GpuStepper(self.store, self.optimizer, {s.index: s.params for s in self.stages
-                                                               if s.gpu_step and s.index not in disk_stepped},
+                                                               if s.placement.device_stepped and s.index not in disk_stepped},
                                   self.host_grad, self.pinned, in_backward)
         # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
         self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.host_grad, self.pinned)

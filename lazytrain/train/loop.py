@@ -28,6 +28,7 @@ from tqdm import tqdm
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError, LazytrainError
 from lazytrain.files import write_atomic
+from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.options import CompileOptions, check_budget
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.optim import master_dtype
@@ -341,7 +342,7 @@ def _offload_dir(args, run_dir, schedule) -> str | None:
     """Where a schedule with optimizer states or stage outputs on disk keeps them (NOTE: [Disk-resident
     states], NOTE: [Activations on disk] in passes/disk_model.py): --offload-dir, else the run
     directory's `offload/`, else the temp directory."""
-    if args.offload_dir is not None or not any(getattr(s, "disk", False) or s.outputs_mode == "disk"
+    if args.offload_dir is not None or not any(s.placement.step.states is Tier.DISK or s.placement.outputs is Outputs.DISK
                                                for s in schedule.STAGES):
         return args.offload_dir
     if run_dir is None:
