@@ -10,8 +10,7 @@ from typing import Callable
 from lazytrain.ir.events import Buffer, Event, Kind, Stream
 from lazytrain.units import format_size
 
-_STREAM = {Stream.COMPUTE: "C", Stream.H2D: "H2D", Stream.D2H: "D2H", Stream.CPU: "CPU", Stream.COMM: "COMM",
-           Stream.DISK: "Stream.DISK"}
+_STREAM = {Stream.COMPUTE: "C", Stream.H2D: "H2D", Stream.D2H: "D2H", Stream.CPU: "CPU", Stream.COMM: "COMM"}
 PRINTERS: dict[Kind, Callable[[Event, dict, list[str]], str]] = {}
 
 

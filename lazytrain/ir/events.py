@@ -2,6 +2,19 @@
 
 Imports nothing beyond the standard library: a schedule compiled on a laptop runs on a GPU box that
 has neither the solver nor networkx.
+
+NOTE: [Disk I/O beside the events]
+The disk tier's reads and writes are no events: no stream of this IR carries them, and `verify`
+does not replay them. They move bytes between the offload file and page-locked host buffers only,
+on the runtime's disk worker threads (runtime/disk.py), never to or from the device. What `verify`
+checks is device memory event by event, and every byte that reaches the device from the disk tier
+does so through an event it checks: the PREFETCH, RELOAD or OPT_STEP that reads the host buffer.
+What the disk I/O itself needs is checked elsewhere: its host buffers (the staging buffer and the
+rings) are in the plan's host bytes, its seconds in the windows it runs in are bounded by the step
+model (NOTE: [One disk] in passes/disk_model.py), and its order is kept by the buffers themselves:
+a reload waits for the read that fills its buffer (runtime/disk_states.py, runtime/disk_acts.py).
+An event per disk transfer would put host-side waits into a device-memory check and make every
+schedule with the disk tier longer, for no check `verify` could make of them.
 """
 
 from __future__ import annotations
@@ -15,7 +28,6 @@ class Stream(enum.Enum):
     COMPUTE = "compute"
     H2D = "h2d"
     D2H = "d2h"
-    DISK = "disk"
     # collectives between data-parallel ranks (reduce-scatter, all-gather), in order on their own stream
     COMM = "comm"
     # host-side work (the CPU optimizer step)

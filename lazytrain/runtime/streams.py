@@ -121,7 +121,7 @@ class CudaStreams:
         # steps run on the device's default stream, where bitsandbytes launches them
         self.streams = {Stream.COMPUTE: torch.cuda.Stream(device),
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
-                        Stream.DISK: torch.cuda.Stream(device), Stream.COMM: torch.cuda.Stream(device)}
+                        Stream.COMM: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
         self.by_deadline = DeadlineJobs()
         self.aside = torch.cuda.default_stream(device)  # NOTE: [Optimizer stream]
