@@ -82,7 +82,7 @@ def summary(schedule: ModuleType) -> str:
                f"along rows, {next(iter(m.BATCH.values()))[0][0] // s.chunks} row(s) each")
         lines.append(f"stage {s.index} ({s.name}) runs its forward and backward in {s.chunks} chunks {how}")
     skipping = [s for s in m.STAGES if s.recompute and s.skips]
-    if skipping:  # NOTE: [Skipped recompute] in passes/remat.py
+    if skipping:  # NOTE: [Skipped recompute] in analysis/remat.py
         lines.append(f"recompute before backward leaves out the linears no backward reads: stages "
                      f"{_ranges([s.index for s in skipping])} ({', '.join(skipping[0].skips)} in stage {skipping[0].index})")
     counts = {}
