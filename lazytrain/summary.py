@@ -67,11 +67,11 @@ def summary(schedule: ModuleType) -> str:
             f"{s.index:>3} {s.name:<24}{s.kind:<6}{format_size(s.param_bytes):>11}  "
             f"{'streamed' if s.stream else 'resident':<10}{internals(s.chunks, s.recompute):<12}"
             f"{s.outputs_mode:<9}{optimizer_place(m.DEVICE, 'cpu' if s.stream and not s.gpu_step else 'gpu')}"
-            + (", in its backward" if getattr(s, "backward_step", False) else "")
-            + ((", from disk" if s.gpu_step else ", states on disk") if getattr(s, "disk", False) else "")
-            + (", master on disk" if getattr(s, "master_disk", False) else "")
-            + (", cast on use" if getattr(s, "cast_weights", False) else "")
-            + (", gradients freed at its step" if getattr(s, "grads_freed", False) else ""))
+            + (", in its backward" if s.backward_step else "")
+            + ((", from disk" if s.gpu_step else ", states on disk") if s.disk else "")
+            + (", master on disk" if s.master_disk else "")
+            + (", cast on use" if s.cast_weights else "")
+            + (", gradients freed at its step" if s.grads_freed else ""))
     limited = [s for s in m.STAGES if s.limits]
     if limited:  # pass `limits`: decisions a stage can never take
         lines.append("what no plan can change:")

@@ -92,19 +92,6 @@ def test_the_solver_does_not_search_disk_steps_yet():
     assert not any(d.kind == "job" for d in plan.decisions)
 
 
-@pytest.mark.skipif(not solve_module.SEARCH_DISK_STEPS, reason="NOTE: [Disk steps not searched] in solver/solve.py")
-def test_a_disk_stepped_plan_is_one_the_solver_may_choose():
-    """8-bit states, the host and GPU memory of a plan with three disk-stepped blocks: the solver's
-    plan fits both and is at least as fast (the tiny model's blocks are smaller than the job's slot,
-    so keeping them resident wins here; the 32B shape's choice is in bench/README.md)."""
-    _, stages, _, _ = _stages("8bit")
-    fixed = evaluate(stages, HW, 1 << 40, decisions(["-rk", "XRk", "XRk", "XRk", "-rk"]))
-    small = dataclasses.replace(HW, host_memory_bytes=fixed.host_bytes)
-    plan = solve(stages, small, fixed.peak_bytes + HW.allocator_reserve_bytes, time_limit=20)
-    assert plan.host_bytes <= fixed.host_bytes and plan.peak_bytes <= fixed.peak_bytes
-    assert plan.step_s <= fixed.step_s * 1.01
-
-
 def test_replay_and_adamw_steps_stepped_from_disk(gpt, tmp_path):
     graph, stages, batch, real = gpt
     trainer = assert_disk_steps_equal_adamw(forced(graph, stages, batch, decisions(SPEC), HW).source_text, real, batch,

@@ -26,7 +26,7 @@ def masters_on_disk(module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The placeholders of a schedule's masters on disk: (shape, dtype), fp32 (only fp32 masters of
     16-bit weights go there)."""
     return {p: (tuple(module.PLACEHOLDERS[p][2]), torch.float32)
-            for s in module.STAGES if getattr(s, "master_disk", False) for p in s.params}
+            for s in module.STAGES if s.master_disk for p in s.params}
 
 
 class DiskMasters:

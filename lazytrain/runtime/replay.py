@@ -341,7 +341,7 @@ class Replay:
             self.pending_gather.add(s)
 
     def _prefetch(self, e: Event):
-        if getattr(self.stages[e.stage], "cast_weights", False):
+        if self.stages[e.stage].cast_weights:
             self._cast_weights(e.stage)
             return
         job = self.cpu_jobs.pop(e.stage, None)

@@ -82,9 +82,9 @@ class ParamStore:
         self.staged: dict[str, torch.Tensor] = {}
         streamed = streamed_params(module)
         # NOTE: [Weights from the master] in solver/footprint.py: prefetched through the slot's staging region
-        self.from_master = {p for s in module.STAGES if getattr(s, "from_master", False) for p in s.params}
+        self.from_master = {p for s in module.STAGES if s.from_master for p in s.params}
         # NOTE: [Resident weights cast on use] in solver/footprint.py: no compute copy between uses
-        self.cast = {p for s in module.STAGES if getattr(s, "cast_weights", False) for p in s.params}
+        self.cast = {p for s in module.STAGES if s.cast_weights for p in s.params}
         for p, master in self.master.items():
             if p in streamed:
                 self.work[p] = torch.nn.Parameter(torch.empty(0, device=device, dtype=self.dtype[p]))
@@ -143,12 +143,12 @@ class ParamStore:
         self.staging_at: dict[int, int] = {}  # a stage's staging region's offset in its weight slot
         self.slot_sizes: dict[str, int] = {}
         for s in module.STAGES:
-            if s.stream or getattr(s, "cast_weights", False):
+            if s.stream or s.cast_weights:
                 offset, layout = 0, {}
                 for p in s.params:
                     layout[p] = offset
                     offset += aligned(self.master[p].numel() * itemsize(self.dtype[p]))
-                if getattr(s, "from_master", False):  # NOTE: [Weights from the master]: its largest tensor in fp32
+                if s.from_master:  # NOTE: [Weights from the master]: its largest tensor in fp32
                     self.staging_at[s.index] = offset
                     offset += aligned(max(self.master[p].numel() for p in s.params) * itemsize(torch.float32))
                 self.layout[s.index] = layout

@@ -122,9 +122,9 @@ class Trainer(Replay, Stepping, ShardedState):
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
         # NOTE: [Resident gradients freed at their step] in solver/footprint.py
-        self.grads_freed = frozenset(s.index for s in self.stages if getattr(s, "grads_freed", False))
+        self.grads_freed = frozenset(s.index for s in self.stages if s.grads_freed)
         self.issued: set[int] = set()  # stages whose device step was issued in the running step
-        if serial_optimizer and (self.grads_freed or any(getattr(s, "backward_step", False) for s in self.stages)):
+        if serial_optimizer and (self.grads_freed or any(s.backward_step for s in self.stages)):
             raise ScheduleMismatch("serial_optimizer runs every optimizer step after backward, but this schedule steps "
                                    "some blocks inside it (NOTE: [Backward steps], [Resident gradients freed at their "
                                    "step]); bind without serial_optimizer")
@@ -143,9 +143,9 @@ class Trainer(Replay, Stepping, ShardedState):
                                           foreach=foreach)
         # NOTE: [Disk-resident states] and [Disk-stepped stages] in solver/disk_model.py: under
         # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
-        on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if getattr(s, "disk", False)}
-        in_backward = frozenset(s.index for s in self.stages if getattr(s, "backward_step", False))
-        disk_stepped = {s: ps for s, ps in ((s.index, s.params) for s in self.stages if getattr(s, "disk", False)
+        on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if s.disk}
+        in_backward = frozenset(s.index for s in self.stages if s.backward_step)
+        disk_stepped = {s: ps for s, ps in ((s.index, s.params) for s in self.stages if s.disk
                                             and s.gpu_step) if s not in in_backward}
         self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
                                       always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),

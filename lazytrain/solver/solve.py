@@ -219,8 +219,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[Placement] | N
     # NOTE: [Disk steps not searched], NOTE: [Backward steps where nothing else fits]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
     backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
-    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps), ("bdisk", backward_steps),
-                                        ("adisk", backward_steps), ("mdisk", backward_steps)) if not searched]
+    unsearched = ["dstep"] + ([] if backward_steps else ["bstep", "bdisk", "adisk", "mdisk"])
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
@@ -433,9 +432,10 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # reserve included), not yet explained. The 7B's remaining wait was a job released last and due
 # first, behind a running one; with both in the plan (NOTE: [Jobs due in release order's reverse] in backlog.py),
 # the two measured plans re-evaluate at 4.55 and 11.73 s, but plans made with them are unmeasured.
-# A plan the runtime cannot keep is worse than a slower one, so the search keeps them out until a
-# searched plan holds on the device, host memory included.
-SEARCH_DISK_STEPS = False
+# A plan the runtime cannot keep is worse than a slower one, so the search keeps them out (`_build`
+# bounds `dstep` at 0 unless the plan is fixed) until a searched plan holds on the device, host
+# memory included.
+
 # NOTE: [Backward steps where nothing else fits]
 # Steps in backward (NOTE: [Backward steps] in step_model.py), and with the disk tier their states on
 # disk (NOTE: [Backward steps from disk] in disk_model.py), are searched only where no plan without them fits

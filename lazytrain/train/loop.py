@@ -341,7 +341,7 @@ def _offload_dir(args, run_dir, schedule) -> str | None:
     """Where a schedule with optimizer states or stage outputs on disk keeps them (NOTE: [Disk-resident
     states], NOTE: [Activations on disk] in solver/disk_model.py): --offload-dir, else the run
     directory's `offload/`, else the temp directory."""
-    if args.offload_dir is not None or not any(getattr(s, "disk", False) or s.outputs_mode == "disk"
+    if args.offload_dir is not None or not any(s.disk or s.outputs_mode == "disk"
                                                for s in schedule.STAGES):
         return args.offload_dir
     if run_dir is None:
