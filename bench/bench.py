@@ -50,7 +50,7 @@ def cmd_compile(args):
     from lazytrain.codegen.render import render
     from lazytrain.errors import PlanError
     from lazytrain.passes.lower import lower
-    from lazytrain.passes.solve import evaluate, heuristics
+    from lazytrain.solver.solve import evaluate, heuristics
     from lazytrain.passes.verify import verify
     from lazytrain.options import CompileOptions
     from lazytrain.pipeline import analyse, compile_model

@@ -70,14 +70,14 @@ def _cases() -> list[Case]:
     out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "min"), Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "max")]
     for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32)):  # clipped runs: host steps after backward
         out += [Case(model, batch, 1024, "8bit", "bf16", "24GiB", clip) for clip in ("exact", "previous-norm")]
-    # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in passes/disk_model.py)
+    # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in solver/disk_model.py)
     out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="44GB"),
             Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="104GB")]
-    # stage outputs on disk (NOTE: [Activations on disk] in passes/disk_model.py): long rows on a small
+    # stage outputs on disk (NOTE: [Activations on disk] in solver/disk_model.py): long rows on a small
     # host, beside the same budget with the whole host, where they go to host memory
     out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "40GiB", host=host) for host in ("128GB", "36GB")]
     # issue targets on the whole box (128 GB host, its 64 GB disk): fp32 masters of the 32B, the 72B
-    # fp32 masters on disk (NOTE: [Masters on disk] in passes/disk_model.py): a host too small for the
+    # fp32 masters on disk (NOTE: [Masters on disk] in solver/disk_model.py): a host too small for the
     # 7B's fp32 masters at 24 GiB, beside the same budget with the whole host
     out += [Case("qwen2.5-7b", 32, 1024, "8bit", "fp32", "24GiB", host=host) for host in ("128GB", "40GB")]
     out += [Case("qwen2.5-32b", 32, 1024, "8bit", "fp32", "max", host="128GB"),
@@ -227,7 +227,7 @@ def _run_schedule(case: Case, path: Path, model, data, args, masters=None) -> di
 
 def _time_disk_jobs(trainer) -> list | None:
     """Disk-stepped stages' jobs timed in their phases (NOTE: [Disk-stepped stages] in
-    passes/disk_model.py): the states' read, the GPU part as issued, the write back; rows (phase,
+    solver/disk_model.py): the states' read, the GPU part as issued, the write back; rows (phase,
     stage, start, end) on `time.perf_counter`, beside each step's start. From the GPU part's issue
     to the write back, the job waits for the GPU part."""
     if getattr(trainer, "disk_stepper", None) is None or not trainer.disk_stepper.params:
@@ -338,7 +338,7 @@ def cmd_run(args) -> None:
         # the host never holds what the plan does not count on it
         start = time.perf_counter()
         torch.cuda.set_per_process_memory_fraction(1.0)  # the last case's trainer capped the allocator at its budget
-        module = load_schedule(path)  # NOTE: [Masters on disk] in passes/disk_model.py: built straight into their file
+        module = load_schedule(path)  # NOTE: [Masters on disk] in solver/disk_model.py: built straight into their file
         masters = DiskMasters(module) if masters_on_disk(module) else None
         model = for_schedule(module, case.model, case.seq, torch.bfloat16 if case.master == "bf16" else torch.float32,
                              masters=masters)

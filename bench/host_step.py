@@ -1,6 +1,6 @@
 """One block's optimizer step on the host, against the cost model's `cpu_step_s`.
 
-A block stepped on the CPU (32-bit states, NOTE: [State precision per stage] in passes/solve.py)
+A block stepped on the CPU (32-bit states, NOTE: [State precision per stage] in solver/solve.py)
 costs torch's fused AdamW plus, with bf16 masters, fp32 twins and stochastic rounding. This times
 each part and the whole step as the runtime runs it, for one Qwen2.5-7B decoder layer by default:
 
@@ -87,7 +87,7 @@ def main():
     for name, got, want in rows:
         print(f"{name:<34}{got:>12.3g}{want:>12.3g}")
     try:  # the model's prediction needs the solver's module (python-mip)
-        from lazytrain.passes.footprint import cpu_step_s
+        from lazytrain.solver.footprint import cpu_step_s
     except ImportError:
         cpu_step_s = lambda *a: float("nan")  # noqa: E731
     print(f"{'host step, fp32 master (s)':<34}{t_fp32:>12.3f}{cpu_step_s(4 * numel, numel, hw, 4):>12.3f}")

@@ -7,7 +7,7 @@
 step, peak, host and disk bytes, the solver's status and gap, and each stage's decisions (as the
 flag list `placement.old_flags` gives, which reads the same before and after placements had a type).
 `compare` prints one line per case: whether every decision is the same, and how far the predicted step
-and peak moved. A solve stops at a 1 % gap (passes/solve.py GAP), so an unchanged model may still
+and peak moved. A solve stops at a 1 % gap (solver/solve.py GAP), so an unchanged model may still
 land on another plan of near-equal value; identical decisions are the strong check, and predictions
 within 0.1 % the weaker one.
 """

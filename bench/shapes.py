@@ -74,7 +74,7 @@ def build(name: str, seq: int, device: str, dtype: torch.dtype, seed: int = 0,
 
 def for_schedule(module, name: str, seq: int, dtype: torch.dtype, seed: int = 0, masters=None) -> torch.nn.Module:
     """`build` in the tiers a schedule keeps its masters in: resident blocks' on the GPU, streamed
-    blocks' on the host (NOTE: [Resident masters on the device] in passes/step_model.py), and those
+    blocks' on the host (NOTE: [Resident masters on the device] in solver/step_model.py), and those
     on disk in `masters` (runtime/disk_masters.py), settled once filled."""
     from lazytrain.runtime.store import resident_targets
 

@@ -19,7 +19,7 @@ import torch
 
 from lazytrain.errors import PlanError
 from lazytrain.hardware import Hardware
-from lazytrain.passes.blocks import CLIPPING_MODES, MASTER_BYTES, STATE_BYTES, Stages
+from lazytrain.ir.stages import CLIPPING_MODES, MASTER_BYTES, STATE_BYTES, Stages
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 
 BUDGET_WORDS = ("min", "max")  # the smallest feasible budget; the device's memory (as None)
@@ -43,7 +43,7 @@ class CompileOptions:
     runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
     previous step's) or "off" (bind then refuses `max_grad_norm`). `disk` lets the plan keep host-stepped
     stages' optimizer states on disk where host memory runs short (NOTE: [Disk-resident states] in
-    passes/disk_model.py); the runtime keeps them under bind's `offload_dir`."""
+    solver/disk_model.py); the runtime keeps them under bind's `offload_dir`."""
 
     budget: int | str | None = None
     time_limit: float = 60.0

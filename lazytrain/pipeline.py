@@ -33,17 +33,19 @@ from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
+from lazytrain.ir.schedule import Schedule
+from lazytrain.ir.stages import Stages
 from lazytrain.options import CompileOptions, apply_options, from_settings
-from lazytrain.passes.blocks import Stages, blocks
+from lazytrain.passes.blocks import blocks
 from lazytrain.passes.causal import causal
 from lazytrain.passes.chunk import chunk, decide
 from lazytrain.passes.costs import costs
 from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
-from lazytrain.passes.lower import Schedule, lower
-from lazytrain.passes.plancache import cached_solve
-from lazytrain.passes.solve import smallest_budget
+from lazytrain.passes.lower import lower
 from lazytrain.passes.verify import verify
+from lazytrain.solver.plancache import cached_solve
+from lazytrain.solver.solve import smallest_budget
 
 @dataclass(frozen=True)
 class Compiled:
@@ -93,7 +95,7 @@ class _Hook:
 
 def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
     """The profile with the GPU optimizer rate of the chosen state precision; host steps stay
-    fp32 (NOTE: [State precision per stage] in passes/solve.py)."""
+    fp32 (NOTE: [State precision per stage] in solver/solve.py)."""
     if optimizer_states == "8bit":
         return dataclasses.replace(hw, gpu_adamw_params_per_s=hw.gpu_adamw8bit_params_per_s)
     return hw

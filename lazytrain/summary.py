@@ -66,7 +66,7 @@ def summary(schedule: ModuleType) -> str:
         for s in limited:
             lines += [f"{f'{s.index:>3} {s.name}' if i == 0 else '':<28}{note}" for i, note in enumerate(s.limits)]
     skipping = [s for s in m.STAGES if s.placement.recomputed and s.skips]
-    if skipping:  # NOTE: [Skipped recompute] in passes/remat.py
+    if skipping:  # NOTE: [Skipped recompute] in analysis/remat.py
         lines.append(f"recompute before backward leaves out the linears no backward reads: stages "
                      f"{_ranges([s.index for s in skipping])} ({', '.join(skipping[0].skips)} in stage {skipping[0].index})")
     counts = {}

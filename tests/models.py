@@ -20,12 +20,12 @@ from torch import nn
 
 from lazytrain.codegen.render import render
 from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Tier, Weights
-from lazytrain.passes.footprint import can_put_outputs_on_disk
 from lazytrain.passes.lower import lower
-from lazytrain.passes.solve import evaluate
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.footprint import can_put_outputs_on_disk
+from lazytrain.solver.solve import evaluate
 
 ATOL = RTOL = 1e-5
 HW = "cpu"

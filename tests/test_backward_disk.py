@@ -1,5 +1,5 @@
 """Steps in backward whose states live on disk (NOTE: [Backward steps from disk] in
-passes/disk_model.py): the plan takes their states off the host, puts them on the disk, keeps a
+solver/disk_model.py): the plan takes their states off the host, puts them on the disk, keeps a
 ring of three buffers on the host and counts the disk's seconds; replay equals eager, 8-bit steps
 equal the same steps with the states in memory to the bit, AdamW steps equal torch's, and a resumed
 run is bit-identical. The solver chooses them only where nothing else fits."""
@@ -13,14 +13,14 @@ import pytest
 
 from lazytrain import hardware
 from lazytrain.errors import PlanError
-from lazytrain.passes.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s
-from lazytrain.passes.solve import evaluate, solve
-from lazytrain.runtime.schedule import load_source
-from lazytrain.summary import summary
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import Tier
 from lazytrain.pipeline import for_states
+from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s
+from lazytrain.solver.solve import evaluate, solve
+from lazytrain.summary import summary
 from models import (assert_disk_resume_bit_identical, disk_gpt, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
                     offload_files, unique_name)
 

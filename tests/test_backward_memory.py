@@ -12,8 +12,8 @@ import torch
 
 from lazytrain import hardware
 from lazytrain.ir.events import Kind, Phase
-from lazytrain.passes.footprint import backward_workspace, forward_workspace
 from lazytrain.pipeline import analyse, compile_model
+from lazytrain.solver.footprint import backward_workspace, forward_workspace
 from models import hf_config, model_pair, token_batch
 
 HW = hardware.load("cpu")
@@ -29,7 +29,7 @@ def _qwen(hidden: int = 32, intermediate: int = 512, layers: int = 2, batch: int
 
 
 def test_a_residual_add_hands_its_gradient_through_without_a_copy():
-    """NOTE: [Gradients handed through] in passes/backward.py. With the MLP four times wider than
+    """NOTE: [Gradients handed through] in analysis/backward.py. With the MLP four times wider than
     anything else the layer's backward peaks at the MLP's product: its gradient is replaced by those
     of the activation and the up projection. The residual stream's gradient is the layer output's
     own (a buffer counted apart): counting a copy of it put every 7B backward window 448 MiB over

@@ -1,4 +1,4 @@
-"""GPU steps right after a stage's backward (NOTE: [Backward steps] in passes/step_model.py): the
+"""GPU steps right after a stage's backward (NOTE: [Backward steps] in solver/step_model.py): the
 plan moves the stage's state traffic into backward and drops its host gradient buffer; the schedule
 verifies at its predicted peak; replay gives eager's loss and gradients, and steps give
 torch.optim.AdamW's weights, unclipped and clipped by the previous step's norm. Exact clipping
@@ -16,8 +16,8 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.placement import Outputs
-from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
+from lazytrain.solver.solve import evaluate, solve
 from models import (assert_adamw_weights, assert_previous_norm_steps, assert_same_steps, bind_source, check_replay, decisions,
                     examples, forced, repair, tiny_gpt_pair)
 from test_forced_plans import check_forced
@@ -99,9 +99,9 @@ def test_random_decisions_with_backward_steps(gpt, data):
 
 
 def test_a_step_in_backward_holds_twins_of_its_largest_tensor_only(gpt):
-    """NOTE: [Backward step twins] in passes/footprint.py: the `opt:S` buffer of a stage stepped in
+    """NOTE: [Backward step twins] in solver/footprint.py: the `opt:S` buffer of a stage stepped in
     backward holds its master, states and the fp32 twins of its largest tensor, not of the whole stage."""
-    from lazytrain.passes.footprint import backward_step_bytes, gpu_step_bytes
+    from lazytrain.solver.footprint import backward_step_bytes, gpu_step_bytes
 
     graph, stages, batch, _ = gpt
     schedule = forced(graph, stages, batch, decisions(SPEC), HW).schedule

@@ -1,4 +1,4 @@
-"""Resident weights cast on use (NOTE: [Resident weights cast on use] in passes/footprint.py): a
+"""Resident weights cast on use (NOTE: [Resident weights cast on use] in solver/footprint.py): a
 resident stage with fp32 masters and bf16 compute keeps no bf16 copy between uses. The plan counts
 the copy only in its forward and backward windows, the schedule casts into a slot before each and
 verifies at the plan's peak, and training gives bit for bit what the same plan with a kept copy
@@ -15,8 +15,8 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.placement import PlacementError, Weights
-from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
+from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from models import bind_source, decisions, forced, tiny_gpt_pair
 
 HW = hardware.load("cpu")

@@ -11,9 +11,9 @@ import torch
 
 from lazytrain import hardware
 from lazytrain.errors import ScheduleMismatch, TrainingError
-from lazytrain.passes.footprint import cpu_step_s
-from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
+from lazytrain.solver.footprint import cpu_step_s
+from lazytrain.solver.solve import evaluate
 from models import BlockSpec, ModelSpec, bind_source, decisions, random_block_model
 
 HP = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)

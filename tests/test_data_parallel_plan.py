@@ -14,9 +14,9 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError, VerifyError
 from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.passes.lower import lower
-from lazytrain.passes.solve import evaluate
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
+from lazytrain.solver.solve import evaluate
 from models import decisions, tiny_gpt_pair
 
 GiB = 1 << 30

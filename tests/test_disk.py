@@ -11,9 +11,10 @@ import torch
 
 from lazytrain import files
 from lazytrain.errors import ResourceError
-from lazytrain.runtime.disk import ALIGN, OffloadFile, aligned_empty
+from lazytrain.runtime.disk import OffloadFile, aligned_empty
+from lazytrain.sizes import DISK_ALIGN
 
-CHUNK = 2 * ALIGN  # small chunks, so that a few KiB already take several
+CHUNK = 2 * DISK_ALIGN  # small chunks, so that a few KiB already take several
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def _takes_direct(directory) -> bool:
 def test_regions_round_trip_bit_for_bit(tmp_path):
     gen = torch.Generator().manual_seed(0)
     page = aligned_empty(3 * CHUNK + 2 * 1000)  # page-aligned: 3 chunks go direct, 1000 bf16 elements after
-    assert page.data_ptr() % ALIGN == 0
+    assert page.data_ptr() % DISK_ALIGN == 0
     tensors = {
         "bf16_unaligned": _random(3 * CHUNK // 2 + 7, torch.bfloat16, gen),  # 3 chunks and a partial block
         "fp32": _random(5 * CHUNK // 4, torch.float32, gen),  # 5 whole chunks
@@ -53,7 +54,7 @@ def test_regions_round_trip_bit_for_bit(tmp_path):
     with OffloadFile(tmp_path, sizes, threads=3, chunk_bytes=CHUNK) as disk:
         direct = disk.direct
         spans = sorted(disk.regions.values())
-        assert all(offset % ALIGN == 0 for offset, _ in spans)
+        assert all(offset % DISK_ALIGN == 0 for offset, _ in spans)
         assert all(a + size <= b for (a, size), (b, _) in zip(spans, spans[1:]))  # disjoint
         assert sorted(size for _, size in spans) == sorted(sizes.values())
         writes = [disk.write(name, t) for name, t in tensors.items()]
@@ -85,15 +86,15 @@ def test_aligned_chunks_go_direct_and_the_rest_buffered(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwritev", spy(os.pwritev))
     monkeypatch.setattr(os, "preadv", spy(os.preadv))
-    nbytes = 3 * ALIGN + 10
-    with OffloadFile(tmp_path, {"pad": 1, "a": nbytes}, chunk_bytes=2 * ALIGN) as disk:
+    nbytes = 3 * DISK_ALIGN + 10
+    with OffloadFile(tmp_path, {"pad": 1, "a": nbytes}, chunk_bytes=2 * DISK_ALIGN) as disk:
         assert disk.direct
         buffered, direct = disk._handles.fds
         base = disk.regions["a"][0]
         buf = aligned_empty(nbytes).fill_(7)
         disk.write("a", buf).result()
-        assert sorted(calls) == sorted([(direct, base, 2 * ALIGN), (direct, base + 2 * ALIGN, ALIGN),
-                                        (buffered, base + 3 * ALIGN, 10)])
+        assert sorted(calls) == sorted([(direct, base, 2 * DISK_ALIGN), (direct, base + 2 * DISK_ALIGN, DISK_ALIGN),
+                                        (buffered, base + 3 * DISK_ALIGN, 10)])
         calls.clear()
         unaligned = torch.zeros(nbytes + 1, dtype=torch.uint8)[1:]
         disk.read("a", unaligned).result()
@@ -109,8 +110,8 @@ def test_short_transfers_are_continued(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwritev", short(os.pwritev))
     monkeypatch.setattr(os, "preadv", short(os.preadv))
-    data = aligned_empty(3 * ALIGN + 5).copy_(torch.randint(0, 256, (3 * ALIGN + 5,), dtype=torch.uint8))
-    with OffloadFile(tmp_path, {"a": data.nbytes}, chunk_bytes=2 * ALIGN) as disk:
+    data = aligned_empty(3 * DISK_ALIGN + 5).copy_(torch.randint(0, 256, (3 * DISK_ALIGN + 5,), dtype=torch.uint8))
+    with OffloadFile(tmp_path, {"a": data.nbytes}, chunk_bytes=2 * DISK_ALIGN) as disk:
         disk.write("a", data).result()
         back = torch.zeros_like(data)
         disk.read("a", back).result()
@@ -118,11 +119,11 @@ def test_short_transfers_are_continued(tmp_path, monkeypatch):
 
 
 def test_the_file_is_preallocated_and_removed_on_close_and_collection(tmp_path):
-    disk = OffloadFile(tmp_path, {"a": 10, "b": ALIGN, "c": ALIGN + 1})
-    assert disk.nbytes == 4 * ALIGN
-    assert disk.path.parent == tmp_path and disk.path.stat().st_size == 4 * ALIGN
-    assert disk.path.stat().st_blocks * 512 >= 4 * ALIGN  # allocated, not sparse
-    disk.write("c", torch.ones(ALIGN + 1, dtype=torch.uint8))
+    disk = OffloadFile(tmp_path, {"a": 10, "b": DISK_ALIGN, "c": DISK_ALIGN + 1})
+    assert disk.nbytes == 4 * DISK_ALIGN
+    assert disk.path.parent == tmp_path and disk.path.stat().st_size == 4 * DISK_ALIGN
+    assert disk.path.stat().st_blocks * 512 >= 4 * DISK_ALIGN  # allocated, not sparse
+    disk.write("c", torch.ones(DISK_ALIGN + 1, dtype=torch.uint8))
     disk.close()
     assert not disk.path.exists() and list(tmp_path.iterdir()) == []
     disk.close()  # again: nothing to do
@@ -144,9 +145,9 @@ def test_the_file_is_preallocated_and_removed_on_close_and_collection(tmp_path):
 def test_a_mapped_region_is_the_file(tmp_path):
     """NOTE: [Mapped regions]: a region's mapping sees what the file's transfers wrote, they see what
     was written through it, `settle` drops its pages from this process, and it outlives the file."""
-    with OffloadFile(tmp_path, {"a": 4 * ALIGN, "b": 3 * ALIGN}) as disk:
-        b = disk.mapped("b", (3, ALIGN // 4), torch.float32)
-        written = torch.randn(3, ALIGN // 4)
+    with OffloadFile(tmp_path, {"a": 4 * DISK_ALIGN, "b": 3 * DISK_ALIGN}) as disk:
+        b = disk.mapped("b", (3, DISK_ALIGN // 4), torch.float32)
+        written = torch.randn(3, DISK_ALIGN // 4)
         disk.write("b", written).result()
         assert torch.equal(b, written)
         b.mul_(2)
@@ -157,7 +158,7 @@ def test_a_mapped_region_is_the_file(tmp_path):
         assert torch.equal(b, written * 2)  # read from the file again
         assert disk.mapped("a", (0,), torch.float32).numel() == 0
         with pytest.raises(ValueError, match="holds"):
-            disk.mapped("a", (4 * ALIGN + 1,), torch.uint8)
+            disk.mapped("a", (4 * DISK_ALIGN + 1,), torch.uint8)
     assert torch.equal(b, written * 2)
 
 
@@ -204,7 +205,7 @@ def test_a_filesystem_without_fallocate_gets_a_sized_file(tmp_path, monkeypatch)
 
     monkeypatch.setattr(os, "posix_fallocate", unsupported)
     with OffloadFile(tmp_path, {"a": 5000}) as disk:
-        assert disk.path.stat().st_size == 2 * ALIGN
+        assert disk.path.stat().st_size == 2 * DISK_ALIGN
         disk.write("a", torch.arange(1250, dtype=torch.float32)).result()
         back = torch.empty(1250)
         disk.read("a", back).result()

@@ -1,5 +1,5 @@
 """Stage outputs on disk between forward and backward (NOTE: [Activations on disk] in
-passes/disk_model.py): the plan takes them off the host, puts them on the disk, keeps a ring of
+solver/disk_model.py): the plan takes them off the host, puts them on the disk, keeps a ring of
 three buffers on the host and counts the disk's seconds; replay equals eager, AdamW steps equal
 torch's, the offload file goes with the trainer, and a step that fails halfway leaves the next a
 clean ring. The solver chooses them only where host memory binds and nothing else fits."""
@@ -19,11 +19,11 @@ from lazytrain.errors import PlanError
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import Outputs
-from lazytrain.passes.footprint import ACT_RING, disk_act_bytes, disk_io_s
-from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse, for_states
 from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.footprint import ACT_RING, disk_act_bytes, disk_io_s
+from lazytrain.solver.solve import evaluate, solve
 from models import (assert_disk_steps_equal_adamw, bind_source, decisions, examples, forced, model_pair,
                     offload_files, repair, token_batch, unique_name)
 from test_forced_plans import check_forced

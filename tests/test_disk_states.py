@@ -1,4 +1,4 @@
-"""The disk tier (NOTE: [Disk-resident states] in passes/disk_model.py): host-stepped stages' AdamW
+"""The disk tier (NOTE: [Disk-resident states] in solver/disk_model.py): host-stepped stages' AdamW
 moments kept in the offload file between steps. The plan counts them off the host and on the disk,
 with one staging buffer and the disk's time in the host step; the runtime's steps equal
 torch.optim.AdamW's, a resumed run is bit-identical, and a bad offload directory or a small disk
@@ -16,11 +16,11 @@ from lazytrain import hardware
 from lazytrain.errors import InfeasibleBudget, PlanError, ResourceError
 from lazytrain.ir.events import Kind
 from lazytrain.ir.placement import Tier
-from lazytrain.passes.footprint import disk_state_bytes, disk_step_s
-from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
 from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.footprint import disk_state_bytes, disk_step_s
+from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from lazytrain.summary import summary
 from lazytrain.units import format_size
 from models import (mapped_ranges, assert_steps_agree, assert_disk_resume_bit_identical, assert_train_resumes_bit_identically, builtin_schedule, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,

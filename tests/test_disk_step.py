@@ -1,4 +1,4 @@
-"""Disk-stepped stages (NOTE: [Disk-stepped stages] in passes/disk_model.py): streamed stages whose
+"""Disk-stepped stages (NOTE: [Disk-stepped stages] in solver/disk_model.py): streamed stages whose
 optimizer states live in the offload file and whose step is a job on the host worker that reads
 them, steps on the device in one shared slot, and writes them back. The plan counts the states off
 the host and on the disk, the slot in every window and the job's seconds; the runtime's steps
@@ -16,11 +16,11 @@ import torch
 from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.ir.events import Kind, Stream
-from lazytrain.passes.footprint import disk_gpu_job_s, disk_gpu_state_bytes, disk_step_slot, flush_bytes
-from lazytrain.passes import solve as solve_module
-from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver import solve as solve_module
+from lazytrain.solver.footprint import disk_gpu_job_s, disk_gpu_state_bytes, disk_step_slot, flush_bytes
+from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
 from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, decisions, forced,
                     offload_files, tiny_gpt_pair, unique_name)
@@ -92,19 +92,6 @@ def test_the_solver_does_not_search_disk_steps_yet():
     assert not any(d.kind == "job" for d in plan.decisions)
 
 
-@pytest.mark.skipif(not solve_module.SEARCH_DISK_STEPS, reason="NOTE: [Disk steps not searched] in passes/solve.py")
-def test_a_disk_stepped_plan_is_one_the_solver_may_choose():
-    """8-bit states, the host and GPU memory of a plan with three disk-stepped blocks: the solver's
-    plan fits both and is at least as fast (the tiny model's blocks are smaller than the job's slot,
-    so keeping them resident wins here; the 32B shape's choice is in bench/README.md)."""
-    _, stages, _, _ = _stages("8bit")
-    fixed = evaluate(stages, HW, 1 << 40, decisions(["-rk", "XRk", "XRk", "XRk", "-rk"]))
-    small = dataclasses.replace(HW, host_memory_bytes=fixed.host_bytes)
-    plan = solve(stages, small, fixed.peak_bytes + HW.allocator_reserve_bytes, time_limit=20)
-    assert plan.host_bytes <= fixed.host_bytes and plan.peak_bytes <= fixed.peak_bytes
-    assert plan.step_s <= fixed.step_s * 1.01
-
-
 def test_replay_and_adamw_steps_stepped_from_disk(gpt, tmp_path):
     graph, stages, batch, real = gpt
     trainer = assert_disk_steps_equal_adamw(forced(graph, stages, batch, decisions(SPEC), HW).source_text, real, batch,
@@ -138,7 +125,7 @@ def test_the_next_jobs_states_are_read_ahead_into_the_other_buffer(tmp_path):
     """NOTE: [Disk reads ahead] in runtime/disk_states.py: while one stage's states are loaded, the
     next one's are read into the second buffer; a third finds none free and waits its turn; each
     stage's states come back as they were stored."""
-    from lazytrain.runtime.disk import ALIGN
+    from lazytrain.sizes import DISK_ALIGN
     from lazytrain.runtime.disk_states import DiskStates
     from lazytrain.runtime.optim import staged_optimizer
     from lazytrain.runtime.pinned import PinnedArena
@@ -148,7 +135,7 @@ def test_the_next_jobs_states_are_read_ahead_into_the_other_buffer(tmp_path):
     states = DiskStates(opt, {i: [p] for i, p in enumerate(params)}, tmp_path, PinnedArena(False),
                         always_fresh=frozenset(range(3)), ahead=frozenset(range(3)))
     largest = max(states.stage_bytes.values())  # two buffers of it, page-aligned for direct transfers
-    assert [(b.numel(), b.data_ptr() % ALIGN) for b in states.buffers] == [(largest, 0), (largest, 0)]
+    assert [(b.numel(), b.data_ptr() % DISK_ALIGN) for b in states.buffers] == [(largest, 0), (largest, 0)]
     for i, p in enumerate(params):  # first steps: fresh states, given values, to disk
         states.load(i)
         opt.state[p]["exp_avg"].fill_(i + 1)
@@ -203,12 +190,12 @@ def test_host_jobs_with_a_deadline_run_the_most_urgent_ready_one_first():
 
 
 def test_a_job_released_last_and_due_first_gets_time_of_its_own():
-    """NOTE: [Jobs due in release order's reverse] in passes/backlog.py: for each stage k, the
+    """NOTE: [Jobs due in release order's reverse] in solver/backlog.py: for each stage k, the
     host work of stages 0..k and the longest disk-stepped job (one running when k's is released)
     fit between k's release and its deadline, in the plan's windows. With
     compute 10 times slower and the disk 4 times, block 1's job fits in its own long backward
     window, and block 0's job, released last, must not count on that time."""
-    from lazytrain.passes.backlog import job_intervals
+    from lazytrain.solver.backlog import job_intervals
 
     slow = dataclasses.replace(HW, achieved_fraction=HW.achieved_fraction / 10,
                                disk_read_bandwidth=HW.disk_read_bandwidth / 4,

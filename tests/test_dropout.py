@@ -13,9 +13,9 @@ from torch import nn
 from lazytrain import hardware
 from lazytrain.ir.capture import capture
 from lazytrain.ir.placement import Outputs
-from lazytrain.passes.solve import smallest_budget
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.solve import smallest_budget
 from lazytrain.summary import summary
 from models import (
     check_replay, check_seeded_replay, decisions, forced, model_pair, tiny_gpt_pair, token_batch, unique_name,

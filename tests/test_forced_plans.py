@@ -1,7 +1,7 @@
 """Plans the solver rarely picks, forced through `evaluate`, then lowered, verified, rendered, replayed.
 
 The solver chooses few drop-and-recompute segments or offloads on small models, so these tests pin
-decisions directly (`passes.solve.evaluate` with fixed binaries) and check for every valid vector:
+decisions directly (`solver.solve.evaluate` with fixed binaries) and check for every valid vector:
   - `verify` accepts the schedule at a budget of exactly the plan's predicted peak, and the
     event-by-event memory trace never exceeds that prediction;
   - replaying the rendered schedule gives eager PyTorch's loss and gradients.
@@ -23,9 +23,9 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError, VerifyError
 from lazytrain.ir.events import Kind, Phase
 from lazytrain.ir.placement import Outputs, PlacementError
-from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse
+from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from models import (
     BlockSpec, ModelSpec, adamw_reference, assert_adamw_weights, assert_grads_match, bind_source, check_replay, check_seeded_replay, decisions,
     eager_grads,

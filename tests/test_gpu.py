@@ -72,7 +72,7 @@ def _gpu_stepped(meta) -> str:
     from lazytrain import hardware
     from lazytrain.codegen.render import render
     from lazytrain.passes.lower import lower
-    from lazytrain.passes.solve import evaluate
+    from lazytrain.solver.solve import evaluate
     from lazytrain.pipeline import analyse
 
     hw = hardware.load("h200")

@@ -11,10 +11,10 @@ from models import decisions, tiny_gpt_pair
 from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.hardware import HOST_RESERVE
-from lazytrain.passes import step_model
-from lazytrain.passes.footprint import HOST_STEP_BYTES
-from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
+from lazytrain.solver import step_model
+from lazytrain.solver.footprint import HOST_STEP_BYTES
+from lazytrain.solver.solve import evaluate
 
 CPU = hardware.load("cpu")
 

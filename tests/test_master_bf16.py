@@ -10,10 +10,10 @@ from models import bind_source, decisions, tiny_gpt_pair, unique_name
 
 from lazytrain.codegen.render import render
 from lazytrain.passes.lower import lower
-from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.runtime.optim import round_stochastic_
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.solve import evaluate
 
 
 def test_stochastic_rounding_is_unbiased_between_neighbours():
@@ -145,7 +145,7 @@ def test_resident_steps_hold_their_twins_only_while_they_run():
     clipping defers every step, the largest of them beside every resident gradient; nothing of it
     is held through the forward. Streaming the stage with the largest tensor shrinks the latter."""
     from lazytrain import hardware
-    from lazytrain.passes.footprint import TWIN_BYTES, deferred_step_bytes
+    from lazytrain.solver.footprint import TWIN_BYTES, deferred_step_bytes
 
     meta, _, batch = tiny_gpt_pair()
     hw = hardware.load("cpu")
@@ -199,7 +199,7 @@ def test_a_bf16_step_releases_each_twin_before_the_next(monkeypatch):
 
 def test_bf16_rounding_noise_lives_in_the_opt_slot():
     """A GPU-stepped bf16 master rounds back with int32 noise of its largest tensor, drawn into its
-    `opt:S` slot (which the plan sized for it, NOISE_BYTES in solve.py), not into a fresh buffer."""
+    `opt:S` slot (which the plan sized for it, NOISE_BYTES in solver/footprint.py), not into a fresh buffer."""
     meta, real, batch = tiny_gpt_pair()
     text = _schedule(meta, batch, decisions(["-Rk", "GRk", "GRk", "GRk", "-rk"]))
     trainer, _ = bind_source(text, real, lr=1e-3)
@@ -221,7 +221,7 @@ def test_bf16_rounding_noise_lives_in_the_opt_slot():
 @pytest.mark.parametrize("states", ["32bit", "8bit"])
 def test_large_tensors_step_in_pieces_as_one_step_would(states, monkeypatch):
     """A bf16 master larger than `TWIN_CHUNK` steps through twins of one piece at a time (NOTE:
-    [Twin chunks] in runtime/optim.py): three steps (the first makes the state) leave the same
+    [Twin chunks] in sizes.py): three steps (the first makes the state) leave the same
     weights and the same optimizer state, bit for bit, as whole-tensor steps."""
     from lazytrain.runtime import optim
 

@@ -1,4 +1,4 @@
-"""fp32 masters on disk (NOTE: [Masters on disk] in passes/disk_model.py): a step in backward from
+"""fp32 masters on disk (NOTE: [Masters on disk] in solver/disk_model.py): a step in backward from
 disk may keep its master in the offload file beside its states. The plan trades the master's host
 bytes for the compute-dtype copy's and counts the disk's bytes and seconds; training equals the
 same plan with the masters on the host to the bit; between steps the model's parameter is the
@@ -15,14 +15,14 @@ import torch
 
 from lazytrain import hardware
 from lazytrain.errors import PlanError
+from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import PlacementError, Step, Tier
-from lazytrain.passes.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s, disk_master_bytes
-from lazytrain.passes.solve import evaluate, solve
 from lazytrain.pipeline import analyse, for_states
 from lazytrain.runtime.schedule import load_source
+from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s, disk_master_bytes
+from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
-from lazytrain.examples import tiny_gpt
 from models import (assert_disk_resume_bit_identical, assert_same_steps, assert_train_resumes_bit_identically,
                     assert_steps_agree, builtin_schedule, mapped_ranges, resident_kib, bind_source, decisions, disk_gpt, forced,
                     model_pair, unique_name)

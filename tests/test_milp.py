@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from lazytrain import hardware
 from lazytrain.ir.placement import Internals, Outputs, Placement, PlacementError, Step, Weights
-from lazytrain.passes import milp
-from lazytrain.passes.solve import GAP, _build, evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
+from lazytrain.solver import milp
+from lazytrain.solver.solve import GAP, _build, evaluate, smallest_budget, solve
 from models import BlockSpec, ModelSpec, examples, random_block_model, tiny_gpt_pair
 
 HW = hardware.load("cpu")
@@ -147,7 +147,7 @@ def test_exposure_cuts_tighten_a_link_bound_relaxation():
 
 def _optimum_cliques(stages, hw, budget, *, cliques, fixed=None, relax=False):
     """`_optimum` with or without the rows of NOTE: [Memory cliques] (the exposure cuts kept)."""
-    import lazytrain.passes.cuts as cuts_mod
+    import lazytrain.solver.cuts as cuts_mod
     real = cuts_mod.memory_clique
     try:
         if not cliques:
@@ -197,7 +197,7 @@ def test_memory_clique_pairs_never_fit(hw, case, monkeypatch):
     budget: the model without the rows, with both pinned on, has no plan."""
     import itertools
 
-    import lazytrain.passes.cuts as cuts_mod
+    import lazytrain.solver.cuts as cuts_mod
     stages = CASES[case]
     budget = int(smallest_budget(stages, hw) * 1.1)
     cliques, real = [], cuts_mod.memory_clique
@@ -240,7 +240,7 @@ def _host_work(jobs, caps, costs, *, split: bool, deadlines: bool = False) -> fl
     job (release, due, seconds) runs in windows release..due (due: the last window, unless
     `deadlines`): through `backlog.backlog`, or (`split`) one part per (job, window) as each
     stage's own split would place it."""
-    from lazytrain.passes.backlog import backlog
+    from lazytrain.solver.backlog import backlog
 
     n = len(caps)
     windows = list(range(n))
@@ -336,7 +336,7 @@ def _tiny_mip():
 
 @pytest.mark.parametrize("says_presolved", [False, True])
 def test_a_search_that_never_returns_is_killed_and_solved_again_without_presolve(monkeypatch, says_presolved):
-    """NOTE: [Presolve watchdog] in passes/milp.py: HiGHS's presolve can loop past its time limit.
+    """NOTE: [Presolve watchdog] in solver/milp.py: HiGHS's presolve can loop past its time limit.
     Here the first search (with presolve) never returns. Still in presolve, it is killed once
     presolve has had its `PRESOLVE_LIMIT_S`, long before the 60 s time limit; past presolve, at the
     time limit and its grace. Then a second search without presolve answers."""

@@ -1,7 +1,7 @@
 """After `step()`, the bound model's normal APIs see the updated weights without `sync_model()`.
 
 A GPU-stepped streamed stage lands its update at the next prefetch (NOTE: [GPU-stepped streamed
-stages] in passes/solve.py), so right after `step()` the model's own parameters hold the weights of
+stages] in solver/solve.py), so right after `step()` the model's own parameters hold the weights of
 one step before. `state_dict()`, `forward` and `save_pretrained` must apply it first (NOTE: [Model
 sync hooks] in runtime/model_sync.py). Every test here forces such a plan and checks that the update
 really was still pending when the model was read, so it tests the deferral, not a plan without one.
@@ -176,10 +176,10 @@ def test_save_pretrained_sees_pending_updates(tmp_path):
 def test_the_plan_leaves_room_to_apply_a_pending_update_between_steps():
     """`sync_model()` (and a checkpoint, or `model.state_dict()`) applies a pending GPU update between
     steps, beside the resident weights, states and gradients: a weight slot and an `opt:S` buffer
-    (NOTE: [Flushed updates] in passes/footprint.py). The plan's tail, and so its peak, counts the
+    (NOTE: [Flushed updates] in solver/footprint.py). The plan's tail, and so its peak, counts the
     largest."""
-    from lazytrain.passes.footprint import flush_bytes
-    from lazytrain.passes.solve import evaluate, tail_bytes
+    from lazytrain.solver.footprint import flush_bytes
+    from lazytrain.solver.solve import evaluate, tail_bytes
 
     meta, _, batch = tiny_gpt_pair()
     _, stages = analyse(meta, batch, HW)

@@ -1,6 +1,6 @@
 """8-bit optimizer states (bitsandbytes' blockwise-quantised AdamW8bit) chosen at compile time:
 the plan counts their smaller size, keeps host-stepped stages' states fp32 (NOTE: [State precision
-per stage] in passes/solve.py), and the steps equal bitsandbytes' own optimizer on the 8-bit
+per stage] in solver/solve.py), and the steps equal bitsandbytes' own optimizer on the 8-bit
 stages and torch's AdamW on the 32-bit ones, with the same clipping."""
 
 import copy
@@ -28,7 +28,7 @@ def _schedule(meta, batch, case, name, master="fp32"):
     opts = dict(optimizer_states="8bit", master_weights=master)
     budget = 1 << 30 if case == "resident" else minimum_budget(meta, batch, hw, **opts)
     if case == "streamed":  # the smallest plan has no room to apply a GPU-stepped update between steps
-        budget = int(budget * 1.05)  # (NOTE: [Flushed updates] in passes/footprint.py), so it steps on the host
+        budget = int(budget * 1.05)  # (NOTE: [Flushed updates] in solver/footprint.py), so it steps on the host
     c = compile_model(meta, batch, budget, hw, **opts)
     return c, load_source(c.source_text, name)
 
@@ -36,7 +36,7 @@ def _schedule(meta, batch, case, name, master="fp32"):
 def _forced(meta, batch, spec, name, master):
     from lazytrain.codegen.render import render
     from lazytrain.passes.lower import lower
-    from lazytrain.passes.solve import evaluate
+    from lazytrain.solver.solve import evaluate
     from lazytrain.pipeline import analyse
     from models import decisions
 

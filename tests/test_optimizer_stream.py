@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from lazytrain import hardware
-from lazytrain.passes.footprint import gpu_step_s
-from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
+from lazytrain.solver.footprint import gpu_step_s
+from lazytrain.solver.solve import evaluate
 from models import decisions, tiny_gpt_pair
 
 BUDGET = 1 << 34
@@ -61,7 +61,7 @@ def test_profiles_without_a_measurement_keep_steps_in_series():
 
 
 def test_a_streamed_step_runs_beside_its_windows_transfers():
-    """NOTE: [GPU-step lag] in passes/solve.py: a GPU-stepped streamed stage's step is compute-stream
+    """NOTE: [GPU-step lag] in solver/solve.py: a GPU-stepped streamed stage's step is compute-stream
     work of F(s-1), beside which that window's transfers run. With every window bound by its
     transfers, a slower step costs only where it trails its fetch (stages 0 and 1, fetched one
     window ahead) and for the tied weights, stepped after backward; fetched two ahead, the

@@ -13,9 +13,9 @@ import torch
 
 from lazytrain import hardware
 from lazytrain.ir.placement import KINDS, Internals, Outputs, Placement, PlacementError, Step, Tier, Weights
-from lazytrain.passes import milp
-from lazytrain.passes.solve import GAP, KEYS, _binaries, _build, _decisions, _placement, _start, evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
+from lazytrain.solver import milp
+from lazytrain.solver.solve import GAP, KEYS, _binaries, _build, _decisions, _placement, _start, evaluate, smallest_budget, solve
 from models import decisions, disk_gpt, tiny_gpt_pair
 
 HW = hardware.load("cpu")

@@ -12,9 +12,9 @@ import textwrap
 import pytest
 
 from lazytrain import hardware
-from lazytrain.passes import plancache
-from lazytrain.passes.solve import smallest_budget, solve
 from lazytrain.pipeline import analyse, for_states
+from lazytrain.solver import plancache
+from lazytrain.solver.solve import smallest_budget, solve
 from models import tiny_gpt_pair
 
 HW = hardware.load("cpu")
@@ -64,7 +64,7 @@ def test_key_is_the_same_in_another_process(stages):
     """Sets (requires_grad) are written sorted: string hashing differs between processes."""
     script = textwrap.dedent("""
         from lazytrain import hardware
-        from lazytrain.passes import plancache
+        from lazytrain.solver import plancache
         from lazytrain.pipeline import analyse
         from models import tiny_gpt_pair
         hw = hardware.load("cpu")

@@ -1,5 +1,5 @@
 """Resident gradients freed at their step (NOTE: [Resident gradients freed at their step] in
-passes/footprint.py): where resident steps run beside backward, a resident stage's gradients go
+solver/footprint.py): where resident steps run beside backward, a resident stage's gradients go
 after B(s-2) instead of at the next step's start. The plan counts them for three windows, the
 schedule frees them there and verifies at the plan's peak, and the runtime drops them there while
 its losses and weights stay eager's and torch.optim.AdamW's. Exact clipping keeps them."""
@@ -14,9 +14,9 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError, ScheduleMismatch
 from lazytrain.ir.events import Kind, Phase
 from lazytrain.ir.placement import Step
-from lazytrain.passes.footprint import resident_grad_bytes
-from lazytrain.passes.solve import evaluate, smallest_budget, solve
 from lazytrain.pipeline import analyse
+from lazytrain.solver.footprint import resident_grad_bytes
+from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from models import assert_adamw_weights, assert_previous_norm_steps, bind_source, check_replay, decisions, forced, tiny_gpt_pair
 
 # steps beside backward need a measured pace (the cpu profile has none: every step after backward),

@@ -1,4 +1,4 @@
-"""Saved activations (NOTE: [Saved activations] in passes/saved.py) against what autograd keeps.
+"""Saved activations (NOTE: [Saved activations] in analysis/saved.py) against what autograd keeps.
 
 Each decoder layer's `saved_bytes` must cover what PyTorch's autograd really saves during that
 layer's forward (counted with saved-tensor hooks, one count per storage, parameters and the layer's
@@ -59,7 +59,7 @@ def test_layer_saved_bytes_cover_autograd_and_stay_close(family, dtype):
 def test_attention_with_a_boolean_mask_counts_its_bias():
     """A mask `causal` cannot prove (here it depends on the batch's padding) reaches attention as a
     boolean tensor, which attention turns into a bias of the query's dtype in every call and keeps
-    for backward (NOTE: [Operator workspace] in passes/memory.py): each layer's saved bytes and its
+    for backward (NOTE: [Operator workspace] in analysis/memory.py): each layer's saved bytes and its
     workspace count it. At 65536 tokens that bias is 8 GiB a layer, and uncounted it ran the 7B
     plans out of memory on the H200."""
     meta, real, batch = hf_pair("qwen2", layers=2, batch=2, seq=16)

@@ -1,5 +1,5 @@
 """GPU-stepped streamed stages with fp32 masters and bf16 compute prefetch from the master (NOTE:
-[Weights from the master] in passes/footprint.py): the host keeps no bf16 copy, the plan counts
+[Weights from the master] in solver/footprint.py): the host keeps no bf16 copy, the plan counts
 that, the schedule verifies at its predicted peak, and training gives bit for bit what the same
 plan with a host copy gives, for each kind of GPU step."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lazytrain import hardware
-from lazytrain.passes import footprint
-from lazytrain.passes import step_model
-from lazytrain.passes.solve import evaluate
 from lazytrain.pipeline import analyse
+from lazytrain.solver import footprint
+from lazytrain.solver import step_model
+from lazytrain.solver.solve import evaluate
 from models import bind_source, decisions, forced, tiny_gpt_pair
 
 HW = hardware.load("cpu")

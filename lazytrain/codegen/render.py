@@ -10,18 +10,18 @@ from pathlib import Path
 
 import jinja2
 
+from lazytrain.analysis.chunk_rules import LOSS_OP
 from lazytrain.codegen.printers import print_event
 from lazytrain.ir.dump import format_arg, format_call, format_value
 from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec
 from lazytrain.ir.placement import Outputs, Placement
 from lazytrain.ir.plan import Plan
-from lazytrain.passes.blocks import Stages
+from lazytrain.ir.schedule import Schedule
+from lazytrain.ir.stages import Stages
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
-from lazytrain.passes.chunk_rules import LOSS_OP
-from lazytrain.passes.footprint import prefetches_from_master
 from lazytrain.passes.limits import limits
-from lazytrain.passes.lower import Schedule
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
+from lazytrain.solver.footprint import prefetches_from_master
 from lazytrain.summary import CLIPPING_TEXT, chunk_text, decision_line, memory_name
 from lazytrain.units import format_size
 
@@ -107,7 +107,7 @@ def _node_lines(graph: Graph, stage, names: tuple[str, ...], keep: set[str], sum
         else:
             call = format_call(node)
             expr = call if call.startswith("aten.") else f"torch.ops.{call}"
-        if name in stage.skips:  # NOTE: [Skipped recompute] in passes/remat.py
+        if name in stage.skips:  # NOTE: [Skipped recompute] in analysis/remat.py
             expr = f"{format_call(node, 'grad_only_linear')} if remat else {expr}"
         lines.append(f"    {name} = {expr}  # {format_value(node.value)}")
         if dead_after.get(name):

@@ -11,7 +11,7 @@ checks is device memory event by event, and every byte that reaches the device f
 does so through an event it checks: the PREFETCH, RELOAD or OPT_STEP that reads the host buffer.
 What the disk I/O itself needs is checked elsewhere: its host buffers (the staging buffer and the
 rings) are in the plan's host bytes, its seconds in the windows it runs in are bounded by the step
-model (NOTE: [One disk] in passes/disk_model.py), and its order is kept by the buffers themselves:
+model (NOTE: [One disk] in solver/disk_model.py), and its order is kept by the buffers themselves:
 a reload waits for the read that fills its buffer (runtime/disk_states.py, runtime/disk_acts.py).
 An event per disk transfer would put host-side waits into a device-memory check and make every
 schedule with the disk tier longer, for no check `verify` could make of them.

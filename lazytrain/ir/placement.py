@@ -43,7 +43,7 @@ class Outputs(enum.Enum):
     OFFLOAD = "offload"  # copied to host after the forward consumers, reloaded before backward
     DROP = "drop"  # freed after the next stage's forward, recomputed in backward
     # offloaded as OFFLOAD is, then written from host memory to the offload file, and read back into
-    # host memory before the reload (NOTE: [Activations on disk] in passes/disk_model.py)
+    # host memory before the reload (NOTE: [Activations on disk] in solver/disk_model.py)
     DISK = "disk"
 
     @property
@@ -78,7 +78,7 @@ class Tier(enum.Enum):
     """Where a stage's master weights or optimizer states live between steps."""
     DEVICE = "device"
     HOST = "host"
-    DISK = "disk"  # the offload file (NOTE: [Disk-resident states] in passes/disk_model.py)
+    DISK = "disk"  # the offload file (NOTE: [Disk-resident states] in solver/disk_model.py)
 
     def __repr__(self) -> str:
         return f"Tier.{self.name}"
@@ -90,11 +90,11 @@ class Weights:
     stage's forward and again for its backward."""
     streamed: bool = False
     # streamed only: the forward prefetch starts this many windows ahead; 2 only for a step at the
-    # prefetch, which then has two windows to land (NOTE: [GPU-step lag] in passes/solve.py)
+    # prefetch, which then has two windows to land (NOTE: [GPU-step lag] in solver/solve.py)
     lookahead: int = 1
     # resident only, fp32 masters of 16-bit weights: no compute copy between uses; the weights are
     # cast from the master before its forward and its backward (NOTE: [Resident weights cast on use]
-    # in passes/footprint.py)
+    # in solver/footprint.py)
     cast_on_use: bool = False
 
     def __post_init__(self):
@@ -120,7 +120,7 @@ class Step:
     states: Tier
     master: Tier
     # resident only: its gradients go after B(s-2), its step issued beside backward by then (NOTE:
-    # [Resident gradients freed at their step] in passes/footprint.py); else they stay to the next step
+    # [Resident gradients freed at their step] in solver/footprint.py); else they stay to the next step
     frees_grads: bool = False
 
     def __post_init__(self):
@@ -145,29 +145,29 @@ class Step:
     @staticmethod
     def host(states: Tier = Tier.HOST) -> Step:
         """AdamW on the host beside the master once the gradient has landed; the fp32 moments in host
-        memory, or on disk (NOTE: [Disk-resident states] in passes/disk_model.py)."""
+        memory, or on disk (NOTE: [Disk-resident states] in solver/disk_model.py)."""
         return Step(On.HOST, When.JOB, states, Tier.HOST)
 
     @staticmethod
     def at_prefetch() -> Step:
         """On the device at the next step's forward prefetch: the fp32 master, the optimizer states and
         the gradient streamed in with it and back out after (NOTE: [GPU-stepped streamed stages] in
-        passes/solve.py)."""
+        solver/solve.py)."""
         return Step(On.DEVICE, When.PREFETCH, Tier.HOST, Tier.HOST)
 
     @staticmethod
     def job() -> Step:
         """On the device by a job of its own that reads the states from disk and writes them back
-        (NOTE: [Disk-stepped stages] in passes/disk_model.py)."""
+        (NOTE: [Disk-stepped stages] in solver/disk_model.py)."""
         return Step(On.DEVICE, When.JOB, Tier.DISK, Tier.HOST)
 
     @staticmethod
     def in_backward(states: Tier = Tier.HOST, master: Tier = Tier.HOST) -> Step:
         """On the device right after its backward, on the gradient there (no host copy of it), master
         and states fetched beside the backward prefetch and written back after (NOTE: [Backward
-        steps] in passes/step_model.py); needs clipping off or by the previous norm. States on disk
+        steps] in solver/step_model.py); needs clipping off or by the previous norm. States on disk
         pass through host memory only around the step, in a ring of host buffers (NOTE: [Backward
-        steps from disk] in passes/disk_model.py), and so may an fp32 master of 16-bit weights, the
+        steps from disk] in solver/disk_model.py), and so may an fp32 master of 16-bit weights, the
         host then keeping the compute-dtype copy the prefetches read (NOTE: [Masters on disk] there)."""
         return Step(On.DEVICE, When.BACKWARD, states, master)
 
@@ -246,7 +246,7 @@ class Placement:
 
     def states(self, chosen: str) -> str:
         """The precision of the stage's optimizer states when `chosen` ("32bit" or "8bit") was
-        asked for (NOTE: [State precision per stage] in passes/solve.py)."""
+        asked for (NOTE: [State precision per stage] in solver/solve.py)."""
         return "32bit" if self.step.on is On.HOST else chosen
 
     def __repr__(self) -> str:
@@ -261,7 +261,7 @@ def describe(p: Placement, device: str = "cuda", states: str = "32bit", from_mas
     """The placement in words, the one line the schedule's header and `lazytrain inspect` both print.
     `device`: the schedule's device type (on the CPU the "GPU" is the device and the host is the
     host); `states`: the optimizer states' precision asked for (said where not 32-bit); `from_master`:
-    its prefetches read the fp32 master (NOTE: [Weights from the master] in passes/footprint.py);
+    its prefetches read the fp32 master (NOTE: [Weights from the master] in solver/footprint.py);
     `chunks`: a chunked loss stage's, whose internals are neither saved nor recomputed."""
     internals = f"{chunks} chunks" if chunks > 1 else p.internals.value
     where = p.optimizer if device == "cuda" else {"gpu": "device", "cpu": "host"}[p.optimizer]

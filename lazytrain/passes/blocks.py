@@ -16,17 +16,17 @@ last in the epilogue, between blocks in the preceding block.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import networkx as nx
 
+from lazytrain.analysis.backward import backward_peak
+from lazytrain.analysis.memory import internal_bytes
+from lazytrain.analysis.remat import skips
+from lazytrain.analysis.saved import saved, saved_internal
 from lazytrain.errors import TraceError
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
-from lazytrain.passes.backward import backward_peak
+from lazytrain.ir.stages import STATE_BYTES, Stage, Stages
 from lazytrain.passes.costs import NodeCost, requires_grad
-from lazytrain.passes.memory import internal_bytes
-from lazytrain.passes.remat import skips
-from lazytrain.passes.saved import saved, saved_internal
 
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform")
 _ATTENTION_DROPOUT = {  # attention operators whose dropout draws random numbers when its p is not 0
@@ -43,90 +43,6 @@ def draws_random(node: Node) -> bool:
         p = node.args[i] if len(node.args) > i else dict(node.kwargs).get("dropout_p", 0.0)
         return p != 0
     return any(r in node.target for r in _RANDOM_OPS)
-
-
-@dataclass(frozen=True, slots=True)
-class Stage:
-    index: int
-    name: str  # "prologue", a block path ("model.layers.3") or "epilogue"
-    kind: str  # identical stages share a kind letter
-    nodes: tuple[str, ...]
-    params: tuple[str, ...]  # parameters owned by this stage (not shared)
-    placeholders: tuple[str, ...]  # every graph input, buffer and parameter the stage reads
-    inputs: tuple[str, ...]  # activations from earlier stages
-    outputs: tuple[str, ...]  # activations read by later stages (or the loss)
-    grad_outputs: tuple[str, ...]  # outputs that carry gradient
-    grad_inputs: tuple[str, ...]  # inputs that carry gradient
-    consumers: tuple[int, ...]  # stages reading an output
-    producers: tuple[int, ...]  # stages whose outputs this one reads
-    param_numel: int
-    param_bytes: int
-    saved_bytes: int  # activations autograd keeps from forward to backward (NOTE: [Saved activations])
-    peak_bytes: int  # transient peak of a forward without autograd (liveness)
-    out_bytes: int
-    grad_out_bytes: int
-    fwd_s: float
-    bwd_s: float
-    remat_s: float  # its recompute before backward: `fwd_s` less the skipped nodes (NOTE: [Skipped recompute])
-    random: bool  # draws random numbers: its recomputes replay its forward's generator state (NOTE: [RNG replay])
-    chunks: int = 1  # >1: forward and backward run together in chunks of the batch, at B(s) (pass `chunk`)
-    chunk_len: int = 0  # chunked along tokens: positions of one row per chunk (0: along whole rows)
-    whole: tuple[str, ...] = ()  # a chunked stage's nodes run once for the whole batch (they read batch inputs alone)
-    internal_bytes: int = 0  # largest operator workspace beyond graph values (NOTE: [Operator workspace] in memory.py)
-    largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
-    skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
-    backward_bytes: int = 0  # most of its saved values and internal gradients live in its backward (NOTE: [Backward memory])
-    saving_peak_bytes: int = 0  # its forward's peak with autograd keeping what it saves (a saving forward)
-
-    @property
-    def chain(self) -> bool:
-        """Its outputs are read by the next stage alone (a candidate for drop-and-recompute)."""
-        return self.consumers == (self.index + 1,)
-
-
-CLIPPING_MODES = ("exact", "previous-norm", "off")  # NOTE: [Gradient clipping] in runtime/stepping.py
-
-
-@dataclass(frozen=True, slots=True)
-class Stages:
-    stages: tuple[Stage, ...]
-    shared_params: tuple[str, ...]  # read by several stages: always resident
-    shared_numel: int
-    shared_bytes: int
-    state_bytes: float  # optimizer state per parameter where the GPU steps: 8 (fp32 AdamW) or about 2 (8-bit);
-    # host-stepped stages keep fp32 states either way (NOTE: [State precision per stage] in solve.py)
-    fixed_bytes: int  # batch inputs and buffers: resident for the whole step
-    requires_grad: frozenset[str]
-    master_bytes: int = 4  # master weights per parameter: 4 (fp32) or 2 (bf16, stochastic rounding)
-    largest_shared_numel: int = 0  # the biggest shared parameter tensor (a bf16 master's fp32 twin)
-    world_size: int = 1  # data-parallel ranks, each running the plan on its own batch
-    sharded: bool = False  # with world_size > 1: each rank keeps 1/N of the optimizer state (passes/shards.py)
-    disk: bool = False  # the plan may keep host-stepped stages' optimizer states on disk (NOTE: [Disk-resident states] in disk_model.py)
-    clipping: str = "exact"  # gradient clipping the plan runs with: "exact", "previous-norm" or "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
-
-    def __iter__(self):
-        return iter(self.stages)
-
-    def __len__(self):
-        return len(self.stages)
-
-    def __getitem__(self, i: int) -> Stage:
-        return self.stages[i]
-
-    def grad_maker(self, s: int) -> int:
-        """The stage whose backward makes the gradient of stage `s`'s outputs first: the last
-        consumer that takes a gradient from them (a consumer reading only outputs without gradient,
-        such as the rotary tables every layer reads, makes none). Its buffer `grad:s` lives from that
-        backward to `s`'s; counted from the last consumer of any output, every backward window of a
-        7B plan at 1 x 65536 stood 448 MiB over the measured one (H200, 2026-12-01)."""
-        g = self.stages[s]
-        takes = [c for c in g.consumers if set(g.grad_outputs) & set(self.stages[c].grad_inputs)]
-        return takes[-1] if takes else g.consumers[-1]
-
-    def weight_bytes(self, s: int) -> int:
-        """Every weight stage `s` reads: its own and the shared ones it uses (a tied lm_head)."""
-        g = self.stages[s]
-        return g.param_bytes + (self.shared_bytes if set(self.shared_params) & set(g.placeholders) else 0)
 
 
 def _assign(graph: Graph) -> dict[str, str]:
@@ -159,10 +75,6 @@ def _kind_key(graph: Graph, names: tuple[str, ...]) -> str:
 
     parts = [(graph[n].target, canon(graph[n].args), canon(tuple(v for _, v in graph[n].kwargs)), str(graph[n].value)) for n in names]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
-
-
-MASTER_BYTES = {"fp32": 4, "bf16": 2}  # master weights per parameter (`--master-weights`)
-STATE_BYTES = {"32bit": 8.0, "8bit": 2.0 + 8.0 / 256}  # 8-bit: a byte per moment, fp32 absmax per 256
 
 
 def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], optimizer_states: str = "32bit") -> Stages:
@@ -249,7 +161,7 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
 
 def _peak(graph, names, costs, last_use, position, held=frozenset()) -> int:
     """Largest sum of live non-view intermediates while the stage's forward runs, with the running
-    operator's own workspace (NOTE: [Operator workspace] in memory.py); a tensor stays live until
+    operator's own workspace (NOTE: [Operator workspace] in analysis/memory.py); a tensor stays live until
     its last reader (in this stage or a later one), or to the end if `held` (what autograd saves)."""
     live, peak = {}, 0
     for n in names:

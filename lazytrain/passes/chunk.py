@@ -17,7 +17,7 @@ runtime/trainer.py). Otherwise the stages come back unchanged (k = 1). Two ways 
       -> epilogue chunks=115 chunk_len=570 peak=1.0 GiB             (tokens; working set 123.4 GB / 115)
 
 The proof: every tensor that depends on the batch (a batch input or a stage input) is cut at the
-same positions, and every operator keeps those positions apart (the rules in chunk_rules.py):
+same positions, and every operator keeps those positions apart (the rules in analysis/chunk_rules.py):
   - the loss is `cross_entropy_loss` with reduction mean, no class weights and no label smoothing:
     then mean = (sum of the per-target losses) / (number of targets not equal to ignore_index), and
     both sums split over chunks exactly;
@@ -35,9 +35,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from lazytrain.analysis.chunk_rules import LOSS_OP, MEAN, RULES, SUM, Ctx, Split, loss_args, loss_rule
 from lazytrain.ir.graph import Graph, OpKind, TensorSpec, value_bytes
-from lazytrain.passes.blocks import Stage, Stages
-from lazytrain.passes.chunk_rules import LOSS_OP, MEAN, RULES, SUM, Ctx, Split, loss_args, loss_rule
+from lazytrain.ir.stages import Stage, Stages
 from lazytrain.passes.costs import RULES as COST_RULES
 
 __all__ = ["LOSS_CHUNK_BYTES", "MEAN", "SUM", "Decision", "chunk", "choose_chunks", "choose_tokens", "decide",

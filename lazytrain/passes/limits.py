@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lazytrain.passes.blocks import Stages
+from lazytrain.ir.stages import Stages
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Needs: `Stages` and a `Plan` for them. Guarantees: events in an order that respects every
 dependency (the CPU runtime replays them in this order); each buffer allocated by one event and freed
 by a FREE event at its last use; the live buffers in each window are exactly those `solve` counted
-there (NOTE: [The step model] in solve.py), so `verify` can re-check the budget event by event.
+there (NOTE: [The step model] in solver/solve.py), so `verify` can re-check the budget event by event.
 
     plan: stage 1 streamed         events: PREFETCH w:1 (h2d) ; COMPUTE 0 fwd ; COMPUTE 1 fwd
                                            (waits on the prefetch) ; FREE w:1 ; ...
@@ -11,24 +11,13 @@ there (NOTE: [The step model] in solve.py), so `verify` can re-check the budget 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
 from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.ir.plan import Plan
-from lazytrain.passes.blocks import Stages
-from lazytrain.passes.shards import (
-    comm_s,
-    comm_workspace,
-    piece,
-    resident_sharded_bytes,
-    shard_grad_bytes,
-    sharded_deferred_bytes,
-    sharded_step_bytes,
-    sharding,
-)
-from lazytrain.passes.footprint import (
+from lazytrain.ir.schedule import Schedule
+from lazytrain.ir.stages import Stages
+from lazytrain.solver.footprint import (
     backward_step_bytes,
     backward_workspace,
     cast_s,
@@ -54,15 +43,16 @@ from lazytrain.passes.footprint import (
     step_bytes,
     prefetches_from_master,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    events: tuple[Event, ...]
-    buffers: tuple[Buffer, ...]
-    budget: int
-    reserve: int = 0  # left free inside the budget for the allocator (NOTE: [Allocator reserve] in hardware/__init__.py)
-    grads_freed: frozenset[int] = frozenset()  # resident stages whose gradients go after B(s-2) (NOTE: [Resident gradients freed at their step])
+from lazytrain.solver.shards import (
+    comm_s,
+    comm_workspace,
+    piece,
+    resident_sharded_bytes,
+    shard_grad_bytes,
+    sharded_deferred_bytes,
+    sharded_step_bytes,
+    sharding,
+)
 
 
 class _Builder:
@@ -172,7 +162,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         shared = resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, nshared, stages.state_bytes, M, n)
     b.buffer("shared", "gpu", shared, persistent=True)
     # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
-    # [Resident steps] in footprint.py); the runtime's FREE of one is a no-op
+    # [Resident steps] in solver/footprint.py); the runtime's FREE of one is a no-op
     rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.streamed}
     freed = {s for s in rgrads if s >= 0 and dec[s].step.frees_grads}  # NOTE: [Resident gradients freed at their step]
     if stages.shared_params:
@@ -190,25 +180,25 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
                 b.buffer(rgrads[s], "gpu", g.param_bytes)
                 b.buffer(f"sg:{s}", "gpu", shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n))
             else:
-                cast = g.param_bytes if dec[s].weights.cast_on_use else 0  # NOTE: [Resident weights cast on use] in footprint.py
+                cast = g.param_bytes if dec[s].weights.cast_on_use else 0  # NOTE: [Resident weights cast on use] in solver/footprint.py
                 b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - cast,
                          persistent=True)
                 b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
                 if cast:
                     b.buffer(f"w:{s}", "gpu", cast)
         else:
-            # NOTE: [Weights from the master] in footprint.py: the slot stages the master's largest tensor
+            # NOTE: [Weights from the master] in solver/footprint.py: the slot stages the master's largest tensor
             b.buffer(f"w:{s}", "gpu", g.param_bytes + (master_staging_bytes(g) if from_master[s] else 0))
             b.buffer(f"g:{s}", "gpu", g.param_bytes)
             # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
-            # (a step in backward reads it on the device: NOTE: [Backward steps] in step_model.py)
+            # (a step in backward reads it on the device: NOTE: [Backward steps] in solver/step_model.py)
             kind = dec[s].kind
             if kind != "backward":
                 b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=kind == "prefetch")
             if n > 1:
                 b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
             match kind:
-                case "backward":  # NOTE: [Backward step twins] in footprint.py
+                case "backward":  # NOTE: [Backward step twins] in solver/footprint.py
                     b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
                                                                     g.largest_numel))
                 case "prefetch":
@@ -220,7 +210,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if dec[s].outputs.offloaded:
             b.buffer(f"host:act:{s}", "host", g.out_bytes)
 
-    slot = disk_step_slot_bytes(stages, dec)  # NOTE: [Disk-stepped stages] in disk_model.py
+    slot = disk_step_slot_bytes(stages, dec)  # NOTE: [Disk-stepped stages] in solver/disk_model.py
     if slot:
         b.buffer("dstep", "gpu", slot, persistent=True)
     producers = {s: g.producers for s, g in enumerate(stages)}
@@ -238,13 +228,13 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         return (f"res:{s}",) + ((f"w:{s}",) if dec[s].weights.cast_on_use else ())
 
     def cast(s: int):
-        """NOTE: [Resident weights cast on use] in footprint.py: the weights from the master, before a use."""
+        """NOTE: [Resident weights cast on use] in solver/footprint.py: the weights from the master, before a use."""
         if dec[s].weights.cast_on_use:
             b.emit(Stream.COMPUTE, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=0)
     acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
 
     # A GPU-stepped streamed stage applies last step's update at its forward prefetch
-    # (NOTE: [GPU-stepped streamed stages] in solve.py).
+    # (NOTE: [GPU-stepped streamed stages] in solver/solve.py).
     stepped: dict[int, int] = {}  # stage -> its OPT_STEP event
 
     def step_out_bytes(s: int) -> int:
@@ -253,7 +243,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     def weights_bytes(s: int) -> int:
         """What a plain prefetch of stage `s` brings, and its step's OFFLOAD of `w:S` sends back: the
-        weights, or the fp32 master they are cast from (NOTE: [Weights from the master] in footprint.py)."""
+        weights, or the fp32 master they are cast from (NOTE: [Weights from the master] in solver/footprint.py)."""
         g = stages[s]
         return stages.master_bytes * g.param_numel if from_master[s] else g.param_bytes
 
@@ -302,7 +292,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
 
     def host_step(s: int):
         """A streamed stage's step on the host worker once its gradient has landed: AdamW on the CPU,
-        or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in disk_model.py)."""
+        or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in solver/disk_model.py)."""
         match dec[s].kind:
             case "host":
                 b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="cpu")
@@ -427,7 +417,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         if not dec[s].streamed and n == 1:
             b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
                    workspace=step_bytes(stages, s))
-        if s + 2 < S and s + 2 in freed:  # NOTE: [Resident gradients freed at their step] in footprint.py
+        if s + 2 < S and s + 2 in freed:  # NOTE: [Resident gradients freed at their step] in solver/footprint.py
             b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(rgrads[s + 2],))
         if s + 2 < S and dec[s + 2].kind == "backward":  # stepped and written back beside two backwards
             for buf in (f"g:{s + 2}", f"w:{s + 2}", f"opt:{s + 2}"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from lazytrain.errors import VerifyError
 from lazytrain.ir.events import Event
-from lazytrain.passes.lower import Schedule
+from lazytrain.ir.schedule import Schedule
 from lazytrain.units import format_size
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-ALIGN = 256
+from lazytrain.sizes import ALIGN, aligned
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -14,10 +14,6 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def nbytes(shape, dtype: torch.dtype) -> int:
     return int(torch.Size(shape).numel()) * itemsize(dtype)
-
-
-def aligned(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
 
 
 class Carver:

@@ -27,7 +27,7 @@ Two modes, fixed at compile time (`SHARDED`):
   - replicated (`--replicate-state`, and 8-bit states): the schedule has no REDUCE events; each
     stage's gradients are all-reduced in place in `_grads_done` (replay.py) as its backward ends, on
     the compute stream (the plan counts their time there: NOTE: [Replicated all-reduce] in
-    passes/step_model.py), tensor by tensor in the compute
+    solver/step_model.py), tensor by tensor in the compute
     dtype (bf16 compute: bf16 sums, as DDP over bf16 parameters), so the runtime allocates nothing
     the plan does not count. Shared (tied) parameters collect gradients from several stages, so
     they are reduced with stage 0's, whose backward is the last. Every rank steps the whole state.

@@ -14,22 +14,22 @@ page cache grew by 256 MiB and reads ran at 6.7-7.3 GB/s; direct, it grew by not
 at 1.0-1.4 GB/s (1.3-3.2 GB/s over other runs on that virtual disk).
 
 O_DIRECT needs the memory address, the file offset and the length of each transfer to be multiples
-of the logical block size; `ALIGN` (4096) covers the 512-byte and 4 KiB sectors disks have. Regions
-start at multiples of `ALIGN` and are rounded up to one, and chunks are multiples of it, so a
-tensor at a page-aligned address (`aligned_empty`) goes direct in whole but for its last partial
-block. That tail, and every chunk of a tensor at an unaligned address (torch's CPU allocator aligns
-to 64 bytes only), go through a second, buffered descriptor of the same file: Linux keeps the two
-coherent (a direct transfer writes back and drops the cached pages of its range first), and no file
-block is shared by a direct and a buffered transfer of one operation. Where the filesystem refuses
-O_DIRECT at open (tmpfs before Linux 6.6, platforms without the flag) or at the first direct
-transfer (EINVAL: some FUSE and network mounts), everything goes buffered and `direct` is False.
-Where `posix_fallocate` is unsupported, the file is only sized (`ftruncate`): sparse, so a full disk
-shows up at the write that needs the block, as the same `ResourceError`.
+of the logical block size; `DISK_ALIGN` (4096, lazytrain/sizes.py) covers the 512-byte and 4 KiB
+sectors disks have. Regions start at multiples of `DISK_ALIGN` and are rounded up to one, and chunks
+are multiples of it, so a tensor at a page-aligned address (`aligned_empty`) goes direct in whole
+but for its last partial block. That tail, and every chunk of a tensor at an unaligned address
+(torch's CPU allocator aligns to 64 bytes only), go through a second, buffered descriptor of the
+same file: Linux keeps the two coherent (a direct transfer writes back and drops the cached pages of
+its range first), and no file block is shared by a direct and a buffered transfer of one operation.
+Where the filesystem refuses O_DIRECT at open (tmpfs before Linux 6.6, platforms without the flag)
+or at the first direct transfer (EINVAL: some FUSE and network mounts), everything goes buffered and
+`direct` is False. Where `posix_fallocate` is unsupported, the file is only sized (`ftruncate`):
+sparse, so a full disk shows up at the write that needs the block, as the same `ResourceError`.
 
 NOTE: [Mapped regions]
 A region can also be read as a tensor whose memory is the file itself (`mapped`: a shared mapping
 of the buffered descriptor). A master on disk is one between steps (NOTE: [Masters on disk] in
-passes/disk_model.py): the model's parameter, so `state_dict`, `sync_model`, checkpoints and
+solver/disk_model.py): the model's parameter, so `state_dict`, `sync_model`, checkpoints and
 exports read it from the file, and a resumed run's weights written into it reach the file, without
 the tier giving it host memory of its own: its pages are the page cache's, which the kernel evicts
 under pressure (`settle` writes a region's pages back and drops them at once, where the
@@ -57,13 +57,12 @@ import torch
 
 from lazytrain import files
 from lazytrain.errors import ResourceError
-from lazytrain.runtime.carve import aligned
 from lazytrain.runtime.carve import nbytes as tensor_bytes  # `OffloadFile.nbytes` is the file's
+from lazytrain.sizes import DISK_ALIGN, aligned
 
 if TYPE_CHECKING:
     from lazytrain.runtime.pinned import PinnedArena
 
-ALIGN = 4096
 # NOTE: [Offload chunks] A transfer is cut into chunks of CHUNK_BYTES run on `threads` threads, so
 # that a large tensor keeps several requests in flight (NVMe drives reach their rate only at some
 # queue depth) while each request stays large. Not yet tuned on a GPU machine's drive: on the
@@ -75,12 +74,12 @@ _UNSUPPORTED = {errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """`nbytes` of uint8 host memory starting at a multiple of `ALIGN`, so that transfers of it can
+    """`nbytes` of uint8 host memory starting at a multiple of `DISK_ALIGN`, so that transfers of it can
     go direct (page-locked where `pin`, which needs CUDA)."""
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    if buf.data_ptr() % ALIGN:
-        buf = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-        skip = -buf.data_ptr() % ALIGN
+    if buf.data_ptr() % DISK_ALIGN:
+        buf = torch.empty(nbytes + DISK_ALIGN, dtype=torch.uint8, pin_memory=pin)
+        skip = -buf.data_ptr() % DISK_ALIGN
         buf = buf[skip:skip + nbytes]
     return buf
 
@@ -116,7 +115,7 @@ class _Handles:
         while done < len(view):
             part, at = view[done:], offset + done
             direct = self.direct
-            aligned = (address + done) % ALIGN == 0 and at % ALIGN == 0 and len(part) % ALIGN == 0
+            aligned = (address + done) % DISK_ALIGN == 0 and at % DISK_ALIGN == 0 and len(part) % DISK_ALIGN == 0
             fd = direct if direct is not None and aligned else self.buffered
             try:
                 n = os.pwritev(fd, [part], at) if write else os.preadv(fd, [part], at)
@@ -176,8 +175,8 @@ class OffloadFile:
 
     def __init__(self, directory: str | Path, sizes: dict[str, int], threads: int = 4,
                  chunk_bytes: int = CHUNK_BYTES):
-        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, not {chunk_bytes}")
+        if chunk_bytes <= 0 or chunk_bytes % DISK_ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {DISK_ALIGN}, not {chunk_bytes}")
         if threads < 1:
             raise ValueError(f"threads must be at least 1, not {threads}")
         directory = check_directory(directory)
@@ -188,7 +187,7 @@ class OffloadFile:
             if size < 0:
                 raise ValueError(f"region {name!r} has a negative size ({size})")
             self._regions[name] = (offset, size)
-            offset += aligned(size, ALIGN)
+            offset += aligned(size, DISK_ALIGN)
         self._nbytes = offset
         path = directory / f"lazytrain-offload-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin"
         free = files.free_bytes(directory)
@@ -218,7 +217,7 @@ class OffloadFile:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the file takes on disk: every region rounded up to `ALIGN`."""
+        """Bytes the file takes on disk: every region rounded up to `DISK_ALIGN`."""
         return self._nbytes
 
     @property
@@ -325,7 +324,7 @@ def _chunks(nbytes: int, chunk_bytes: int):
     blocks before it can go direct."""
     for start in range(0, nbytes, chunk_bytes):
         stop = min(start + chunk_bytes, nbytes)
-        body = start + (stop - start) // ALIGN * ALIGN
+        body = start + (stop - start) // DISK_ALIGN * DISK_ALIGN
         if start < body < stop:
             yield start, body
             yield body, stop
@@ -388,6 +387,6 @@ def staging_buffer(nbytes: int, pinned: PinnedArena | None) -> torch.Tensor:
     1 GiB, twice, beside the plan's count)."""
     if pinned is None:
         return aligned_empty(nbytes)
-    buf = pinned.empty((nbytes + ALIGN,), torch.uint8)
-    skip = -buf.data_ptr() % ALIGN
+    buf = pinned.empty((nbytes + DISK_ALIGN,), torch.uint8)
+    skip = -buf.data_ptr() % DISK_ALIGN
     return buf[skip:skip + nbytes]

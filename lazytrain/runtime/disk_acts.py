@@ -1,14 +1,14 @@
 """Stage outputs on disk between forward and backward (NOTE: [Activations on disk] in
-passes/disk_model.py).
+solver/disk_model.py).
 
 A stage whose outputs the plan sends to disk (`outputs_mode` "disk") offloads them as any offloaded
-stage does, but into one of `RING_SIZE` page-locked buffers instead of host memory of its own: the
+stage does, but into one of `ACT_RING_SIZE` page-locked buffers instead of host memory of its own: the
 replay thread takes the next free buffer (waiting for one), copies the outputs into it, and a writer
 thread, once that copy has landed, writes the buffer to the stage's region of the offload file and
 frees it. After the last such offload of the forward a reader thread reads them back, in the order
 backward reloads them, each into the next free buffer; a reload waits for its read, copies the
 outputs to the device from the buffer, and the writer thread frees the buffer once that copy has
-landed. Reads and reloads go in one order, so the ring never deadlocks: the first `RING_SIZE` reads
+landed. Reads and reloads go in one order, so the ring never deadlocks: the first `ACT_RING_SIZE` reads
 take every buffer and each reload frees one for the next read.
 
 Nothing here outlives a step: `begin` waits for what the last step left in flight and frees every
@@ -22,29 +22,18 @@ import queue
 import torch
 
 from lazytrain.errors import ScheduleMismatch
-from lazytrain.runtime.carve import Carver, aligned, nbytes
-from lazytrain.runtime.disk import ALIGN, OffloadFile, Worker, staging_buffer
+from lazytrain.runtime.carve import Carver, nbytes
+from lazytrain.runtime.disk import OffloadFile, Worker, staging_buffer
 from lazytrain.runtime.pinned import PinnedArena
+from lazytrain.sizes import ACT_RING_SIZE, DISK_ALIGN, aligned, region_bytes
 
-# NOTE: [Activations on disk] in passes/disk_model.py: one buffer being filled by the D2H copy of an
-# offload (or drained by a reload's H2D), one being written (or read), and one to spare, so the disk
-# keeps working while a copy waits for its stream
-RING_SIZE = 3
 _ABANDONED = -1  # in place of a buffer: the step that queued the wait has ended
-
-
-def region_bytes(out_bytes: int, outputs: int) -> int:
-    """Bytes a stage's outputs take in a ring buffer and in the file: `out_bytes` of them in
-    `outputs` tensors, each starting at a multiple of `ALIGN` (at most `ALIGN` - 1 bytes of padding
-    before each after the first), rounded up to `ALIGN` so the whole buffer goes direct. The plan
-    counts the same."""
-    return aligned(out_bytes + (ALIGN - 1) * (outputs - 1), ALIGN) if outputs else 0
 
 
 class DiskActivations:
     WAIT_S = 600.0  # a read or write that takes longer is a failure, not a wait
 
-    def __init__(self, stages, order: list[int], directory, pinned: PinnedArena | None, size: int = RING_SIZE):
+    def __init__(self, stages, order: list[int], directory, pinned: PinnedArena | None, size: int = ACT_RING_SIZE):
         """`stages`: the schedule's stages whose outputs go to disk (`out_bytes`, `outputs`);
         `order`: their indices in the order backward reloads them."""
         self.sizes = {s.index: region_bytes(s.out_bytes, len(s.outputs)) for s in stages}
@@ -87,7 +76,7 @@ class DiskActivations:
                                    f"{self.sizes[stage]} the schedule was compiled for; recompile it for this batch")
         buffer = self._take(stage, "offload")
         self.layout[stage] = layout
-        carver = Carver(self.buffers[buffer], ALIGN)
+        carver = Carver(self.buffers[buffer], DISK_ALIGN)
         for t in tensors.values():
             carver.take(t.shape, t.dtype).copy_(t, non_blocking=True)
         self.written[stage] = self.writer.submit(self._write, stage, buffer, landed())
@@ -109,7 +98,7 @@ class DiskActivations:
         return buffer
 
     def _used(self, stage: int, buffer: int) -> torch.Tensor:
-        """The part of `buffer` `stage`'s outputs take, in whole blocks of `ALIGN` (direct transfers)."""
+        """The part of `buffer` `stage`'s outputs take, in whole blocks of `DISK_ALIGN` (direct transfers)."""
         return self.buffers[buffer][:_extent(self.layout[stage])]
 
     def _write(self, stage: int, buffer: int, landed) -> None:
@@ -126,7 +115,7 @@ class DiskActivations:
     def reload(self, stage: int) -> dict[str, torch.Tensor]:
         """Before `stage`'s reload: its outputs, as views of the buffer they were read into."""
         self.reads.pop(stage).result(timeout=self.WAIT_S)
-        carver = Carver(self.buffers[self.held[stage]], ALIGN)
+        carver = Carver(self.buffers[self.held[stage]], DISK_ALIGN)
         return {name: carver.take(shape, dtype) for name, shape, dtype in self.layout[stage]}
 
     def release(self, stage: int, landed) -> None:
@@ -144,8 +133,8 @@ class DiskActivations:
 
 def _extent(layout) -> int:
     """Bytes tensors of `layout` ((name, shape, dtype), in order) take carved at multiples of
-    `ALIGN`, rounded up to one."""
+    `DISK_ALIGN`, rounded up to one."""
     end = 0
     for _, shape, dtype in layout:
-        end = aligned(end, ALIGN) + nbytes(shape, dtype)
-    return aligned(end, ALIGN)
+        end = aligned(end, DISK_ALIGN) + nbytes(shape, dtype)
+    return aligned(end, DISK_ALIGN)

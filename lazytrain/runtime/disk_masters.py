@@ -1,4 +1,4 @@
-"""The fp32 masters a schedule keeps on disk (NOTE: [Masters on disk] in passes/disk_model.py): one
+"""The fp32 masters a schedule keeps on disk (NOTE: [Masters on disk] in solver/disk_model.py): one
 offload file with a region per parameter, named by its placeholder.
 
 Between steps each such master *is* its region: the model's parameter holds a shared mapping of it

@@ -1,5 +1,5 @@
 """Optimizer states on disk: the states of the streamed stages a plan keeps in the offload file between
-steps (NOTE: [Disk-resident states] and NOTE: [Disk-stepped stages] in passes/disk_model.py).
+steps (NOTE: [Disk-resident states] and NOTE: [Disk-stepped stages] in solver/disk_model.py).
 
 Each such stage's step (a host step, or a disk-stepped stage's GPU job, on the single host worker,
 so one at a time) runs between `load` and `store`: `load` reads its states from the file into a
@@ -24,15 +24,11 @@ from pathlib import Path
 
 import torch
 
-from lazytrain.runtime.carve import Carver, aligned, nbytes
-from lazytrain.runtime.disk import ALIGN, OffloadFile, Worker, staging_buffer
+from lazytrain.runtime.carve import Carver, nbytes
+from lazytrain.runtime.disk import OffloadFile, Worker, staging_buffer
 from lazytrain.runtime.disk_masters import DiskMasters
 from lazytrain.runtime.pinned import PinnedArena
-
-
-# NOTE: [Backward steps from disk] in passes/disk_model.py: one buffer being read, one whose states
-# are on the GPU for the step, one being written back, so the disk never waits on the ring
-RING_SIZE = 3
+from lazytrain.sizes import DISK_ALIGN, STATE_RING_SIZE, aligned
 
 
 def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -46,15 +42,16 @@ def _layout(optimizer, stage: int, p: torch.Tensor) -> dict[str, tuple[tuple[int
 class DiskStates:
     def __init__(self, optimizer, homes: dict[int, list[torch.Tensor]], directory: str | Path,
                  pinned: PinnedArena | None = None, always_fresh: frozenset[int] = frozenset(),
-                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(), ring_size: int = RING_SIZE,
-                 masters: DiskMasters | None = None, names: dict[int, tuple[str, ...]] | None = None):
+                 ahead: frozenset[int] = frozenset(), ring: frozenset[int] = frozenset(),
+                 ring_size: int = STATE_RING_SIZE, masters: DiskMasters | None = None,
+                 names: dict[int, tuple[str, ...]] | None = None):
         """`homes`: stage (its optimizer group) -> the parameters its step updates. `pinned`: the
         arena the staging buffers come from, page-locked at their size where it pins (GPU jobs copy
         from them; NOTE: [Pinned arena] in pinned.py). `always_fresh`: stages whose first step makes
         every parameter's states (GPU steps: their gradients are not in `.grad`). `ahead`: stages
         whose states may be read ahead, into a second buffer (NOTE: [Disk reads ahead]). `ring`:
         stages stepped in backward whose states pass through `ring_size` buffers of their own, read
-        and written on threads of their own (NOTE: [Backward steps from disk] in passes/disk_model.py).
+        and written on threads of their own (NOTE: [Backward steps from disk] in solver/disk_model.py).
         `masters`: the masters on disk (NOTE: [Masters on disk] there), and `names`: stage -> its
         parameters' placeholders, which name them there; while its stage steps, `staged` holds each
         of its masters by name, in its ring buffer beside its states."""
@@ -105,11 +102,11 @@ class DiskStates:
 
     def _fill(self, stage: int, buffer: torch.Tensor) -> None:
         """`stage`'s states in `buffer`: read from the file, or on its first step made there."""
-        carver = Carver(buffer, ALIGN)
+        carver = Carver(buffer, DISK_ALIGN)
         reads = []
         for i, p in enumerate(self.homes[stage]):
             name = self.masters.get((stage, i))
-            if name is not None:  # NOTE: [Masters on disk] in passes/disk_model.py
+            if name is not None:  # NOTE: [Masters on disk] in solver/disk_model.py
                 self.staged[name] = carver.take(tuple(p.shape), p.dtype)
                 reads.append(self.master_file.read(name, self.staged[name]))
             state = self.optimizer.state[p]
@@ -138,7 +135,7 @@ class DiskStates:
         if buffer is None:
             return
         self.held[stage] = buffer
-        carver = Carver(self.buffers[buffer], ALIGN)
+        carver = Carver(self.buffers[buffer], DISK_ALIGN)
         self.reads[stage] = [r for i in range(n) for r in self._read(stage, i, carver.take)]
 
     def _drop_ahead(self, stage: int) -> None:
@@ -169,7 +166,7 @@ class DiskStates:
         writes = []
         for i, p in enumerate(self.homes[stage]):
             name = self.masters.get((stage, i))
-            if name in self.staged:  # NOTE: [Masters on disk] in passes/disk_model.py
+            if name in self.staged:  # NOTE: [Masters on disk] in solver/disk_model.py
                 writes.append(self.master_file.write(name, self.staged.pop(name)))
             state, keys = self.optimizer.state.get(p, {}), self.layout[stage, i]
             if keys and all(k in state for k in keys):
@@ -231,7 +228,7 @@ class DiskStates:
 
 class _Ring:
     """The buffers stages stepped in backward take their states through (NOTE: [Backward steps from
-    disk] in passes/disk_model.py). A reader thread reads each stage's states, in the order backward
+    disk] in solver/disk_model.py). A reader thread reads each stage's states, in the order backward
     steps them, into the next free buffer (waiting for one); the step's fetch waits for its read
     (`load`); once the write-back after the step has landed, a writer thread writes them to the file
     and frees the buffer (`store`). Two threads, so a read waiting for a buffer never holds up the
@@ -292,8 +289,8 @@ class _Ring:
 
 
 def staging_bytes(layouts) -> int:
-    """Bytes of staging buffer one stage's states take: each tensor's, rounded up to `ALIGN`."""
-    return sum(aligned(nbytes(shape, dtype), ALIGN) for keys in layouts for shape, dtype in keys.values())
+    """Bytes of staging buffer one stage's states take: each tensor's, rounded up to `DISK_ALIGN`."""
+    return sum(aligned(nbytes(shape, dtype), DISK_ALIGN) for keys in layouts for shape, dtype in keys.values())
 
 
 # NOTE: [Disk reads ahead] Disk-stepped stages' jobs run one after another on the host worker: read

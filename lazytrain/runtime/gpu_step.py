@@ -1,4 +1,4 @@
-"""Optimizer steps of streamed stages on the device (NOTE: [GPU-stepped streamed stages] in solve.py).
+"""Optimizer steps of streamed stages on the device (NOTE: [GPU-stepped streamed stages] in solver/solve.py).
 
 `step()` leaves such a stage's gradient in its page-locked host buffer and records a *pending*
 update: the clipping coefficient and the stage's hyperparameters at that moment (an LR scheduler
@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lazytrain.runtime.optim import TWIN_CHUNK, round_stochastic_, state_piece, twin_pieces
 from lazytrain.runtime.carve import Carver
+from lazytrain.runtime.optim import round_stochastic_, state_piece, twin_pieces
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.store import ParamStore
+from lazytrain.sizes import TWIN_CHUNK
 
 
 @dataclass
@@ -38,7 +39,7 @@ class _Update:
     state: dict[str, dict] = field(default_factory=dict)  # optimizer state twins on the device
     noise: torch.Tensor | None = None  # bf16 masters: int32 rounding noise of the largest tensor, from the slot
     # a step in backward: the fp32 twins of its largest tensor, reused tensor after tensor (NOTE:
-    # [Backward step twins] in passes/footprint.py); None for a bf16 master's or where unused
+    # [Backward step twins] in solver/footprint.py); None for a bf16 master's or where unused
     twin: torch.Tensor | None = None
     grad_twin: torch.Tensor | None = None
     names: tuple[str, ...] = ()  # the parameters fetched: the stage's, or one of them (`step_from_disk`)
@@ -70,16 +71,16 @@ class GpuStepper:
         carve = Carver(slot)
         largest = max(self.store.home[p].numel() for p in u.names)
         bf16 = any(self.store.home[p].dtype != torch.float32 for p in u.names)
-        in_backward = stage in self.backward  # NOTE: [Backward step twins] in passes/footprint.py
+        in_backward = stage in self.backward  # NOTE: [Backward step twins] in solver/footprint.py
         twin = min(largest, TWIN_CHUNK) if in_backward and bf16 else largest
-        if bf16:  # planned: NOISE_BYTES in solve.py
+        if bf16:  # planned: NOISE_BYTES in solver/footprint.py
             u.noise = carve.take((twin,), torch.int32)
         if in_backward:
             u.twin = carve.take((twin,), torch.float32) if bf16 else None
             u.grad_twin = carve.take((twin,), torch.float32)
         for p in u.names:
             # the master, or this rank's piece (NOTE: [Sharded state]), or where a master on disk was
-            # read to (NOTE: [Masters on disk] in passes/disk_model.py)
+            # read to (NOTE: [Masters on disk] in solver/disk_model.py)
             master = self.store.staged.get(p, self.store.home[p]).detach()
             if master.dtype == torch.float32:
                 u.master[p] = carve.take(master.shape, torch.float32).copy_(master, non_blocking=True)
@@ -118,7 +119,7 @@ class GpuStepper:
             return False
         if grads is not None:
             u.grad.update(grads)
-        if stage in self.backward:  # NOTE: [Backward step twins] in passes/footprint.py: one tensor at a time
+        if stage in self.backward:  # NOTE: [Backward step twins] in solver/footprint.py: one tensor at a time
             for p in u.names:
                 if p in u.arrived:
                     self._step_in_pieces(stage, group, u, p, into)
@@ -130,7 +131,7 @@ class GpuStepper:
 
     def _step_in_pieces(self, stage: int, group: int, u: _Update, p: str, into) -> None:
         """A bf16 master's tensor `p` stepped in backward through the update's twins, `TWIN_CHUNK`
-        elements at a time where its state can be cut there (NOTE: [Twin chunks] in optim.py), then
+        elements at a time where its state can be cut there (NOTE: [Twin chunks] in sizes.py), then
         its compute copy written."""
         if u.grad.get(p) is None:  # no gradient (not stepped, as torch skips it)
             return
@@ -202,14 +203,14 @@ class GpuStepper:
         if u is None:
             return
         for p in u.names:
-            if p in self.store.from_master:  # NOTE: [Weights from the master] in passes/footprint.py: the master
+            if p in self.store.from_master:  # NOTE: [Weights from the master] in solver/footprint.py: the master
                 self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
             else:
                 self.store.source[p].copy_(into[p] if into is not None else self.store.work[p].data, non_blocking=True)
 
     def step_from_disk(self, stage: int, group: int, hyper: dict, coef: float, slot: torch.Tensor) -> None:
         """A disk-stepped stage's update in `slot` (NOTE: [Disk-stepped stages] in
-        passes/disk_model.py), its states already loaded into host memory: one parameter at a time,
+        solver/disk_model.py), its states already loaded into host memory: one parameter at a time,
         its master, states and gradient in, the step, its new weights, master and states out, all on
         the current stream (which orders each parameter's use of the slot after the last one's), and
         the caller synchronizes it before the states go back to disk."""

@@ -10,7 +10,7 @@ of different groups may run concurrently.
 Two precisions of state: "32bit" wraps `torch.optim.AdamW`; "8bit" wraps bitsandbytes'
 `AdamW8bit` (blockwise-quantised moments; imported only when asked for). An 8-bit optimizer steps
 the groups marked `"states": "32bit"` (host-stepped stages, NOTE: [State precision per stage] in
-passes/solve.py) with `torch.optim.AdamW`'s arithmetic; all groups share one state dict, so
+solver/solve.py) with `torch.optim.AdamW`'s arithmetic; all groups share one state dict, so
 `state_dict()` holds both kinds.
 
 NOTE: [bf16 master weights]
@@ -37,6 +37,8 @@ import threading
 from collections import defaultdict
 
 import torch
+
+from lazytrain.sizes import TWIN_CHUNK
 
 
 def master_dtype(module, dtype: torch.dtype) -> torch.dtype:
@@ -198,9 +200,9 @@ class _Staged:
 
     def _step_twin(self, view, index: int, i: int, p: torch.Tensor, offset: int) -> None:
         """Parameter `p` (bf16) stepped through an fp32 twin, then rounded back, `TWIN_CHUNK`
-        elements at a time (NOTE: [Twin chunks]). A function of its own so the twins and their
+        elements at a time (NOTE: [Twin chunks] in sizes.py). A function of its own so the twins and their
         gradients die on return, before the next parameter's are made (NOTE: [Resident steps] in
-        passes/footprint.py). `offset`: where `p` starts in its whole parameter (NOTE: [Sharded
+        solver/footprint.py). `offset`: where `p` starts in its whole parameter (NOTE: [Sharded
         state] in sharding.py)."""
         numel = p.numel()
         pieces = twin_pieces(view.state[p], numel)
@@ -250,20 +252,9 @@ class _Staged:
         self._sr_steps = {}
 
 
-# NOTE: [Twin chunks] A bf16 master's fp32 twin, its fp32 gradient and its rounding noise take 12
-# bytes a parameter while its step runs. Made for a whole tensor, that is 2.8 GB for Qwen2.5-1.5B's
-# tied embedding and 9.3 GB for the 14B's lm_head, allocated after backward when memory is fullest:
-# on the H200 a 1.5B plan at 40 GiB spent 116 ms in the embedding's step (11 ms with room), the
-# allocator at its cap freeing its cache and mapping pages again. So a large tensor steps in pieces
-# of `TWIN_CHUNK` elements: AdamW and the 8-bit update are elementwise, and a piece's 8-bit states
-# are whole quantisation blocks, so the pieces compute what one step of the whole tensor would; the
-# rounding noise of an element depends on its index alone (NOTE: [Host rounding noise]).
-TWIN_CHUNK = 1 << 24
-
-
 def twin_pieces(state: dict, numel: int) -> list[tuple[int, int]]:
     """[lo, hi) element ranges a bf16 master steps in: one piece up to `TWIN_CHUNK`, else pieces of
-    `TWIN_CHUNK` when its state can be cut there (NOTE: [Twin chunks])."""
+    `TWIN_CHUNK` when its state can be cut there (NOTE: [Twin chunks] in sizes.py)."""
     if numel <= TWIN_CHUNK or not _cuttable(state, numel):
         return [(0, numel)]
     return [(lo, min(lo + TWIN_CHUNK, numel)) for lo in range(0, numel, TWIN_CHUNK)]
@@ -365,7 +356,7 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
             # NOTE: [Shared quantisation maps] bitsandbytes' `init_state` moves the optimizer's shared
             # quantisation maps to the device of the parameter it initialises, then puts them in that
             # parameter's state: the maps follow whichever parameter was initialised last. A disk job
-            # (NOTE: [Disk-stepped stages] in passes/disk_model.py) makes a stage's first states for its
+            # (NOTE: [Disk-stepped stages] in solver/disk_model.py) makes a stage's first states for its
             # host master on the host worker while the main thread makes a GPU-stepped stage's on the
             # device; on the H200 the 32B plan with disk-stepped blocks stopped in its first steps with
             # a host map in a device step's state. `fresh_state` initialises on its own copy of the maps.

@@ -3,7 +3,7 @@
 A stage function with skipped nodes takes `remat`; with it, each such `linear` runs as
 `grad_only_linear`: its forward returns zeros of the right shape and dtype, and its backward is
 the linear's exact backward from the saved input and weight (NOTE: [Skipped recompute] in
-passes/remat.py proves nothing downstream of the zeros is read by a backward formula).
+analysis/remat.py proves nothing downstream of the zeros is read by a backward formula).
 """
 
 from __future__ import annotations

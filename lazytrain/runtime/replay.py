@@ -73,7 +73,7 @@ class Replay:
             Kind.RELOAD: self._reload, Kind.FREE: self._free, Kind.REDUCE: self._reduce, Kind.GATHER: self._gather,
         }
         self.sharding = self.sharded and optimize  # NOTE: [Sharded state] in sharding.py
-        if self.act_disk is not None:  # NOTE: [Activations on disk] in passes/disk_model.py
+        if self.act_disk is not None:  # NOTE: [Activations on disk] in solver/disk_model.py
             self.act_disk.begin()
         deferred, gathers = [], {}
         coef = self._early_coefficient() if optimize and not self.serial_optimizer else None  # None: steps wait
@@ -147,7 +147,7 @@ class Replay:
 
     def _call(self, stage, grad: bool, remat: bool = False, again: bool = False):
         """Run a stage's forward. With `grad`, inputs become fresh leaves and autograd records; with
-        `remat`, the values no backward reads are left uncomputed (NOTE: [Skipped recompute] in passes/remat.py); with
+        `remat`, the values no backward reads are left uncomputed (NOTE: [Skipped recompute] in analysis/remat.py); with
         `again` (a recompute), a random stage draws what its forward drew (NOTE: [RNG replay] in rng.py)."""
         draws = contextlib.nullcontext()
         if stage.random and again:
@@ -351,7 +351,7 @@ class Replay:
         self._fetch_stage(e.stage, update=e.allocs[0].startswith("opt:") and e.stage in self.stepper.pending)
 
     def _cast_weights(self, stage: int):
-        """NOTE: [Resident weights cast on use] in passes/footprint.py: on the compute stream, once
+        """NOTE: [Resident weights cast on use] in solver/footprint.py: on the compute stream, once
         the stage's last step on the optimizer stream is done, its masters cast into a weight slot
         from the compute stream's pool."""
         self.streams.wait_aside(stage)
@@ -402,7 +402,7 @@ class Replay:
                     host = self.host_grad[name] = self.pinned.empty(g.shape, g.dtype)
                 host.copy_(g, non_blocking=True)
                 self.fresh.add(name)
-        elif self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in passes/disk_model.py
+        elif self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in solver/disk_model.py
             outputs = {name: self.env[name] for name in self.stages[e.stage].outputs if name in self.env}
             self.act_disk.offload(e.stage, outputs, self._landed)
         else:
@@ -415,7 +415,7 @@ class Replay:
                     host.copy_(t, non_blocking=True)
 
     def _reload(self, e: Event):
-        if self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in passes/disk_model.py
+        if self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in solver/disk_model.py
             for name, host in self.act_disk.reload(e.stage).items():
                 self.env[name] = self._to_device(host, copy=True)  # the buffer goes back to the ring
             self.act_disk.release(e.stage, self._landed())
@@ -461,7 +461,7 @@ class Replay:
                 self.grads.pop(name, None)
 
     def _free_resident_grads(self, names) -> None:
-        """NOTE: [Resident gradients freed at their step] in passes/footprint.py: the gradients of a
+        """NOTE: [Resident gradients freed at their step] in solver/footprint.py: the gradients of a
         stage whose step has been issued go now; the optimizer stream that reads them recorded its
         use, so their memory is reused only once the step is done."""
         for name in names:

@@ -8,7 +8,7 @@ it draws the same masks. As `torch.utils.checkpoint` does, both the CPU generato
 device's are recorded, and `replay` restores the states it found on exit (`torch.random.fork_rng`):
 a recompute leaves the sequence of draws the next forwards see as eager PyTorch would, since
 eager draws only in forward. A recompute that skips linears (NOTE: [Skipped recompute] in
-passes/remat.py) draws the same numbers: a linear draws none, and a draw's count depends on shapes,
+analysis/remat.py) draws the same numbers: a linear draws none, and a draw's count depends on shapes,
 never on values, so the zeros in place of skipped values change no mask.
 """
 

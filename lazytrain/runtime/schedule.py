@@ -1,8 +1,9 @@
 """What a generated schedule module imports: the event IR, `Stage`, `bind_module`, `check_integrity`.
 
 NOTE: [Runtime imports]
-This package imports torch, `lazytrain.ir.events` and `lazytrain.ir.placement` (pure Python) only: never `lazytrain.passes`, python-mip or
-networkx, so a schedule compiled on a laptop runs where only torch is installed.
+This package imports torch, `lazytrain.ir.events`, `lazytrain.ir.placement` and `lazytrain.sizes`
+(pure Python) only: never `lazytrain.passes`, `lazytrain.solver`, python-mip or networkx, so a
+schedule compiled on a laptop runs where only torch is installed.
 
 NOTE: [Schedule checksum]
 A schedule records `CHECKSUM`, a hash of its whole text with that line's value left out, so any
@@ -39,17 +40,17 @@ __all__ = ["Buffer", "Event", "Internals", "Kind", "On", "Outputs", "Phase", "Pl
 # data-parallel ranks it runs on (NOTE: [Data parallel] in data_parallel.py); 6: `SHARDED`, the COMM
 # stream's REDUCE and GATHER events and `Event.writes` (NOTE: [Sharded state] in sharding.py); 7: `CLIPPING`,
 # the gradient clipping planned for (NOTE: [Gradient clipping] in stepping.py); 8: `Stage.disk`, optimizer
-# states kept on disk (NOTE: [Disk-resident states] in passes/disk_model.py); 9: `Stage.disk` with `gpu_step`,
+# states kept on disk (NOTE: [Disk-resident states] in solver/disk_model.py); 9: `Stage.disk` with `gpu_step`,
 # a stage stepped on the GPU by a job that reads its states from disk (OPT_STEP device "disk", the `dstep`
 # buffer; NOTE: [Disk-stepped stages] there); 10: `Stage.backward_step`, GPU steps right after the stage's
-# backward (NOTE: [Backward steps] in passes/step_model.py); 11: `Stage.from_master`, prefetches cast from the fp32 master
-# (NOTE: [Weights from the master] in passes/footprint.py); 12: `Stage.grads_freed`, a resident stage's
+# backward (NOTE: [Backward steps] in solver/step_model.py); 11: `Stage.from_master`, prefetches cast from the fp32 master
+# (NOTE: [Weights from the master] in solver/footprint.py); 12: `Stage.grads_freed`, a resident stage's
 # gradients dropped after B(s-2) (NOTE: [Resident gradients freed at their step] there), and
 # `Stage.cast_weights`, a resident stage's weights cast from its master before each use (NOTE:
 # [Resident weights cast on use] there); 13: `Stage.disk` with `backward_step`, a stage stepped in backward
 # whose states pass through a ring of host buffers from the offload file (NOTE: [Backward steps from disk]
-# in passes/disk_model.py); 14: `outputs_mode` "disk" with `Stage.out_bytes`, outputs kept in the offload file
-# between forward and backward (NOTE: [Activations on disk] in passes/disk_model.py); 15: `Stage.master_disk`, a
+# in solver/disk_model.py); 14: `outputs_mode` "disk" with `Stage.out_bytes`, outputs kept in the offload file
+# between forward and backward (NOTE: [Activations on disk] in solver/disk_model.py); 15: `Stage.master_disk`, a
 # step in backward from disk whose fp32 master lives in the offload file too (NOTE: [Masters on disk] there); 16:
 # `Stage.loss_sum` on a loss stage that returns its sum and count, by which data-parallel ranks weight their
 # gradients (NOTE: [Data parallel] in data_parallel.py); 17: `Stage.placement`, each stage's decisions as one typed
@@ -88,8 +89,8 @@ class Stage:
     tokens: tuple[int, ...] = ()  # with chunk_len: (rows, positions) of the batch the pieces cut
     whole_fn: Callable | None = None  # a chunked stage's part run once for the whole batch, before the slices
     whole_outputs: tuple[str, ...] = ()  # whole_fn's results, which the slices read
-    states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in passes/solve.py)
-    skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in passes/remat.py)
+    states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in solver/solve.py)
+    skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in analysis/remat.py)
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)
     from_master: bool = False  # prefetched from its fp32 master, no compute-dtype host copy (runtime/store.py)

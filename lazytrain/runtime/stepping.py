@@ -11,14 +11,14 @@ extra pass over the gradients). A schedule is compiled for one of three modes (`
   - "previous-norm": every stage is clipped by the global norm of the step before, so its step runs
     during backward as an unclipped one does. The first step has no previous norm and runs exact;
     in a schedule that steps blocks right after their backward (NOTE: [Backward steps] in
-    passes/step_model.py) it is not clipped, since those steps cannot wait for its norm.
+    solver/step_model.py) it is not clipped, since those steps cannot wait for its norm.
     An update is applied before its own norm is known: if that norm is not finite, the next step
     stops with an error (the weights are no longer finite) instead of training on.
   - "off": no clipping; bind refuses `max_grad_norm`.
 `last_grad_norm` is the norm of the last step's gradients; with "previous-norm", of the one before.
 
 NOTE: [Host step deadlines]
-The plan gives every host optimizer step a window to start in and one to end by (passes/step_model.py):
+The plan gives every host optimizer step a window to start in and one to end by (solver/step_model.py):
 unclipped (or clipped by the previous norm), a host step starts when its gradient has landed and
 ends inside its own step, so `step()` waits for the host steps still running before it returns.
 Letting them run on into the next forward measured slower than the plan on the H200 (a 1.5B plan at
@@ -26,7 +26,7 @@ Letting them run on into the next forward measured slower than the plan on the H
 launching thread sharing the CPU). With exact clipping they start after backward and run beside the
 next step's forward, each done before its stage's prefetch, which waits for it. A disk-stepped
 stage's job, which waits on its disk and holds little CPU, always may (NOTE: [Disk-stepped stages] in
-passes/disk_model.py).
+solver/disk_model.py).
 
 NOTE: [Optimizer stream]
 Device optimizer steps (resident stages, shared weights, and GPU-stepped streamed stages) run on a
@@ -48,7 +48,7 @@ allocated on, and at its cap it frees every cached block (a device-wide sync) an
 The plan counts one pool. So the large tensors a device step makes come from the compute stream's
 pool, where backward has just freed as much: the fp32 gradients of fp32 masters are converted there
 before the step is issued (the step's stream keeps them with `record_stream`), and bf16 masters'
-twins are made in pieces (NOTE: [Twin chunks] in optim.py). Made on the optimizer stream at a
+twins are made in pieces (NOTE: [Twin chunks] in sizes.py). Made on the optimizer stream at a
 tight budget, the 1.5B's 0.93 GB fp32 embedding gradient took 69 ms against the plan's 2 ms and the
 forward after it paged memory in again (H200, 40 GiB, 9 cache flushes in 5 steps, 2026-12-01).
 The plan counts what a step beside backward costs compute and how fast it advances there (NOTE:
@@ -113,7 +113,7 @@ class Stepping:
             self.cpu_jobs.pop(s).result()
 
     def _record_backward_steps(self, coef: float) -> None:
-        """Stages stepped in their backward (NOTE: [Backward steps] in passes/step_model.py): this
+        """Stages stepped in their backward (NOTE: [Backward steps] in solver/step_model.py): this
         step's updates, recorded before its backward prefetches fetch them."""
         for s in self.stepper.backward:
             self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
@@ -199,7 +199,7 @@ class Stepping:
                         self.store.home[p].grad.mul_(coef)
             self.optimizer.step_group(self._group(s), hyper)
 
-        if e.device == "disk":  # NOTE: [Disk-stepped stages] in passes/disk_model.py
+        if e.device == "disk":  # NOTE: [Disk-stepped stages] in solver/disk_model.py
             self.fresh.difference_update(names)  # its job consumes the gradients in the host buffers
             # the next forward reads stage s at its prefetch: the lower, the sooner (NOTE: [Host jobs by deadline])
             self.cpu_jobs[s] = self.streams.host(e, lambda: self._disk_step(s, hyper, coef), due=s)

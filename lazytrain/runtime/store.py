@@ -3,7 +3,7 @@
 NOTE: [Parameter homes]
 Every parameter has a *master* (the model's own tensor: fp32, or bf16 with `--master-weights
 bf16`; on the host, or on the GPU for a resident stage: NOTE: [Resident masters on the device] in
-passes/step_model.py), a *work* tensor the
+solver/step_model.py), a *work* tensor the
 stage functions compute with (in the schedule's dtype, on the compute device), and a *home*: the
 tensor its optimizer updates (in the master's dtype).
   - resident stage: work is a persistent device tensor; home is the master itself, on the device
@@ -12,10 +12,10 @@ tensor its optimizer updates (in the master's dtype).
   - streamed stage: work is a persistent leaf whose storage is a view into a weight *slot* while the
     stage is prefetched, and empty otherwise (NOTE: [Streamed weights] in replay.py); home is the
     master on the host (or its region of the offload file, mapped, where the plan keeps it on disk:
-    NOTE: [Masters on disk] in passes/disk_model.py), stepped by the CPU optimizer or a GPU step's
+    NOTE: [Masters on disk] in solver/disk_model.py), stepped by the CPU optimizer or a GPU step's
     device twins; `source` is what
     PREFETCH copies from: the master (fp32 with 16-bit compute: cast on the device, NOTE: [Weights
-    from the master] in passes/footprint.py), or a pinned copy in the compute dtype that each step
+    from the master] in solver/footprint.py), or a pinned copy in the compute dtype that each step
     refreshes.
 NOTE: [Slots]
 Weight slots (`w:S`) and optimizer slots (`opt:S`) come from PyTorch's caching allocator, from the
@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from lazytrain.runtime.carve import aligned, itemsize
+from lazytrain.runtime.carve import itemsize
 from lazytrain.runtime.pinned import PinnedArena
+from lazytrain.sizes import aligned
 
 OPT_SLACK = 16 << 10
 
@@ -77,12 +78,12 @@ class ParamStore:
         self.home: dict[str, torch.Tensor] = {}
         self.source: dict[str, torch.Tensor] = {}
         # masters on disk, while their stage's step in backward holds them in a ring buffer: name ->
-        # that tensor (NOTE: [Masters on disk] in passes/disk_model.py; runtime/disk_states.py fills it)
+        # that tensor (NOTE: [Masters on disk] in solver/disk_model.py; runtime/disk_states.py fills it)
         self.staged: dict[str, torch.Tensor] = {}
         streamed = streamed_params(module)
-        # NOTE: [Weights from the master] in passes/footprint.py: prefetched through the slot's staging region
+        # NOTE: [Weights from the master] in solver/footprint.py: prefetched through the slot's staging region
         self.from_master = {p for s in module.STAGES if s.from_master for p in s.params}
-        # NOTE: [Resident weights cast on use] in passes/footprint.py: no compute copy between uses
+        # NOTE: [Resident weights cast on use] in solver/footprint.py: no compute copy between uses
         self.cast = {p for s in module.STAGES if s.placement.weights.cast_on_use for p in s.params}
         for p, master in self.master.items():
             if p in streamed:
@@ -90,7 +91,7 @@ class ParamStore:
                 self.home[p] = master
                 same = master.dtype == self.dtype[p] and (not self.cuda or master.is_pinned()) or p in self.from_master
                 self.source[p] = master.detach() if same else self._host_copy(master, self.dtype[p])
-                if disk_masters is not None and p in disk_masters:  # NOTE: [Masters on disk] in passes/disk_model.py
+                if disk_masters is not None and p in disk_masters:  # NOTE: [Masters on disk] in solver/disk_model.py
                     disk_masters.adopt(p, master)  # now that its copy is made: one tensor at a time
             elif master.device == device and master.dtype == self.dtype[p]:
                 self.work[p] = self.home[p] = master
@@ -180,7 +181,7 @@ class ParamStore:
 
     def staging(self, stage: int, p: str) -> torch.Tensor:
         """Where `p`'s fp32 master lands before its cast into the weights (NOTE: [Weights from the
-        master] in passes/footprint.py): the start of the slot's staging region, shared by its tensors
+        master] in solver/footprint.py): the start of the slot's staging region, shared by its tensors
         in turn."""
         start = self.staging_at[stage]
         nbytes = self.master[p].numel() * itemsize(torch.float32)

@@ -20,8 +20,8 @@ from lazytrain.ir.events import Event, Stream
 
 
 # NOTE: [Host jobs by deadline] The plan counts the host worker's work against deadlines per
-# window (NOTE: [Host step backlog] in passes/backlog.py) as if the most urgent job ran first.
-# Disk-stepped stages' jobs (NOTE: [Disk-stepped stages] in passes/disk_model.py) are released in backward from the
+# window (NOTE: [Host step backlog] in solver/backlog.py) as if the most urgent job ran first.
+# Disk-stepped stages' jobs (NOTE: [Disk-stepped stages] in solver/disk_model.py) are released in backward from the
 # last stage to the first, and each is due at its stage's prefetch in the next forward, from the
 # first to the last: run as submitted, the job due first ran last. On the H200 (7B at 24 GiB, 6
 # disk-stepped blocks, 2026-12-01) the next forward then waited 0.8 s at the first such block's

@@ -107,7 +107,7 @@ class Trainer(Replay, Stepping, ShardedState):
             self._pin_streamed_masters(tensors)
             if not self.sharded:
                 self._place_resident_masters(tensors)
-        # NOTE: [Masters on disk] in passes/disk_model.py: in the file they were loaded into, or in a new one
+        # NOTE: [Masters on disk] in solver/disk_model.py: in the file they were loaded into, or in a new one
         if disk_masters is None and masters_on_disk(module):
             disk_masters = DiskMasters(module, offload_dir)
         self.disk_masters = disk_masters
@@ -122,7 +122,7 @@ class Trainer(Replay, Stepping, ShardedState):
                 f"max_grad_norm={max_grad_norm} asks for gradient clipping, but this schedule was compiled with "
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
-        # NOTE: [Resident gradients freed at their step] in passes/footprint.py
+        # NOTE: [Resident gradients freed at their step] in solver/footprint.py
         self.grads_freed = frozenset(s.index for s in self.stages if s.placement.step.frees_grads)
         self.issued: set[int] = set()  # stages whose device step was issued in the running step
         if serial_optimizer and (self.grads_freed or any(s.placement.kind == "backward" for s in self.stages)):
@@ -142,7 +142,7 @@ class Trainer(Replay, Stepping, ShardedState):
             groups.append(group)
         self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
-        # NOTE: [Disk-resident states] and [Disk-stepped stages] in passes/disk_model.py: under
+        # NOTE: [Disk-resident states] and [Disk-stepped stages] in solver/disk_model.py: under
         # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
         on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if s.placement.step.states is Tier.DISK}
         in_backward = frozenset(s.index for s in self.stages if s.placement.kind == "backward")
@@ -152,9 +152,9 @@ class Trainer(Replay, Stepping, ShardedState):
                                       always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),
                                       ring=frozenset(on_disk) & in_backward, masters=disk_masters,
                                       names={s.index: s.params for s in self.stages}) if on_disk else None
-        if self.disk_states is not None:  # NOTE: [Masters on disk] in passes/disk_model.py
+        if self.disk_states is not None:  # NOTE: [Masters on disk] in solver/disk_model.py
             self.store.staged = self.disk_states.staged
-        # NOTE: [Activations on disk] in passes/disk_model.py: outputs through a ring of their own
+        # NOTE: [Activations on disk] in solver/disk_model.py: outputs through a ring of their own
         acts = [s for s in self.stages if s.placement.outputs is Outputs.DISK]
         acts_on_disk = {s.index for s in acts}
         reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in acts_on_disk]
@@ -254,7 +254,7 @@ class Trainer(Replay, Stepping, ShardedState):
                 t.data = self.pinned.copy_of(t.data)
 
     def _place_resident_masters(self, tensors):
-        """NOTE: [Resident masters on the device] in passes/step_model.py: a resident master moves
+        """NOTE: [Resident masters on the device] in solver/step_model.py: a resident master moves
         to its home on the device, and the model's parameter with it; the host copy is freed."""
         streamed = streamed_params(self.m)
         for p, t in tensors.items():

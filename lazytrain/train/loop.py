@@ -340,7 +340,7 @@ def _export(args, model, trainer, prep: Prepared, ranks: Ranks | None, room: Roo
 
 def _offload_dir(args, run_dir, schedule) -> str | None:
     """Where a schedule with optimizer states or stage outputs on disk keeps them (NOTE: [Disk-resident
-    states], NOTE: [Activations on disk] in passes/disk_model.py): --offload-dir, else the run
+    states], NOTE: [Activations on disk] in solver/disk_model.py): --offload-dir, else the run
     directory's `offload/`, else the temp directory."""
     if args.offload_dir is not None or not any(s.placement.step.states is Tier.DISK or s.placement.outputs is Outputs.DISK
                                                for s in schedule.STAGES):

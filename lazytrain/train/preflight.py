@@ -64,7 +64,7 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
     run_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if run_dir is not None:
         _check_run_dir(run_dir, args.resume)
-    if args.offload_dir is not None:  # NOTE: [Disk-resident states] in passes/disk_model.py
+    if args.offload_dir is not None:  # NOTE: [Disk-resident states] in solver/disk_model.py
         check_directory(args.offload_dir)
     if args.schedule and not Path(args.schedule).is_file():
         raise DataError(f"schedule {args.schedule} does not exist; pass a file written by `lazytrain compile`, "

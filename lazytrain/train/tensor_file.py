@@ -2,7 +2,7 @@
 
 NOTE: [Streamed weights files]
 `safetensors.torch.save_file` writes host tensors it is handed all at once, so a model whose
-resident masters live on the GPU (NOTE: [Resident masters on the device] in passes/step_model.py)
+resident masters live on the GPU (NOTE: [Resident masters on the device] in solver/step_model.py)
 had every one of them copied to host memory before the file was begun: memory no plan counts, on a
 host a plan may have nearly filled (the 32B at `--budget max` on a 104 GB host plans 95 GiB of it,
 bench/README.md). So the weights are written here, in the safetensors

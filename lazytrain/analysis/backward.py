@@ -1,7 +1,7 @@
 """The memory of a stage's backward: autograd's walk replayed over the stage's nodes.
 
 Needs: a `Graph`, its `costs` (views), the values that carry gradient and what autograd saves
-(pass `saved`). Guarantees: `backward_peak` is the most memory the stage's backward holds at once
+(`saved`). Guarantees: `backward_peak` is the most memory the stage's backward holds at once
 of its saved values and of the gradients of its own intermediates, with the running operator's
 own workspace (`memory.backward_internal_bytes`); not the gradients of its inputs, outputs or parameters, which the step model counts
 as buffers of their own (`grad:`, `g:` and resident gradients).
@@ -27,10 +27,10 @@ weights' gradients, bench/stage_memory.py on the H200, 2026-12-01, at 32 x 1024 
 
 from __future__ import annotations
 
+from lazytrain.analysis.memory import backward_internal_bytes
+from lazytrain.analysis.saved import saved_internal
 from lazytrain.ir.graph import Graph, OpKind, TensorSpec, value_bytes
 from lazytrain.passes.costs import NodeCost
-from lazytrain.passes.memory import backward_internal_bytes
-from lazytrain.passes.saved import saved_internal
 
 
 def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCost], rg: frozenset[str],

@@ -20,29 +20,29 @@ import tempfile
 import time
 from pathlib import Path
 
-from lazytrain.hardware import Hardware
 from lazytrain.errors import PlanError
+from lazytrain.hardware import Hardware
 from lazytrain.ir.placement import NAMESPACE, Placement
 from lazytrain.ir.plan import Plan, SolverInfo
-from lazytrain.passes.blocks import Stages
-from lazytrain.passes.solve import GAP, solve
+from lazytrain.ir.stages import Stages
+from lazytrain.solver.solve import GAP, solve
 
 FORMAT = 2  # bump when the plan's fields change meaning (2: each decision a placement's constructor call)
 
 
 def code_digest() -> str:
-    """A hash of the step model's code: every pass, the hardware module (its reserves) and the
-    optimizer (its twins' piece size). A plan cached by other code may count memory another way (the
-    bf16 rounding noise, say, added after plans were cached without it), so a change anywhere there
-    is a new key: no hand bump to forget."""
+    """A hash of the step model's code: every pass, the solver, the analyses, the stages' IR, the
+    hardware module (its reserves) and the runtime's sizes (the twins' piece size, the rings). A plan
+    cached by other code may count memory another way (the bf16 rounding noise, say, added after
+    plans were cached without it), so a change anywhere there is a new key: no hand bump to forget."""
     if _DIGEST:
         return _DIGEST[0]
     root = Path(__file__).resolve().parents[1]
-    # runtime/optim.py: the twins' piece size the memory model counts (NOTE: [Twin chunks])
-    files = sorted((root / "passes").glob("*.py")) + [root / "hardware" / "__init__.py", root / "runtime" / "optim.py"]
+    files = [f for folder in ("passes", "solver", "analysis") for f in sorted((root / folder).glob("*.py"))]
+    files += [root / "ir" / "stages.py", root / "hardware" / "__init__.py", root / "sizes.py"]
     h = hashlib.sha256()
     for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     _DIGEST.append(h.hexdigest())
     return _DIGEST[0]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import mip
 
 if TYPE_CHECKING:
-    from lazytrain.passes.step_model import StepModel
+    from lazytrain.solver.step_model import StepModel
 
 
 # NOTE: [Jobs due in release order's reverse]

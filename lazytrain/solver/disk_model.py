@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import mip
 
-from lazytrain.passes.backlog import backlog
-from lazytrain.passes.footprint import (
+from lazytrain.solver.backlog import backlog
+from lazytrain.solver.footprint import (
     ACT_RING,
     DISK_RING,
     can_put_outputs_on_disk,
@@ -24,7 +24,7 @@ from lazytrain.passes.footprint import (
 )
 
 if TYPE_CHECKING:
-    from lazytrain.passes.step_model import StepModel
+    from lazytrain.solver.step_model import StepModel
 
 
 def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import mip
 
 from lazytrain.hardware import Hardware
-from lazytrain.passes.backlog import backlog
-from lazytrain.passes.blocks import Stages
-from lazytrain.passes.disk_model import disk_tier
-from lazytrain.passes.footprint import (
+from lazytrain.ir.stages import Stages
+from lazytrain.solver.backlog import backlog
+from lazytrain.solver.disk_model import disk_tier
+from lazytrain.solver.footprint import (
     CPU_STATE_BYTES,
     HOST_STEP_BYTES,
     MASTER_BYTES,
@@ -44,7 +44,7 @@ from lazytrain.passes.footprint import (
     step_bytes,
     weights_from_master,
 )
-from lazytrain.passes.shards import (
+from lazytrain.solver.shards import (
     allreduce_s,
     comm_s,
     comm_workspace,

@@ -8,12 +8,8 @@ from dataclasses import dataclass
 
 from lazytrain.hardware import Hardware
 from lazytrain.ir.placement import Placement, Tier
-from lazytrain.passes.blocks import STATE_BYTES, Stage, Stages
-from lazytrain.runtime.carve import aligned
-from lazytrain.runtime.disk_acts import RING_SIZE as ACT_RING_SIZE
-from lazytrain.runtime.disk_acts import region_bytes
-from lazytrain.runtime.disk_states import RING_SIZE
-from lazytrain.runtime.optim import TWIN_CHUNK
+from lazytrain.ir.stages import STATE_BYTES, Stage, Stages
+from lazytrain.sizes import ACT_RING_SIZE, STATE_RING_SIZE, TWIN_CHUNK, aligned, region_bytes
 
 LOSS_BYTES = 4
 
@@ -92,7 +88,7 @@ def resident_step_bytes(param_bytes: int, numel: int, master: int = MASTER_BYTES
     """What a resident parameter set's GPU step holds beyond its gradients while it runs (NOTE:
     [Resident steps]): in mixed precision the compute-dtype gradients beside the master-dtype ones
     they become; for a bf16 master also the fp32 twin, fp32 gradient and rounding noise of its largest
-    tensor, or of `TWIN_CHUNK` elements of it (`TWIN_BYTES`, NOTE: [Twin chunks] in runtime/optim.py);
+    tensor, or of `TWIN_CHUNK` elements of it (`TWIN_BYTES`, NOTE: [Twin chunks] in sizes.py);
     for fp32 alone nothing (the fused step)."""
     ws = param_bytes if param_bytes != master * numel else 0
     return ws + (TWIN_BYTES * min(largest_numel, TWIN_CHUNK) if master != MASTER_BYTES else 0)
@@ -122,7 +118,7 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
-DISK_RING = RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in disk_model.py)
+DISK_RING = STATE_RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in disk_model.py)
 ACT_RING = ACT_RING_SIZE  # the runtime's ring of outputs on disk (NOTE: [Activations on disk] in disk_model.py)
 
 
@@ -246,7 +242,7 @@ NOISE_BYTES = 4
 #   - bf16 masters: per tensor, an fp32 twin, its fp32 gradient and int32 rounding noise, 12 bytes
 #     per parameter of the largest tensor (measured on the H200: 12 for Qwen2.5-14B's 778 M-parameter
 #     lm_head), or of `TWIN_CHUNK` (16.8 M) elements of a larger one, which steps in pieces (NOTE:
-#     [Twin chunks] in runtime/optim.py). Each tensor's twin dies before the next one's is made:
+#     [Twin chunks] in sizes.py). Each tensor's twin dies before the next one's is made:
 #     held one tensor longer, the 7B's equal 67.9 M-parameter MLP weights stepped at 16 (1.01 GiB
 #     over the gradients);
 #   - fp32 masters of bf16 weights: each fp32 gradient made beside the bf16 one it replaces.
@@ -268,7 +264,7 @@ def gpu_step_bytes(param_bytes: int, numel: int, state_bytes: float, master: int
 # gradient where its backward left it, and steps one tensor at a time through fp32 twins of that
 # tensor alone (its master's, for a bf16 master, and its gradient's), reused tensor after tensor on
 # the optimizer stream; a bf16 master's tensor larger than `TWIN_CHUNK` steps in pieces of it
-# (NOTE: [Twin chunks] in runtime/optim.py). A master in the compute dtype is the weights the stage's
+# (NOTE: [Twin chunks] in sizes.py). A master in the compute dtype is the weights the stage's
 # backward prefetch brought into its weight slot, and the step rounds into them there. So the
 # `opt:S` buffer holds an fp32 master, the states, and twins of `TWIN_CHUNK` elements at most (of
 # the largest tensor, for an fp32 master's gradient). Its buffer lives four windows, B(s+1) to B(s-2), so consecutive such stages hold up to
@@ -313,7 +309,7 @@ def disk_step_slot_bytes(stages: Stages, decisions) -> int:
 
 
 def backward_workspace(g) -> int:
-    """What a stage's backward holds beyond what it saved (pass `backward`, NOTE: [Backward memory]):
+    """What a stage's backward holds beyond what it saved (`analysis/backward.py`, NOTE: [Backward memory]):
     the gradients of its intermediates and its operators' workspace. A chunked stage's working set
     is one chunk's (its `peak_bytes`, counted apart), beside its operators' workspace."""
     if g.chunks > 1:
@@ -343,7 +339,7 @@ def forward_workspace(g) -> int:
 
 def saving_workspace(g) -> int:
     """A saving forward's own working set beside what it saves and outputs: the values on their way
-    to what autograd keeps, and its operators' workspace (NOTE: [Operator workspace] in memory.py)."""
+    to what autograd keeps, and its operators' workspace (NOTE: [Operator workspace] in analysis/memory.py)."""
     if g.chunks > 1:
         return 0
     return max(g.internal_bytes, g.saving_peak_bytes - g.saved_bytes - g.out_bytes)

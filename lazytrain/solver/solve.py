@@ -19,7 +19,7 @@ chunk, at B(s): its compute moves there, it saves nothing from F(s) (saved_bytes
 and its working set at B(s) is one chunk's (its peak_bytes); the full-size gradient of its input is
 its producers' grad_out, already counted from B(s) on.
 An operator's own workspace beyond graph values (`internal_bytes`: cross-entropy's log-probabilities,
-NOTE: [Operator workspace] in memory.py) is live at F(s) beside what the stage saves, and at B(s)
+NOTE: [Operator workspace] in analysis/memory.py) is live at F(s) beside what the stage saves, and at B(s)
 as their gradient; a chunked stage's one-chunk working set already holds its share.
 Transfers are continuous volumes per window; a window's exposed time is the most its H2D, D2H, both
 directions together, or CPU work overruns its compute (DESIGN.md). Memory per window is the sum of
@@ -79,10 +79,12 @@ from lazytrain.errors import InfeasibleBudget, PlanError
 from lazytrain.hardware import Hardware
 from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Tier, Weights
 from lazytrain.ir.plan import Plan, SolverInfo
-from lazytrain.passes import cuts as cuts_
-from lazytrain.passes import milp
-from lazytrain.passes.blocks import Stages
-from lazytrain.passes.footprint import (
+from lazytrain.ir.stages import Stages
+from lazytrain.passes.limits import limits
+from lazytrain.solver import cuts as cuts_
+from lazytrain.solver import milp
+from lazytrain.solver.backlog import job_intervals
+from lazytrain.solver.footprint import (
     can_put_outputs_on_disk,
     deferred_step_bytes,
     disk_act_bytes,
@@ -101,10 +103,8 @@ from lazytrain.passes.footprint import (
     shared_grad_bytes,
     weights_from_master,
 )
-from lazytrain.passes.limits import limits
-from lazytrain.passes.shards import sharded_deferred_bytes, sharded_tail, sharding
-from lazytrain.passes.backlog import job_intervals
-from lazytrain.passes.step_model import StepModel, byte_unit
+from lazytrain.solver.shards import sharded_deferred_bytes, sharded_tail, sharding
+from lazytrain.solver.step_model import StepModel, byte_unit
 from lazytrain.units import format_size
 
 
@@ -209,7 +209,7 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
 
 def _build(stages, hw, budget, minimise_memory: bool, fixed: list[Placement] | None = None, cuts: bool = True,
            backward_steps: bool | None = None):
-    """The MIP; `cuts`: with the valid rows of passes/cuts.py, which change no plan's value;
+    """The MIP; `cuts`: with the valid rows of solver/cuts.py, which change no plan's value;
     `backward_steps`: whether the search may step blocks in backward (NOTE: [Backward steps where
     nothing else fits])."""
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
@@ -219,8 +219,7 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[Placement] | N
     # NOTE: [Disk steps not searched], NOTE: [Backward steps where nothing else fits]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
     backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
-    unsearched = [k for k, searched in (("dstep", SEARCH_DISK_STEPS), ("bstep", backward_steps), ("bdisk", backward_steps),
-                                        ("adisk", backward_steps), ("mdisk", backward_steps)) if not searched]
+    unsearched = ["dstep"] + ([] if backward_steps else ["bstep", "bdisk", "adisk", "mdisk"])
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
@@ -433,9 +432,10 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # reserve included), not yet explained. The 7B's remaining wait was a job released last and due
 # first, behind a running one; with both in the plan (NOTE: [Jobs due in release order's reverse] in backlog.py),
 # the two measured plans re-evaluate at 4.55 and 11.73 s, but plans made with them are unmeasured.
-# A plan the runtime cannot keep is worse than a slower one, so the search keeps them out until a
-# searched plan holds on the device, host memory included.
-SEARCH_DISK_STEPS = False
+# A plan the runtime cannot keep is worse than a slower one, so the search keeps them out (`_build`
+# bounds `dstep` at 0 unless the plan is fixed) until a searched plan holds on the device, host
+# memory included.
+
 # NOTE: [Backward steps where nothing else fits]
 # Steps in backward (NOTE: [Backward steps] in step_model.py), and with the disk tier their states on
 # disk (NOTE: [Backward steps from disk] in disk_model.py), are searched only where no plan without them fits

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from lazytrain.analysis.memory import mask_bias_bytes
 from lazytrain.ir.graph import Graph, OpKind, Sym
 from lazytrain.passes.costs import NodeCost
-from lazytrain.passes.memory import mask_bias_bytes
 
 # target -> (positions of the tensor arguments saved, given which positions carry gradient;
 #            whether the result is saved)
@@ -46,7 +46,7 @@ SAVES: dict[str, Rule] = {
         "aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.neg.default",
         "aten.cat.default", "aten.stack.default", "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default",
         "aten.contiguous.default", "aten.clone.default", "aten.mean.dim", "aten.mean.default", "aten.sum.dim_IntList",
-        "aten.reshape.default",  # one that copies (NOTE: [Layouts that decide a copy] in costs.py)
+        "aten.reshape.default",  # one that copies (NOTE: [Layouts that decide a copy] in passes/costs.py)
         "aten.sum.default", "aten.mul.Scalar", "aten.div.Scalar", "aten.type_as.default", "aten.zeros_like.default",
         "aten.ones_like.default", "aten.full_like.default", "aten.arange.default", "aten.arange.start",
     )},

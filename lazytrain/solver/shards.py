@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from lazytrain.hardware import Hardware
-from lazytrain.passes.footprint import fixed_bytes, resident_bytes, resident_grad_bytes, shared_step_bytes, step_bytes
+from lazytrain.solver.footprint import fixed_bytes, resident_bytes, resident_grad_bytes, shared_step_bytes, step_bytes
 
 
 def sharding(stages) -> int:
