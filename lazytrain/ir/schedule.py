@@ -15,4 +15,3 @@ class Schedule:
     buffers: tuple[Buffer, ...]
     budget: int
     reserve: int = 0  # left free inside the budget for the allocator (NOTE: [Allocator reserve] in hardware/__init__.py)
-    grads_freed: frozenset[int] = frozenset()  # resident stages whose gradients go after B(s-2) (NOTE: [Resident gradients freed at their step] in solver/footprint.py)

@@ -24,7 +24,7 @@ from lazytrain.analysis.memory import internal_bytes
 from lazytrain.analysis.remat import skips
 from lazytrain.analysis.saved import saved, saved_internal
 from lazytrain.errors import TraceError
-from lazytrain.ir.graph import Graph, Node, OpKind, Sym, TensorSpec, value_bytes
+from lazytrain.ir.graph import Graph, Node, OpKind, Sym, value_bytes
 from lazytrain.ir.stages import STATE_BYTES, Stage, Stages
 from lazytrain.passes.costs import NodeCost, requires_grad
 

@@ -436,7 +436,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     if kept:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
         b.emit(Stream.COMPUTE, Kind.FREE, min(kept), frees=tuple(kept.values()),
                workspace=deferred_step_bytes(stages, [not d.streamed for d in dec]))
-    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes, frozenset(freed))
+    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
 
 
 def _sharded_tail(b: _Builder, stages: Stages, plan: Plan, hw: Hardware, reduce, reduced, gather, rgrads, n: int) -> Schedule:
