@@ -1,14 +1,18 @@
 """Pass `causal`: a constant causal mask becomes `is_causal=True`; any other mask stays."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import OpKind
+from lazytrain.analysis.masks import _COMPARE, Rows, _combine, _compare_keys, is_causal_rows
 from lazytrain.passes.causal import SDPA, _is_causal, causal
 
-from models import hf_pair, model_pair, replay_equals_eager, token_batch
+from models import hf_config, hf_pair, model_pair, replay_equals_eager, token_batch
 
 
 def _sdpa_nodes(graph):
@@ -59,6 +63,8 @@ class _Attn(nn.Module):
             m = torch.zeros(n, n, device=x.device).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
         elif self.mask == "window":  # causal, but only the last 2 keys: not the causal mask
             m = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 2)
+        elif self.mask == "difference":  # causal, through an integer [n, n] value
+            m = (pos[:, None] - pos[None, :]) >= 0
         else:
             m = pos[None, :] <= pos[:, None]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=m).transpose(1, 2).reshape(x.shape)
@@ -102,19 +108,103 @@ def _proven_by_rows(monkeypatch, seq: int):
     return called
 
 
-def test_a_mask_too_large_to_evaluate_is_proven_by_rows(monkeypatch):
-    """Past EVAL_LIMIT (1 x 16384 tokens already is) a mask is proven a block of query rows at a
-    time, with every large value elementwise: the Hugging Face mask becomes is_causal=True, a
-    sliding window stays, and the rewritten model replays as eager."""
+def test_a_mask_the_intervals_cannot_read_is_proven_by_rows(monkeypatch):
+    """A mask built with integer arithmetic over [queries, keys] (q - k >= 0) is no interval
+    comparison (NOTE: [Masks by rows of intervals] in analysis/masks.py): past EVAL_LIMIT it is
+    proven a block of query rows at a time, with every large value elementwise; a window stays."""
     called = _proven_by_rows(monkeypatch, 32)
-    meta, real, batch = hf_pair("qwen2", layers=2, seq=32)
-    nodes = _sdpa_nodes(causal(capture(meta, batch)))
-    assert called and nodes and not any(_masked(n) for n in nodes)
-    replay_equals_eager(meta, real, batch, budget=1 << 30)
-    called.clear()
     batch = token_batch(2, 32, 32)
-    for kind, rewritten in (("bool", True), ("window", False)):
+    for kind, rewritten in (("difference", True), ("window", False)):
         meta, _ = model_pair(lambda: _Attn(kind))
         nodes = _sdpa_nodes(causal(capture(meta, batch)))
         assert [not _masked(n) for n in nodes] == [rewritten], kind
-    assert called
+    assert len(called) == 2
+    meta, real = model_pair(lambda: _Attn("difference"))
+    replay_equals_eager(meta, real, batch, budget=1 << 30)
+
+
+def _hf(family: str, seq: int, **extra):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM, Qwen2ForCausalLM
+
+    if family == "gemma3":  # layers 0-4 slide over 4 keys, layer 5 attends to all (its pattern is 6)
+        cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                               max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa", **extra)
+        cls = Gemma3ForCausalLM
+    else:
+        cfg = hf_config(family, layers=2, vocab=64)
+        cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[family]
+    with torch.device("meta"):
+        model = cls(cfg)
+    return model, token_batch(1, seq, 64)
+
+
+def _no_evaluation(monkeypatch):
+    """Evaluating a mask, whole or by rows, fails the test: the intervals must answer alone."""
+    import lazytrain.passes.causal as pass_causal
+
+    def refuse(*args):
+        raise AssertionError("the mask was evaluated")
+    monkeypatch.setattr(pass_causal, "_constant", refuse)
+    monkeypatch.setattr(pass_causal, "_causal_by_rows", refuse)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
+def test_hugging_face_masks_are_read_as_intervals(monkeypatch, family):
+    """Transformers' masks (causal, with its packed-sequence term; Gemma3's sliding windows) are
+    proven from their O(S) vectors without evaluating the [S, S] mask: the causal ones become
+    is_causal=True, a sliding window stays a mask."""
+    _no_evaluation(monkeypatch)
+    model, batch = _hf(family, 64)
+    nodes = _sdpa_nodes(causal(capture(model, batch)))
+    rewritten = [not _masked(n) for n in nodes]
+    assert rewritten == ([False] * 5 + [True] if family == "gemma3" else [True, True])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_million_token_mask_is_proven_without_evaluating_it(monkeypatch, family):
+    """At 1 x 1,048,576 tokens the mask would be 1 TiB of booleans: the intervals read it from its
+    vectors (bench/compile_time.py times it)."""
+    _no_evaluation(monkeypatch)
+    seq = 1 << 20
+    model, batch = _hf(family, seq)
+    nodes = _sdpa_nodes(causal(capture(model, batch)))
+    assert [not _masked(n) for n in nodes] == ([False] * 5 + [True] if family == "gemma3" else [True, True])
+
+
+def _dense(rows, n_keys: int) -> torch.Tensor:
+    return rows.at(torch.arange(n_keys).expand(rows.points.shape[0], -1).contiguous())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 12), min_size=1, max_size=10), st.lists(st.integers(-3, 14), min_size=1, max_size=10),
+       st.lists(st.integers(-3, 14), min_size=1, max_size=10), st.sampled_from(sorted(_COMPARE)),
+       st.sampled_from(sorted(_COMPARE)), st.sampled_from(["and", "or"]), st.booleans(), st.booleans())
+def test_intervals_equal_the_dense_mask(keys, q1, q2, op1, op2, how, negate, decreasing):
+    """Comparisons of a monotone key vector with query values, combined and negated, as intervals
+    per row, equal the same operators on the dense [Q, K] tensors; and the causal check agrees
+    with the dense one."""
+    k = torch.tensor(sorted(keys, reverse=decreasing))
+    n = min(len(q1), len(q2))
+    a, b = torch.tensor(q1[:n]), torch.tensor(q2[:n])
+    ra, rb = _compare_keys(k, op1, a), _compare_keys(k, op2, b)
+    da, db = _COMPARE[op1](k[None, :], a[:, None]), _COMPARE[op2](k[None, :], b[:, None])
+    assert torch.equal(_dense(ra, len(k)), da) and torch.equal(_dense(rb, len(k)), db)
+    fn = torch.logical_and if how == "and" else torch.logical_or
+    both = _combine(ra, rb, fn)
+    dense = fn(da, db)
+    if negate:
+        both, dense = Rows(both.points, ~both.values), ~dense
+    assert torch.equal(_dense(both, len(k)), dense)
+    if n == len(k):
+        assert is_causal_rows(both, len(k)) == bool(torch.equal(dense, torch.ones(n, n, dtype=torch.bool).tril()))
+
+
+def test_the_causal_check_reads_every_segment():
+    n = 6
+    j = torch.arange(n)
+    causal_rows = _compare_keys(j, "le", j)  # keys j <= query i
+    assert is_causal_rows(causal_rows, n)
+    assert not is_causal_rows(_compare_keys(j, "lt", j), n)  # the diagonal missing
+    assert not is_causal_rows(_combine(causal_rows, _compare_keys(j, "gt", j - 3), torch.logical_and), n)  # a window

@@ -14,14 +14,16 @@ shape (32 x 28 heads x 1024 x 128, bf16, forward + backward): 6.37 ms with the m
 (`bench/sdpa_mask.py`).
 
 Proof, not pattern matching: the mask's producers must read no batch input, parameter or buffer
-(then it is the same tensor every step); they are evaluated here on the CPU with the same ATen
-operators, and the result must equal the lower-triangular causal mask in every broadcast slice
-(bool: True on and below the diagonal; float: 0 there and -inf above), with as many queries as
-keys. A mask that depends on the batch (padding), or any other mask, is left alone. A mask too
-large to evaluate whole (past `EVAL_LIMIT`; 1 x 16384 tokens already is) is proven a block of query
-rows at a time, where every large value on its way is elementwise over [..., queries, keys]: at
-1 x 65536 a Qwen2.5 mask is 4 GiB of booleans, and unproven it reached attention as a tensor that
-made an 8 GiB bias in every layer and kept attention off the flash kernel.
+(then it is the same tensor every step), and the mask must equal the lower-triangular causal mask
+in every broadcast slice (bool: True on and below the diagonal; float: 0 there and -inf above),
+with as many queries as keys. A mask that depends on the batch (padding, packed documents), or any
+other mask, is left alone. The proof reads the mask as intervals of keys per query row, computed
+from the O(S) vectors it is built from (NOTE: [Masks by rows of intervals] in analysis/masks.py):
+O(S log S), never the [S, S] mask. A mask built otherwise is evaluated on the CPU with the same
+ATen operators: whole, or, past `EVAL_LIMIT` (1 x 16384 tokens already is), a block of query rows
+at a time, where every large value on its way is elementwise over [..., queries, keys]. At 1 x
+65536 a Qwen2.5 mask is 4 GiB of booleans; unproven, it reached attention as a tensor that made an
+8 GiB bias in every layer and kept attention off the flash kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import dataclasses
 
 import torch
 
+from lazytrain.analysis.masks import Unsupported, is_causal_rows, mask_rows
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, value_bytes
 
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -50,9 +53,7 @@ def causal(graph: Graph) -> Graph:
             continue
         q, k = graph[args["query"].value].spec, graph[args["key"].value].spec
         if mask.value not in cache:
-            value = _constant(graph, mask.value)
-            cache[mask.value] = (_is_causal(value, q.shape[-2], k.shape[-2]) if value is not None
-                                 else _causal_by_rows(graph, mask.value, q.shape[-2], k.shape[-2]))
+            cache[mask.value] = _proven(graph, mask.value, q.shape[-2], k.shape[-2])
         if not cache[mask.value]:
             continue
         masks.add(mask.value)
@@ -64,6 +65,22 @@ def causal(graph: Graph) -> Graph:
     nodes = [rewritten.get(n.name, n) for n in graph]
     producers = {n.name for m in masks for n in _ancestors(graph, m)}
     return dataclasses.replace(graph, nodes=tuple(_without_dead(nodes, graph.output, producers)))
+
+
+def _proven(graph: Graph, name: str, n_queries: int, n_keys: int) -> bool:
+    """Whether the mask `name` equals the causal mask: by rows of intervals (NOTE: [Masks by rows of
+    intervals] in analysis/masks.py), else by evaluating it, whole or a block of rows at a time."""
+    nodes = _producers(graph, name)
+    if nodes is None or n_queries != n_keys:
+        return False
+    try:
+        return is_causal_rows(mask_rows(graph, nodes, name, n_queries, n_keys, _evaluate), n_keys)
+    except Unsupported:
+        pass
+    except Exception:  # an op that will not run on the CPU: evaluating it fails the same way
+        return False
+    value = _constant(graph, name)
+    return _is_causal(value, n_queries, n_keys) if value is not None else _causal_by_rows(graph, name, n_queries, n_keys)
 
 
 def _ancestors(graph: Graph, name: str) -> list[Node]:
@@ -104,7 +121,8 @@ def _constant(graph: Graph, name: str) -> torch.Tensor | None:
 _ELEMENTWISE = {f"aten.{op}.{kind}" for op in ("le", "lt", "ge", "gt", "eq", "ne") for kind in ("Tensor", "Scalar")} | {
     "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
     "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default", "aten.bitwise_not.default",
-    "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.expand.default"}
+    "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.expand.default"} | {
+    f"aten.{op}.{kind}" for op in ("add", "sub") for kind in ("Tensor", "Scalar")}
 BLOCK_BYTES = 256 << 20  # a block of rows of each large value, during `_causal_by_rows`
 
 
