@@ -12,7 +12,7 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.pipeline import analyse
-from lazytrain.solver import step_model
+from lazytrain.solver.steps import host as host_rule
 from lazytrain.solver.footprint import HOST_STEP_BYTES
 from lazytrain.solver.solve import evaluate
 
@@ -50,11 +50,11 @@ def test_bf16_masters_count_the_host_steps_buffers(stages, monkeypatch):
     host_stepped = _all_host_stepped(stages)
     with_buffers = evaluate(bf16, CPU, 1 << 40, host_stepped).host_bytes
     assert evaluate(stages, CPU, 1 << 40, host_stepped).host_bytes > 0  # fp32 masters: no such buffers
-    monkeypatch.setattr(step_model, "HOST_STEP_BYTES", 0)
+    monkeypatch.setattr(host_rule, "HOST_STEP_BYTES", 0)
     without = evaluate(bf16, CPU, 1 << 40, host_stepped).host_bytes
     assert with_buffers - without == HOST_STEP_BYTES * max(g.largest_numel for g in stages)
     resident = decisions(["-Rk"] * (len(stages) - 1) + ["-rk"])
-    monkeypatch.setattr(step_model, "HOST_STEP_BYTES", 12)
+    monkeypatch.setattr(host_rule, "HOST_STEP_BYTES", 12)
     assert evaluate(bf16, CPU, 1 << 40, resident).host_bytes == evaluate(stages, CPU, 1 << 40, resident).host_bytes // 2
 
 

@@ -10,7 +10,7 @@
 Each axis admits only its valid values, and `Placement` refuses combinations across axes that no
 runtime path implements (`PlacementError`), so a plan, a cache entry or a schedule line that names
 one cannot be built. The optimizer step's valid shapes are its kinds (`Step.kind`): each is one
-registered rule in the planner and one handler in the runtime.
+registered rule in the planner (solver/steps/) and one handler in the runtime.
 
 The solver, `lower`, codegen, `inspect` and the runtime all read this one value: the runtime
 imports it (pure Python, no torch: NOTE: [Runtime imports] in runtime/schedule.py), and a schedule

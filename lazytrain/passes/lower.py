@@ -7,41 +7,35 @@ there (NOTE: [The step model] in solver/solve.py), so `verify` can re-check the 
 
     plan: stage 1 streamed         events: PREFETCH w:1 (h2d) ; COMPUTE 0 fwd ; COMPUTE 1 fwd
                                            (waits on the prefetch) ; FREE w:1 ; ...
+
+The walk emits what every placement shares (compute, recompute, activations and their transfers,
+the sharded collectives); each stage's optimizer-step kind adds its buffers and events through its
+rule's hooks (solver/steps/), called at fixed points of the walk with the `Lowering` context.
 """
 
 from __future__ import annotations
 
 from lazytrain.hardware import Hardware
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
-from lazytrain.ir.placement import Outputs, Tier
+from lazytrain.ir.placement import Outputs
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
 from lazytrain.ir.stages import Stages
 from lazytrain.solver.footprint import (
-    backward_step_bytes,
     backward_workspace,
     cast_s,
     chunk_workspace,
-    cpu_step_s,
-    disk_gpu_job_s,
-    disk_step_s,
-    disk_step_slot_bytes,
-    gpu_step_s,
     deferred_step_bytes,
     fixed_bytes,
     forward_workspace,
-    gpu_step_bytes,
     gpu_step_out_bytes,
-    gpu_step_state_bytes,
-    master_staging_bytes,
+    gpu_step_s,
+    prefetches_from_master,
     recompute_workspace,
     resident_bytes,
-    resident_grad_bytes,
     saving_workspace,
     shared_grad_bytes,
     shared_step_bytes,
-    step_bytes,
-    prefetches_from_master,
 )
 from lazytrain.solver.shards import (
     comm_s,
@@ -53,6 +47,7 @@ from lazytrain.solver.shards import (
     sharded_step_bytes,
     sharding,
 )
+from lazytrain.solver.steps import RULES, StepRule
 
 
 class _Builder:
@@ -129,230 +124,183 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             if g is None:
                 return gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes)
             p = plan.decisions[stage]
-            match p.kind:
-                case "job":  # NOTE: [Disk-stepped stages]
-                    return disk_gpu_job_s(g.param_bytes, g.param_numel, len(g.params), hw, stages.state_bytes,
-                                          stages.master_bytes)
-                case "host":
-                    disk = disk_step_s(g.param_numel, hw) if p.step.states is Tier.DISK else 0.0  # NOTE: [Disk-resident states]
-                    return cpu_step_s(g.param_bytes, g.param_numel, hw, stages.master_bytes) + disk
-                case _:
-                    return gpu_step_s(g.param_numel, len(g.params), hw, stages.master_bytes)
+            return RULES[p.kind].step_seconds(stages, stage, p, hw)
         return 0.0
     return duration
 
 
+class Lowering:
+    """What the walk of `lower` and the step rules' hooks share: the events and buffers built so far,
+    the plan, and the names and sizes of a stage's buffers and transfers."""
+
+    def __init__(self, stages: Stages, plan: Plan, hw: Hardware):
+        self.stages, self.plan, self.hw = stages, plan, hw
+        self.dec = dec = plan.decisions
+        self.b = _Builder()
+        self.b.duration = _durations(stages, plan, hw)
+        self.M = stages.master_bytes
+        self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
+        # NOTE: [Weights from the master] in solver/footprint.py
+        self.from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(dec)]
+        self.producers = {s: g.producers for s, g in enumerate(stages)}
+        # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
+        # [Resident steps] in solver/footprint.py); the runtime's FREE of one is a no-op
+        self.rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.streamed}
+        # NOTE: [Resident gradients freed at their step] in solver/footprint.py
+        self.freed = {s for s in self.rgrads if s >= 0 and dec[s].step.frees_grads}
+        if stages.shared_params:
+            self.rgrads[-1] = "rgrad:shared"
+        self.stepped: dict[int, int] = {}  # stage -> its OPT_STEP event, for the step's write-back
+
+    def rule(self, s: int) -> StepRule:
+        """Stage `s`'s optimizer-step rule."""
+        return RULES[self.dec[s].kind]
+
+    def emit(self, *args, **kwargs) -> int:
+        return self.b.emit(*args, **kwargs)
+
+    def buffer(self, name, pool, nbytes, persistent=False) -> str:
+        return self.b.buffer(name, pool, nbytes, persistent)
+
+    def held_to(self, p: int) -> int:
+        """The backward after which stage p's outputs go: its first reader's, or its own when its
+        autograd graph holds them (a saving stage)."""
+        saving = not self.dec[p].recomputed and self.stages[p].chunks == 1
+        return p if saving else self.stages[p].consumers[0]
+
+    def weights(self, s: int) -> tuple[str, ...]:
+        """The buffers stage `s`'s compute reads its weights from (a slot cast on use beside the home)."""
+        if self.dec[s].streamed:
+            return (f"w:{s}",)
+        return (f"res:{s}",) + ((f"w:{s}",) if self.dec[s].weights.cast_on_use else ())
+
+    def cast(self, s: int) -> None:
+        """NOTE: [Resident weights cast on use] in solver/footprint.py: the weights from the master, before a use."""
+        if self.dec[s].weights.cast_on_use:
+            self.emit(Stream.COMPUTE, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=0)
+
+    def acts_in(self, s: int) -> tuple[str, ...]:
+        return tuple(f"act:{p}" for p in self.producers[s])
+
+    def step_out_bytes(self, s: int) -> int:
+        """What a GPU step of stage `s` writes back (and a step in backward fetches): weights, master, states."""
+        g = self.stages[s]
+        return gpu_step_out_bytes(g.param_bytes, g.param_numel, self.stages.state_bytes, self.M)
+
+    def weights_bytes(self, s: int) -> int:
+        """What a plain prefetch of stage `s` brings, and its step's OFFLOAD of `w:S` sends back: the
+        weights, or the fp32 master they are cast from (NOTE: [Weights from the master] in solver/footprint.py)."""
+        g = self.stages[s]
+        return self.M * g.param_numel if self.from_master[s] else g.param_bytes
+
+    def states_out(self, s: int) -> int:
+        """What a GPU step of stage `s` sends back beside its `w:S` OFFLOAD: master and states (a
+        rank's share), or the states alone where that OFFLOAD sent the master."""
+        g = self.stages[s]
+        return self.share(self.step_out_bytes(s) - g.param_bytes, s) - (self.weights_bytes(s) if self.from_master[s] else 0)
+
+    def share(self, nbytes: int, s: int) -> int:
+        """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
+        return piece(nbytes, self.stages[s].param_numel, len(self.stages[s].params), self.n)
+
+    # ---- sharded state (NOTE: [Sharded state] in runtime/sharding.py) --------------------------------
+    def gather(self, s: int, buf: str, after=()) -> None:
+        """All-gather of stage `s`'s (or the shared, -1) updated weights from every rank's shard into `buf`."""
+        st = self.stages
+        nbytes, numel, P = (st.shared_bytes, st.shared_numel, len(st.shared_params)) if s < 0 else (
+            st[s].param_bytes, st[s].param_numel, len(st[s].params))
+        self.emit(Stream.COMM, Kind.GATHER, s, writes=(buf,), after=after, moved=nbytes,
+                  workspace=comm_workspace(nbytes, numel, P, self.n))
+
+    def reduce(self, k: int) -> None:
+        """Reduce-scatter of stage `k`'s gradients; a streamed stage's shard goes to the host."""
+        g, streamed = self.stages[k], self.dec[k].streamed
+        self.emit(Stream.COMM, Kind.REDUCE, k, reads=(f"g:{k}" if streamed else self.rgrads[k],), allocs=(f"sg:{k}",),
+                  moved=g.param_bytes, workspace=comm_workspace(g.param_bytes, g.param_numel, len(g.params), self.n))
+        if streamed:
+            self.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"sg:{k}",), allocs=(f"host:grad:{k}",))
+
+    def reduced(self, k: int) -> None:
+        """After the backward that overlapped stage `k`'s reduce-scatter: its full gradients go, and
+        its shard is stepped (a resident stage's new weights then gathered)."""
+        if self.dec[k].streamed:
+            self.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"g:{k}",))
+            self.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"sg:{k}",))
+            self.rule(k).host_step(self, k)
+            return
+        self.emit(Stream.COMPUTE, Kind.FREE, k, frees=(self.rgrads[k],))
+        step = self.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"res:{k}", f"sg:{k}"), device="gpu",
+                         workspace=sharded_step_bytes(self.stages, k, self.n))
+        self.gather(k, f"res:{k}", after=(step,))
+
+
+def _buffers(lo: Lowering, hw: Hardware) -> None:
+    """The static buffers: fixed and shared weights, then per stage its kind's (weights, gradients,
+    step) and its activations', then those the kinds' stages share."""
+    stages, n, M = lo.stages, lo.n, lo.M
+    shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
+    lo.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
+    nshared = len(stages.shared_params)
+    if n > 1:
+        shared = resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, nshared, stages.state_bytes, M, n)
+    lo.buffer("shared", "gpu", shared, persistent=True)
+    if stages.shared_params:
+        # sharded: the full gradients go at their reduce-scatter, the shard stays
+        lo.buffer("rgrad:shared", "gpu", stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
+        if n > 1:
+            lo.buffer("sg:shared", "gpu", shard_grad_bytes(stages.shared_bytes, stages.shared_numel, nshared, M, n))
+    for s, g in enumerate(stages):
+        lo.rule(s).buffers(lo, s)
+        lo.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
+        lo.buffer(f"saved:{s}", "gpu", g.saved_bytes)
+        lo.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
+        if lo.dec[s].outputs.offloaded:
+            lo.buffer(f"host:act:{s}", "host", g.out_bytes)
+    for rule in RULES.values():
+        rule.shared_buffers(lo)
+
+
 def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     S = len(stages)
-    dec = plan.decisions
-    b = _Builder()
-    b.duration = _durations(stages, plan, hw)
+    lo = Lowering(stages, plan, hw)
+    b, dec, n = lo.b, lo.dec, lo.n
     win_start, acc = {}, 0.0
     for label, _, secs in plan.windows:
         win_start[label] = acc
         acc += secs
-
-    M = stages.master_bytes
-    n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
-    from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(dec)]  # NOTE: [Weights from the master]
-    shared = resident_bytes(stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
-    b.buffer("fixed", "gpu", fixed_bytes(stages) - shared + hw.runtime_bytes, persistent=True)
-    nshared = len(stages.shared_params)
-    if n > 1:
-        shared = resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, nshared, stages.state_bytes, M, n)
-    b.buffer("shared", "gpu", shared, persistent=True)
-    # gradients of resident weights: made by their backward, kept until the next step starts (NOTE:
-    # [Resident steps] in solver/footprint.py); the runtime's FREE of one is a no-op
-    rgrads = {s: f"rgrad:{s}" for s, d in enumerate(dec) if not d.streamed}
-    freed = {s for s in rgrads if s >= 0 and dec[s].step.frees_grads}  # NOTE: [Resident gradients freed at their step]
-    if stages.shared_params:
-        rgrads[-1] = "rgrad:shared"
-        # sharded: the full gradients go at their reduce-scatter, the shard stays
-        b.buffer("rgrad:shared", "gpu", stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
-        if n > 1:
-            b.buffer("sg:shared", "gpu", shard_grad_bytes(stages.shared_bytes, stages.shared_numel, nshared, M, n))
-    for s, g in enumerate(stages):
-        P = len(g.params)
-        if not dec[s].streamed:
-            if n > 1:
-                b.buffer(f"res:{s}", "gpu", resident_sharded_bytes(g.param_bytes, g.param_numel, P, stages.state_bytes, M, n),
-                         persistent=True)
-                b.buffer(rgrads[s], "gpu", g.param_bytes)
-                b.buffer(f"sg:{s}", "gpu", shard_grad_bytes(g.param_bytes, g.param_numel, P, M, n))
-            else:
-                cast = g.param_bytes if dec[s].weights.cast_on_use else 0  # NOTE: [Resident weights cast on use] in solver/footprint.py
-                b.buffer(f"res:{s}", "gpu", resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M) - cast,
-                         persistent=True)
-                b.buffer(rgrads[s], "gpu", resident_grad_bytes(g.param_bytes, g.param_numel, M))
-                if cast:
-                    b.buffer(f"w:{s}", "gpu", cast)
-        else:
-            # NOTE: [Weights from the master] in solver/footprint.py: the slot stages the master's largest tensor
-            b.buffer(f"w:{s}", "gpu", g.param_bytes + (master_staging_bytes(g) if from_master[s] else 0))
-            b.buffer(f"g:{s}", "gpu", g.param_bytes)
-            # a GPU step reads last step's gradient at this step's prefetch: it outlives the step
-            # (a step in backward reads it on the device: NOTE: [Backward steps] in solver/step_model.py)
-            kind = dec[s].kind
-            if kind != "backward":
-                b.buffer(f"host:grad:{s}", "host", piece(g.param_bytes, g.param_numel, P, n), persistent=kind == "prefetch")
-            if n > 1:
-                b.buffer(f"sg:{s}", "gpu", piece(g.param_bytes, g.param_numel, P, n))
-            match kind:
-                case "backward":  # NOTE: [Backward step twins] in solver/footprint.py
-                    b.buffer(f"opt:{s}", "gpu", backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
-                                                                    g.largest_numel))
-                case "prefetch":
-                    b.buffer(f"opt:{s}", "gpu", piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M,
-                                                                     g.largest_numel), g.param_numel, P, n))
-        b.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
-        b.buffer(f"saved:{s}", "gpu", g.saved_bytes)
-        b.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
-        if dec[s].outputs.offloaded:
-            b.buffer(f"host:act:{s}", "host", g.out_bytes)
-
-    slot = disk_step_slot_bytes(stages, dec)  # NOTE: [Disk-stepped stages] in solver/disk_model.py
-    if slot:
-        b.buffer("dstep", "gpu", slot, persistent=True)
-    producers = {s: g.producers for s, g in enumerate(stages)}
-
-    def held_to(p: int) -> int:
-        """The backward after which stage p's outputs go: its first reader's, or its own when its
-        autograd graph holds them (a saving stage)."""
-        saving = not dec[p].recomputed and stages[p].chunks == 1
-        return p if saving else stages[p].consumers[0]
-
-    def weights(s: int) -> tuple[str, ...]:
-        """The buffers stage `s`'s compute reads its weights from (a slot cast on use beside the home)."""
-        if dec[s].streamed:
-            return (f"w:{s}",)
-        return (f"res:{s}",) + ((f"w:{s}",) if dec[s].weights.cast_on_use else ())
-
-    def cast(s: int):
-        """NOTE: [Resident weights cast on use] in solver/footprint.py: the weights from the master, before a use."""
-        if dec[s].weights.cast_on_use:
-            b.emit(Stream.COMPUTE, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=0)
-    acts_in = lambda s: tuple(f"act:{p}" for p in producers[s])  # noqa: E731
-
-    # A GPU-stepped streamed stage applies last step's update at its forward prefetch
-    # (NOTE: [GPU-stepped streamed stages] in solver/solve.py).
-    stepped: dict[int, int] = {}  # stage -> its OPT_STEP event
-
-    def step_out_bytes(s: int) -> int:
-        """What a GPU step of stage `s` writes back (and a step in backward fetches): weights, master, states."""
-        return gpu_step_out_bytes(stages[s].param_bytes, stages[s].param_numel, stages.state_bytes, stages.master_bytes)
-
-    def weights_bytes(s: int) -> int:
-        """What a plain prefetch of stage `s` brings, and its step's OFFLOAD of `w:S` sends back: the
-        weights, or the fp32 master they are cast from (NOTE: [Weights from the master] in solver/footprint.py)."""
-        g = stages[s]
-        return stages.master_bytes * g.param_numel if from_master[s] else g.param_bytes
-
-    def states_out(s: int) -> int:
-        """What a GPU step of stage `s` sends back beside its `w:S` OFFLOAD: master and states (a
-        rank's share), or the states alone where that OFFLOAD sent the master."""
-        g = stages[s]
-        return share(step_out_bytes(s) - g.param_bytes, s) - (weights_bytes(s) if from_master[s] else 0)
-
-    def share(nbytes: int, s: int) -> int:
-        """A rank's share of stage `s`'s `nbytes` (all of it without sharding)."""
-        return piece(nbytes, stages[s].param_numel, len(stages[s].params), n)
-
-    def gather(s: int, buf: str, after=()):
-        """All-gather of stage `s`'s (or the shared, -1) updated weights from every rank's shard into `buf`."""
-        nbytes, numel, P = (stages.shared_bytes, stages.shared_numel, nshared) if s < 0 else (
-            stages[s].param_bytes, stages[s].param_numel, len(stages[s].params))
-        b.emit(Stream.COMM, Kind.GATHER, s, writes=(buf,), after=after, moved=nbytes,
-               workspace=comm_workspace(nbytes, numel, P, n))
-
-    def prefetch(s: int):
-        g = stages[s]
-        if dec[s].kind != "prefetch":
-            # sharded: only this rank's shard of the new weights comes over; the rest from the other ranks
-            b.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=share(weights_bytes(s), s))
-            if n > 1:
-                gather(s, f"w:{s}")
-            return
-        b.emit(Stream.H2D, Kind.PREFETCH, s, reads=(f"host:grad:{s}",), allocs=(f"opt:{s}", f"w:{s}"),
-               moved=share(gpu_step_state_bytes(g.param_numel, stages.state_bytes, stages.master_bytes) + g.param_bytes, s))
-        b.emit(Stream.H2D, Kind.FREE, s, frees=(f"host:grad:{s}",))
-
-    def gpu_step(s: int):
-        if dec[s].kind == "prefetch":
-            stepped[s] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"opt:{s}", f"w:{s}"), device="gpu")
-            if n > 1:
-                gather(s, f"w:{s}", after=(stepped[s],))
-
-    def step_out(s: int):
-        if dec[s].kind == "prefetch":
-            # the new weights first: the slot's FREE after this forward waits for this copy only
-            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(stepped[s],), moved=weights_bytes(s))
-            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(stepped[s],), moved=states_out(s))
-        elif dec[s].streamed and n > 1:  # the gathered weights back to the host copy the backward prefetch reads
-            b.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
-
-    def host_step(s: int):
-        """A streamed stage's step on the host worker once its gradient has landed: AdamW on the CPU,
-        or a disk-stepped stage's job (NOTE: [Disk-stepped stages] in solver/disk_model.py)."""
-        match dec[s].kind:
-            case "host":
-                b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="cpu")
-            case "job":
-                b.emit(Stream.CPU, Kind.OPT_STEP, s, reads=(f"host:grad:{s}",), device="disk")
-
-    def reduce(k: int):
-        """Reduce-scatter of stage `k`'s gradients; a streamed stage's shard goes to the host."""
-        g = stages[k]
-        b.emit(Stream.COMM, Kind.REDUCE, k, reads=(f"g:{k}" if dec[k].streamed else rgrads[k],), allocs=(f"sg:{k}",),
-               moved=g.param_bytes, workspace=comm_workspace(g.param_bytes, g.param_numel, len(g.params), n))
-        if dec[k].streamed:
-            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"sg:{k}",), allocs=(f"host:grad:{k}",))
-
-    def reduced(k: int):
-        """After the backward that overlapped stage `k`'s reduce-scatter: its full gradients go, and
-        its shard is stepped (a resident stage's new weights then gathered)."""
-        if dec[k].streamed:
-            b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"g:{k}",))
-            b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(f"sg:{k}",))
-            if dec[k].kind == "host":
-                b.emit(Stream.CPU, Kind.OPT_STEP, k, reads=(f"host:grad:{k}",), device="cpu")
-            return
-        b.emit(Stream.COMPUTE, Kind.FREE, k, frees=(rgrads[k],))
-        step = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"res:{k}", f"sg:{k}"), device="gpu",
-                      workspace=sharded_step_bytes(stages, k, n))
-        gather(k, f"res:{k}", after=(step,))
+    _buffers(lo, hw)
 
     # ---- forward ----------------------------------------------------------------------------
     b.t = win_start["pre"]
     if dec[0].streamed:
-        prefetch(0)
-        gpu_step(0)
+        lo.rule(0).prefetch(lo, 0)
+        lo.rule(0).before_forward(lo, 0)
     for s, g in enumerate(stages):
         b.t = win_start[f"F{s}"]
         if s + 1 < S and dec[s + 1].streamed and dec[s + 1].weights.lookahead == 1:
-            prefetch(s + 1)
+            lo.rule(s + 1).prefetch(lo, s + 1)
         if s + 2 < S and dec[s + 2].weights.lookahead == 2:
-            prefetch(s + 2)
+            lo.rule(s + 2).prefetch(lo, s + 2)
         if s > 0:
             # Issued after this window's prefetches: a prefetch's slot waits for the compute work
             # issued before it (NOTE: [Slots] in runtime/store.py), so a step issued first and run
             # in compute order would hold up every fetch. (The CUDA runtime runs it beside compute,
             # NOTE: [Optimizer stream] in runtime/stepping.py; the order keeps other runtimes right.)
-            gpu_step(s)
-        step_out(s)
-        for p in producers[s]:
+            lo.rule(s).before_forward(lo, s)
+        lo.rule(s).write_back(lo, s)
+        for p in lo.producers[s]:
             if dec[p].outputs.offloaded and s == p + 1:
                 b.emit(Stream.D2H, Kind.OFFLOAD, p, reads=(f"act:{p}",), allocs=(f"host:act:{p}",))
         save = not dec[s].recomputed and g.chunks == 1
         allocs = ((f"act:{s}",) if g.consumers else ()) + ((f"saved:{s}",) if save else ())
         # a saving forward holds its operators' own workspace beside what it saves (NOTE: [Operator workspace])
-        cast(s)
-        b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + weights(s) + acts_in(s),
+        lo.cast(s)
+        b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.FWD, reads=("fixed",) + lo.weights(s) + lo.acts_in(s),
                allocs=allocs, workspace=saving_workspace(g) if save else forward_workspace(g))
         if dec[s].streamed and s < S - 1 or dec[s].weights.cast_on_use:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
-        if dec[s].kind == "prefetch":  # after this forward: compute waits here for the write-back, if late
-            b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"opt:{s}",))
-        for p in producers[s]:
+        lo.rule(s).after_forward(lo, s)
+        for p in lo.producers[s]:
             mode = dec[p].outputs
             if (mode.offloaded and stages[p].consumers[-1] == s) or (mode is Outputs.DROP and s == p + 1):
                 b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
@@ -361,99 +309,81 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
     for s in reversed(range(S)):
         g = stages[s]
         b.t = win_start[f"B{s}"]
-        if s - 1 >= 0 and dec[s - 1].kind == "backward":  # NOTE: [Backward steps]: master and states beside the weights
-            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"opt:{s - 1}", f"w:{s - 1}"),
-                   moved=step_out_bytes(s - 1) - stages[s - 1].param_bytes + weights_bytes(s - 1))
-        elif s - 1 >= 0 and dec[s - 1].streamed:
-            b.emit(Stream.H2D, Kind.PREFETCH, s - 1, allocs=(f"w:{s - 1}",), moved=weights_bytes(s - 1))
+        if s - 1 >= 0:
+            lo.rule(s - 1).backward_prefetch(lo, s - 1)
         for p in range(S):
             if dec[p].outputs.offloaded and stages[p].consumers[-1] + 1 == s:
                 b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
-        if s + 1 < S and n > 1:  # NOTE: [Sharded state] in runtime/sharding.py
-            reduce(s + 1)
-        elif s + 1 < S and dec[s + 1].kind == "backward":  # beside this backward: the last one's stage steps, goes back
-            k = s + 1
-            stepped[k] = b.emit(Stream.COMPUTE, Kind.OPT_STEP, k, reads=(f"opt:{k}", f"w:{k}", f"g:{k}"), device="gpu")
-            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"w:{k}",), after=(stepped[k],), moved=weights_bytes(k))
-            b.emit(Stream.D2H, Kind.OFFLOAD, k, reads=(f"opt:{k}",), after=(stepped[k],), moved=states_out(k))
-        elif s + 1 < S and dec[s + 1].streamed:
-            b.emit(Stream.D2H, Kind.OFFLOAD, s + 1, reads=(f"g:{s + 1}",), allocs=(f"host:grad:{s + 1}",))
+        if s + 1 < S and n > 1:  # the last backward's stage: its gradient reduce-scattered beside this backward
+            lo.reduce(s + 1)
+        elif s + 1 < S:
+            lo.rule(s + 1).gradient(lo, s + 1)
         if s >= 1 and dec[s - 1].outputs is Outputs.DROP and dec[s].outputs is not Outputs.DROP:
             j = s - 1
             while j - 1 >= 0 and dec[j - 1].outputs is Outputs.DROP:
                 j -= 1
             for i in range(j, s):  # regenerate the dropped segment bottom-up
-                b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + weights(i) + acts_in(i),
+                b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + lo.weights(i) + lo.acts_in(i),
                        allocs=(f"act:{i}",), workspace=forward_workspace(stages[i]))
         save = not dec[s].recomputed and g.chunks == 1
-        reads = ("fixed",) + weights(s) + acts_in(s) + ((f"saved:{s}",) if save else ()) + \
+        reads = ("fixed",) + lo.weights(s) + lo.acts_in(s) + ((f"saved:{s}",) if save else ()) + \
             ((f"grad:{s}",) if g.grad_outputs else ())
-        allocs = tuple(f"grad:{p}" for p in producers[s] if stages[p].grad_outputs and stages.grad_maker(p) == s) + \
-            ((f"g:{s}",) if dec[s].streamed else (rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in rgrads else ())
+        allocs = tuple(f"grad:{p}" for p in lo.producers[s] if stages[p].grad_outputs and stages.grad_maker(p) == s) + \
+            ((f"g:{s}",) if dec[s].streamed else (lo.rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in lo.rgrads else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
-        cast(s)
+        lo.cast(s)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
                workspace=chunk_workspace(stages, s) + backward_workspace(g) if g.chunks > 1
                else backward_workspace(g) + (0 if save else recompute_workspace(g)))
         if save:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"saved:{s}",))
-        for p in producers[s]:
-            if stages[p].consumers[0] == s and held_to(p) == s:
+        for p in lo.producers[s]:
+            if stages[p].consumers[0] == s and lo.held_to(p) == s:
                 b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
-        if g.consumers and held_to(s) == s:  # outputs its autograd graph held until now
+        if g.consumers and lo.held_to(s) == s:  # outputs its autograd graph held until now
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"act:{s}",))
         if g.grad_outputs:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"grad:{s}",))
-        # a backward-stepped slot goes after its write-back
-        if dec[s].streamed and dec[s].kind != "backward" or dec[s].weights.cast_on_use:
+        if dec[s].weights.cast_on_use:
             b.emit(Stream.COMPUTE, Kind.FREE, s, frees=(f"w:{s}",))
+        lo.rule(s).after_backward(lo, s)
         if s + 1 < S and n > 1:
-            reduced(s + 1)
-        elif s + 1 < S and dec[s + 1].kind == "backward":
-            pass  # freed after the next backward (NOTE: [Backward steps])
-        elif s + 1 < S and dec[s + 1].streamed:
-            b.emit(Stream.COMPUTE, Kind.FREE, s + 1, frees=(f"g:{s + 1}",))
-            host_step(s + 1)
-        if not dec[s].streamed and n == 1:
-            b.emit(Stream.COMPUTE, Kind.OPT_STEP, s, reads=(f"res:{s}", rgrads[s]), device="gpu",
-                   workspace=step_bytes(stages, s))
-        if s + 2 < S and s + 2 in freed:  # NOTE: [Resident gradients freed at their step] in solver/footprint.py
-            b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(rgrads[s + 2],))
-        if s + 2 < S and dec[s + 2].kind == "backward":  # stepped and written back beside two backwards
-            for buf in (f"g:{s + 2}", f"w:{s + 2}", f"opt:{s + 2}"):
-                b.emit(Stream.COMPUTE, Kind.FREE, s + 2, frees=(buf,))
+            lo.reduced(s + 1)
+        elif s + 1 < S:
+            lo.rule(s + 1).gradient_landed(lo, s + 1)
+        lo.rule(s).backward_end(lo, s)
+        if s + 2 < S:
+            lo.rule(s + 2).two_later(lo, s + 2)
     b.t = win_start["tail"]
     if n > 1:
-        return _sharded_tail(b, stages, plan, hw, reduce, reduced, gather, rgrads, n)
-    if dec[0].streamed:
-        b.emit(Stream.D2H, Kind.OFFLOAD, 0, reads=("g:0",), allocs=("host:grad:0",))
-        b.emit(Stream.COMPUTE, Kind.FREE, 0, frees=("g:0",))
-        host_step(0)
+        return _sharded_tail(lo)
+    lo.rule(0).gradient(lo, 0)
+    lo.rule(0).gradient_landed(lo, 0)
     if stages.shared_params:
         b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared", "rgrad:shared"), device="gpu",
                workspace=shared_step_bytes(stages))
-    kept = {k: name for k, name in rgrads.items() if k not in freed}
+    kept = {k: name for k, name in lo.rgrads.items() if k not in lo.freed}
     if kept:  # with gradient clipping every resident step waits until here (NOTE: [Resident steps])
         b.emit(Stream.COMPUTE, Kind.FREE, min(kept), frees=tuple(kept.values()),
                workspace=deferred_step_bytes(stages, [not d.streamed for d in dec]))
     return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
 
 
-def _sharded_tail(b: _Builder, stages: Stages, plan: Plan, hw: Hardware, reduce, reduced, gather, rgrads, n: int) -> Schedule:
+def _sharded_tail(lo: Lowering) -> Schedule:
     """After backward with sharded state: stage 0's reduce-scatter and step, then the shared
     weights' (whose gradients every stage that reads them added to), each gathered once stepped."""
-    reduce(0)
-    reduced(0)
+    stages, n, b = lo.stages, lo.n, lo.b
+    lo.reduce(0)
+    lo.reduced(0)
     if stages.shared_params:
         b.emit(Stream.COMM, Kind.REDUCE, -1, reads=("rgrad:shared",), allocs=("sg:shared",), moved=stages.shared_bytes,
                workspace=comm_workspace(stages.shared_bytes, stages.shared_numel, len(stages.shared_params), n))
         b.emit(Stream.COMPUTE, Kind.FREE, -1, frees=("rgrad:shared",))
         step = b.emit(Stream.COMPUTE, Kind.OPT_STEP, -1, reads=("shared", "sg:shared"), device="gpu",
                       workspace=piece(shared_step_bytes(stages), stages.shared_numel, len(stages.shared_params), n))
-        gather(-1, "shared", after=(step,))
-    kept = tuple(f"sg:{s}" for s in sorted(rgrads) if s >= 0) + (("sg:shared",) if stages.shared_params else ())
+        lo.gather(-1, "shared", after=(step,))
+    kept = tuple(f"sg:{s}" for s in sorted(lo.rgrads) if s >= 0) + (("sg:shared",) if stages.shared_params else ())
     if kept:  # the shards of resident gradients stay until the next step starts (NOTE: [Resident steps])
-        b.emit(Stream.COMPUTE, Kind.FREE, min(rgrads), frees=kept,
-               workspace=sharded_deferred_bytes(stages, [not d.streamed for d in plan.decisions], n))
-    return Schedule(tuple(b.events), tuple(b.buffers.values()), plan.budget, hw.allocator_reserve_bytes)
-
+        b.emit(Stream.COMPUTE, Kind.FREE, min(lo.rgrads), frees=kept,
+               workspace=sharded_deferred_bytes(stages, [not d.streamed for d in lo.plan.decisions], n))
+    return Schedule(tuple(b.events), tuple(b.buffers.values()), lo.plan.budget, lo.hw.allocator_reserve_bytes)

@@ -31,14 +31,14 @@ FORMAT = 2  # bump when the plan's fields change meaning (2: each decision a pla
 
 
 def code_digest() -> str:
-    """A hash of the step model's code: every pass, the solver, the analyses, the stages' IR, the
-    hardware module (its reserves) and the runtime's sizes (the twins' piece size, the rings). A plan
+    """A hash of the step model's code: every pass, the solver with its step rules, the analyses, the
+    stages' IR, the hardware module (its reserves) and the runtime's sizes (the twins' piece size, the rings). A plan
     cached by other code may count memory another way (the bf16 rounding noise, say, added after
     plans were cached without it), so a change anywhere there is a new key: no hand bump to forget."""
     if _DIGEST:
         return _DIGEST[0]
     root = Path(__file__).resolve().parents[1]
-    files = [f for folder in ("passes", "solver", "analysis") for f in sorted((root / folder).glob("*.py"))]
+    files = [f for folder in ("passes", "solver", "analysis") for f in sorted((root / folder).rglob("*.py"))]
     files += [root / "ir" / "stages.py", root / "hardware" / "__init__.py", root / "sizes.py"]
     h = hashlib.sha256()
     for f in files:

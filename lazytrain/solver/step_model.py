@@ -1,6 +1,11 @@
 """The step model of pass `solve` (NOTE: [The step model] in solve.py): per-window memory, compute
 capacity, transfer volumes, host work and collectives of one training step, as linear expressions
 over the MIP's decision variables (`solve._vars`), which `solve._build` prices and bounds.
+
+The walk over the stages adds what every placement shares: compute, internals, outputs, a streamed
+stage's weight slot and its traffic, and the sharded paths. Each optimizer-step kind's own terms
+come from its rule (solver/steps/), called for every stage with the expression that is 1 where the
+stage takes that kind.
 """
 
 from __future__ import annotations
@@ -8,37 +13,23 @@ from __future__ import annotations
 import mip
 
 from lazytrain.hardware import Hardware
-from lazytrain.ir.stages import Stages
+from lazytrain.ir.stages import Stage, Stages
 from lazytrain.solver.backlog import backlog
 from lazytrain.solver.disk_model import disk_tier
 from lazytrain.solver.footprint import (
     CPU_STATE_BYTES,
-    HOST_STEP_BYTES,
-    MASTER_BYTES,
     Layout,
-    backward_step_bytes,
     backward_workspace,
-    cast_s,
     chunk_workspace,
-    cpu_step_s,
     deferred_step_bytes,
     disk_available,
-    disk_gpu_job_s,
-    disk_gpu_state_bytes,
-    disk_io_s,
-    disk_step_s,
     fixed_bytes,
-    flush_bytes,
     forward_workspace,
-    gpu_step_bytes,
     gpu_step_s,
-    gpu_step_out_bytes,
-    gpu_step_state_bytes,
     host_bytes_streamed,
     master_staging_bytes,
     recompute_workspace,
     resident_bytes,
-    resident_grad_bytes,
     saving_workspace,
     shared_grad_bytes,
     step_bytes,
@@ -57,6 +48,8 @@ from lazytrain.solver.shards import (
     sharded_tail,
     sharding,
 )
+from lazytrain.solver.steps import RULES, StageTerms
+
 
 class StepModel:
     """The step model: per-window memory, compute capacity and transfer volumes as linear expressions."""
@@ -76,8 +69,7 @@ class StepModel:
         self.unit = byte_unit(stages)
         self.unit_s = max(1e-12, sum(g.fwd_s + g.bwd_s for g in stages))
         T = 2 * S
-        sig, rec, off, drop, gst = vars_["stream"], vars_["recompute"], vars_["off"], vars_["drop"], vars_["gstep"]
-        ahead, dst, bst, mdk = vars_["ahead"], vars_["dstep"], vars_["bstep"], vars_["mdisk"]
+        sig = vars_["stream"]
         n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
         steps = self._deferred_steps(sig)
         fixed = fixed_bytes(stages) + hw.runtime_bytes
@@ -85,248 +77,225 @@ class StepModel:
             fixed += resident_sharded_bytes(stages.shared_bytes, stages.shared_numel, len(stages.shared_params),
                                             stages.state_bytes, M, n) - resident_bytes(
                 stages.shared_bytes, stages.shared_numel, stages.state_bytes, M)
-        mem = [fixed for _ in range(T)]
+        self.mem = [fixed for _ in range(T)]
         for t in range(S, T):  # shared (tied) weights' gradients, from the first backward on
-            mem[t] = mem[t] + (stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
+            self.mem[t] = self.mem[t] + (stages.shared_bytes if n > 1 else shared_grad_bytes(stages))
         # after backward: resident weights and their gradients, and the steps clipping defers (NOTE: [Resident steps])
-        tail = sharded_tail(stages, hw, [1 - x for x in sig], steps, n) if n > 1 else \
+        self.tail = sharded_tail(stages, hw, [1 - x for x in sig], steps, n) if n > 1 else \
             fixed_bytes(stages) + hw.runtime_bytes + shared_grad_bytes(stages) + steps
-        h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
-        comm = [0.0] * (T + 2)  # seconds of collectives on the ranks' link (NOTE: [Link bandwidth])
-        lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
-        d2h = [0.0] * (T + 2)
-        cpu = [0.0] * (T + 2)
-        released = [0.0] * (T + 2)  # host step seconds that may start in a window (NOTE: [Host step backlog] in backlog.py)
-        due = [0.0] * (T + 2)  # host step seconds that must be done by a window's end (exact clipping)
-        exact = stages.clipping == "exact"
-        PRE, TAIL = T, T + 1
-        cap = [0.0] * (T + 2)
+        self.h2d = [0.0] * (T + 2)  # index T is `pre`, T+1 is `tail`
+        self.comm = [0.0] * (T + 2)  # seconds of collectives on the ranks' link (NOTE: [Link bandwidth])
+        self.lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
+        self.d2h = [0.0] * (T + 2)
+        self.cpu = [0.0] * (T + 2)
+        self.released = [0.0] * (T + 2)  # host step seconds that may start in a window (NOTE: [Host step backlog] in backlog.py)
+        self.due = [0.0] * (T + 2)  # host step seconds that must be done by a window's end (exact clipping)
+        self.exact = stages.clipping == "exact"
+        self.PRE, self.TAIL = PRE, TAIL = T, T + 1
+        self.cap = [0.0] * (T + 2)
         self.compute = sum(s.fwd_s + s.bwd_s for s in stages)
         self.recompute = 0.0
-        # device steps: `optimizer` all of them; `serial` those in series with compute; the rest run
-        # on the optimizer stream beside backward (NOTE: [Device steps beside compute])
-        on_stream = n == 1 and not exact and hw.gpu_step_pace > 0
-        stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
-        step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
-        self.optimizer = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
-                                    len(stages.shared_params), hw, M)
-        if on_stream:
-            stepped[TAIL] += self.optimizer
-        self.serial = 0.0 if on_stream else self.optimizer
+        # device steps: `serial` those in series with compute; the rest run on the optimizer stream
+        # beside backward (NOTE: [Device steps beside compute])
+        self.on_stream = n == 1 and not self.exact and hw.gpu_step_pace > 0
+        self.stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
+        self.step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
+        shared_step = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
+                                 len(stages.shared_params), hw, M)
+        if self.on_stream:
+            self.stepped[TAIL] += shared_step
+        self.serial = 0.0 if self.on_stream else shared_step
         if stages.shared_numel:  # the shared weights' reduce-scatter and all-gather after backward
-            comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
-            self._spread(comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
-        PK = max((s.peak_bytes for s in stages), default=0)
-        disk_ok = stages.disk and n == 1 and disk_available(hw)
+            self.comm[TAIL] += comm_s(stages.shared_bytes, hw, n)
+            self.spread(self.comm, [TAIL, PRE], comm_s(stages.shared_bytes, hw, n), "gather_shared")
+        self.disk_ok = stages.disk and n == 1 and disk_available(hw)
         # per stage, with the disk tier: (window released, window due by, host worker seconds, of
         # them a disk-stepped job's)
         self.host_jobs: list[tuple[int, int, object, object]] = []
         # of the host worker's jobs, the disk's seconds: released and due with their jobs (NOTE: [One disk] in disk_model.py)
         self.job_disk_released, self.job_disk_due = [0.0] * (T + 2), [0.0] * (T + 2)
-        from_master = [weights_from_master(stages, s) for s in range(S)]  # if GPU-stepped (gst, dst)
+        terms = []
         for s, g in enumerate(stages):
-            chunked = g.chunks > 1
-            P = len(g.params)
-            numel = piece(g.param_numel, g.param_numel, P, n)  # the parameters this rank steps
-            cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
-            cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec[s])
-            self.recompute = self.recompute + g.remat_s * rec[s] + g.fwd_s * drop[s]  # NOTE: [Skipped recompute]
-            if stages.world_size > 1 and n == 1:  # NOTE: [Replicated all-reduce]
-                reduce_s = allreduce_s(g.param_bytes + (stages.shared_bytes if s == 0 else 0), hw, stages.world_size)
-                cap[L.bw(s)] += reduce_s
-                self.compute += reduce_s
-            # weights: resident (weights, grads, states) or a streamed buffer
-            res = resident_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            rgrad = resident_grad_bytes(g.param_bytes, g.param_numel, M)
-            step_s = gpu_step_s(numel, P, hw, M)
-            self.optimizer = self.optimizer + (1 - sig[s]) * step_s
-            if on_stream:  # released as its backward ends
-                stepped[L.bw(s - 1) if s > 0 else TAIL] += (1 - sig[s]) * step_s
-            else:
-                self.serial = self.serial + (1 - sig[s]) * step_s
+            st = self._stage(s, g)
+            kinds = [(rule, rule.indicator(vars_, s)) for rule in RULES.values()]  # x: 1 where s takes rule's kind
+            for rule, x in kinds:  # a resident stage's weights, gradients and states
+                rule.home(self, st, x)
             if n > 1:
-                self._sharded(s, g, mem, comm, h2d, d2h, sig, gst)
-            else:
-                # NOTE: [Resident weights cast on use] in footprint.py: no compute copy between uses
-                cast = vars_["cast"][s]
-                res = res * (1 - sig[s]) - g.param_bytes * cast
-                for t in (L.fw(s), L.bw(s)):
-                    mem[t] = mem[t] + g.param_bytes * cast
-                self.recompute = self.recompute + cast_s(g, hw, M) * cast * 2
-                cap[L.fw(s)] += cast_s(g, hw, M) * cast
-                cap[L.bw(s)] += cast_s(g, hw, M) * cast
-                for t in range(T):
-                    mem[t] = mem[t] + res
-                # NOTE: [Resident gradients freed at their step] in footprint.py: until B(s-2), or the tail
-                freed = vars_["free"][s]
-                for t in range(L.bw(s), T):
-                    mem[t] = mem[t] + rgrad * (1 - sig[s] - (freed if t > L.bw(s - 2) else 0))
-                if s >= 2:
-                    step_due[L.bw(s - 2)] += freed * step_s
-                tail = tail + res + rgrad * (1 - sig[s] - freed)
-                # its step follows its backward in B(s), once the backward's workspace is gone
-                bwd = backward_workspace(g) + (chunk_workspace(stages, s) if chunked else 0)
-                mem[L.bw(s)] = mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * (1 - sig[s])
-            # NOTE: [Weights from the master] in footprint.py: a GPU-stepped stage's slot stages its
-            # master, plain prefetches bring the master, and the host keeps no compute-dtype copy
-            # (NOTE: [Masters on disk] in disk_model.py: not where the master is on disk, `mdk`)
-            copy, staging = (g.param_bytes, master_staging_bytes(g)) if from_master[s] else (0, 0)
-            extra = M * g.param_numel - g.param_bytes if from_master[s] else 0
-            for t in L.weight_windows(s):
-                mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s] - mdk[s])
-            for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
-                if t is not None:
-                    mem[t] = mem[t] + g.param_bytes * sig[s] + staging * (gst[s] + dst[s] - mdk[s])
-            # weight prefetch and gradient offload traffic (sharded: the forward prefetch brings this
-            # rank's shard, the gradient leaves as one); a forward prefetch after a step brings none
-            h2d[L.fw(s - 1) if s > 0 else PRE] += (piece(g.param_bytes, g.param_numel, P, n) * sig[s]
-                                                   + extra * (bst[s] + dst[s] - mdk[s]))
-            if s < S - 1:
-                h2d[L.bw(s + 1)] += g.param_bytes * sig[s] + extra * (gst[s] + dst[s] - mdk[s])
-            d2h[L.bw(s - 1) if s > 0 else TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig[s]
-            # a host step can start once its gradient has landed (B(s-2)), or with exact clipping once
-            # backward has ended; it must end before its next prefetch (NOTE: [Host step deadlines])
-            host_s = (sig[s] - gst[s] - dst[s]) * cpu_step_s(piece(g.param_bytes, g.param_numel, P, n), numel, hw, M)
-            release = L.bw(s - 2) if s >= 2 and not exact else TAIL
-            prefetched = (TAIL, PRE)[s] if s < 2 else L.fw(s - 2)  # the end of the window before its prefetch
-            job_s = 0.0  # a disk-stepped stage's job: due only before its next prefetch (NOTE: [Disk-stepped stages] in disk_model.py)
-            if disk_ok:  # NOTE: [Disk-resident states] in disk_model.py
-                host_disk = vars_["disk"][s] * disk_step_s(g.param_numel, hw)
-                host_s = host_s + host_disk
-                job_s = dst[s] * disk_gpu_job_s(g.param_bytes, g.param_numel, P, hw, stages.state_bytes, M)
-                job_disk = dst[s] * disk_io_s(disk_gpu_state_bytes(g.param_numel, stages.state_bytes), hw)
-                self.job_disk_released[release] += host_disk + job_disk
-                self.job_disk_due[prefetched] += job_disk
-                self.job_disk_due[prefetched if exact else TAIL] += host_disk
-                self.optimizer = self.optimizer + dst[s] * step_s
-                self.serial = self.serial + dst[s] * (step_s * hw.gpu_step_lost)  # beside compute
-                self.host_jobs.append((release, prefetched, host_s + job_s, job_s))  # NOTE: [Jobs due in release order's reverse] in backlog.py
-            else:
-                m += vars_["disk"][s] == 0
-                m += dst[s] == 0
-            released[release] += host_s + job_s
-            due[prefetched if exact else TAIL] += host_s
-            due[prefetched] += job_s
-            # GPU-stepped streamed at the next forward: state in at the prefetch, out one window later
-            fwd = gst[s] - bst[s]
-            fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
-            h2d[L.fw(s - 1) if s > 0 else PRE] += fetch * fwd
-            out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-            d2h[L.fw(s)] += (g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out - copy) * fwd
-            opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
-                              g.param_numel, P, n)
-            # in backward: NOTE: [Backward step twins] in footprint.py
-            back_bytes = backward_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel)
-            for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
-                mem[t] = mem[t] + opt_bytes * fwd
-            if 2 <= s < S - 1:  # NOTE: [Backward steps]
-                h2d[L.bw(s + 1)] += (out - g.param_bytes) * bst[s]  # master and states, beside the weights
-                # new weights (not the gradient), master and states, after the step: in B(s-1) or B(s-2)
-                d2h[L.bw(s - 1)] -= g.param_bytes * bst[s]
-                self._spread(d2h, [L.bw(s - 1), L.bw(s - 2)], (out - copy) * bst[s] + copy * mdk[s], f"back{s}")
-                for t in (L.bw(s + 1), L.bw(s), L.bw(s - 1), L.bw(s - 2)):
-                    mem[t] = mem[t] + back_bytes * bst[s]
-                for t in (L.bw(s - 1), L.bw(s - 2)):  # the weights until written back, the gradient until stepped
-                    mem[t] = mem[t] + (g.param_bytes + staging) * bst[s] - staging * mdk[s]
-                mem[L.bw(s - 2)] = mem[L.bw(s - 2)] + g.param_bytes * bst[s]
-            if s >= 2:  # fetched a window earlier: the whole prefetch moves, both slots live longer
-                h2d[L.fw(s - 1)] -= (fetch + g.param_bytes) * ahead[s]
-                h2d[L.fw(s - 2)] += (fetch + g.param_bytes) * ahead[s]
-                mem[L.fw(s - 2)] = mem[L.fw(s - 2)] + (opt_bytes + g.param_bytes + staging) * ahead[s]
-            self.optimizer = self.optimizer + gst[s] * step_s
-            self.serial = self.serial + fwd * step_s
-            # NOTE: [Backward steps]: on the optimizer stream beside backward's compute
-            self.serial = self.serial + bst[s] * (step_s * hw.gpu_step_lost)
-            # the step runs on the compute stream before its forward, once its fetch has landed:
-            # fetched one window ahead, it trails the fetch inside that window; two ahead, the
-            # fetch is in by then. Transfers run beside it as beside compute (NOTE: [GPU-step lag])
-            lag[L.fw(s - 1) if s > 0 else PRE] += (fwd - ahead[s]) * step_s
-            cap[L.fw(s - 1) if s > 0 else PRE] += fwd * step_s
-            # internals: saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace
-            for t in range(L.fw(s), L.bw(s) + 1):
-                mem[t] = mem[t] + g.saved_bytes * (1 - rec[s])
-            mem[L.fw(s)] = mem[L.fw(s)] + forward_workspace(g) * rec[s] + saving_workspace(g) * (1 - rec[s])
-            mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + recompute_workspace(g) * rec[s]
-            if chunked:  # one chunk's forward and backward
-                mem[L.bw(s)] = mem[L.bw(s)] + chunk_workspace(stages, s)
-            # output activations
-            if g.consumers:
-                cmin, cmax = g.consumers[0], g.consumers[-1]
-                keep = 1 - off[s] - drop[s]
-                for t in range(L.fw(s), L.bw(cmin) + 1):
-                    mem[t] = mem[t] + g.out_bytes * keep
-                # a saving stage's autograd graph holds its outputs until its own backward
-                # (it then keeps them: `_vars`), when its last reader came before
-                for t in range(L.bw(cmin) + 1, L.bw(s) + 1):
-                    mem[t] = mem[t] + g.out_bytes * (1 - rec[s])
-                for t in list(range(L.fw(s), L.fw(cmax) + 1)) + list(range(L.bw(cmax + 1), L.bw(cmin) + 1)) if cmax < S - 1 else []:
-                    mem[t] = mem[t] + g.out_bytes * off[s]
-                for t in (L.fw(s), L.fw(s + 1)):
-                    mem[t] = mem[t] + g.out_bytes * drop[s]
-                for t in range(L.bw(stages.grad_maker(s)), L.bw(s) + 1):
-                    mem[t] = mem[t] + g.grad_out_bytes
-                if cmax < S - 1:
-                    self._spread(d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off[s] * g.out_bytes, f"off{s}")
-                    h2d[L.bw(cmax + 1)] += g.out_bytes * off[s]
+                self._sharded(s, g, self.mem, self.comm, self.h2d, self.d2h, sig, vars_["gstep"])
+            self._weight_slot(st)
+            for rule, x in kinds:  # the host worker's seconds: host steps and jobs
+                rule.host_work(self, st, x)
+            self._host_worker(st)
+            for rule, x in kinds:  # a device step's states, buffers and seconds
+                rule.transfers(self, st, x)
+            self._internals(s, g)
+            self._outputs(s, g)
+            terms.append(st)
+        self._host_steps()
+        self._optimizer_stream()
+        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
+        R = vars_["R"]
+        self.floors.extend(R)
+        PK = max((s.peak_bytes for s in stages), default=0)
+        for c in range(1, S):
+            self.mem[L.bw(c)] = self.mem[L.bw(c)] + R[c] * self.unit + PK * vars_["drop"][c - 1]
+        for rule in RULES.values():
+            rule.tail_bytes(self)
+        self.host = self._host_memory(terms)
+        disk_tier(self, self.disk_ok, TAIL)  # the offload file: its bytes, the host they free, the disk's seconds
+        for rule in RULES.values():
+            rule.host_buffers(self)
+
+    def _stage(self, s: int, g: Stage) -> StageTerms:
+        """The stage's compute (and a replicated all-reduce's), and the facts the rules read."""
+        stages, hw, L, n, M = self.st, self.hw, self.L, self.n, self.st.master_bytes
+        rec, drop = self.v["recompute"][s], self.v["drop"][s]
+        chunked = g.chunks > 1
+        P = len(g.params)
+        self.cap[L.fw(s)] += 0.0 if chunked else g.fwd_s
+        self.cap[L.bw(s)] += g.bwd_s + (g.fwd_s if chunked else g.remat_s * rec)
+        self.recompute = self.recompute + g.remat_s * rec + g.fwd_s * drop  # NOTE: [Skipped recompute]
+        if stages.world_size > 1 and n == 1:  # NOTE: [Replicated all-reduce]
+            reduce_s = allreduce_s(g.param_bytes + (stages.shared_bytes if s == 0 else 0), hw, stages.world_size)
+            self.cap[L.bw(s)] += reduce_s
+            self.compute += reduce_s
+        numel = piece(g.param_numel, g.param_numel, P, n)
+        # NOTE: [Weights from the master] in footprint.py: a GPU-stepped stage's slot stages its
+        # master, plain prefetches bring the master, and the host keeps no compute-dtype copy
+        mixed = weights_from_master(stages, s)  # if stepped on the device (gstep, dstep)
+        copy, staging = (g.param_bytes, master_staging_bytes(g)) if mixed else (0, 0)
+        return StageTerms(s, g, numel, gpu_step_s(numel, P, hw, M), copy, staging,
+                          M * g.param_numel - g.param_bytes if mixed else 0,
+                          L.bw(s - 2) if s >= 2 and not self.exact else self.TAIL,
+                          (self.TAIL, self.PRE)[s] if s < 2 else L.fw(s - 2))
+
+    def _weight_slot(self, st: StageTerms) -> None:
+        """A streamed stage's weight slot, its prefetches (sharded: the forward prefetch brings this
+        rank's shard) and its gradient's offload (sharded: as one shard). A stage stepped on the
+        device (`gstep + dstep`) stages its master in the slot, and a plain prefetch of it brings the
+        master (a forward one: not a step at the prefetch's, whose rule adds its states), unless the
+        master is on disk (`mdisk`)."""
+        s, g, L, v = st.s, st.g, self.L, self.v
+        sig, gst, dst, bst, mdk = v["stream"][s], v["gstep"][s], v["dstep"][s], v["bstep"][s], v["mdisk"][s]
+        for t in L.weight_windows(s):
+            self.mem[t] = self.mem[t] + g.param_bytes * sig + st.staging * (gst + dst - mdk)
+        for t in (L.bw(s), L.bw(s - 1) if s > 0 else None):
+            if t is not None:
+                self.mem[t] = self.mem[t] + g.param_bytes * sig + st.staging * (gst + dst - mdk)
+        P, n = len(g.params), self.n
+        self.h2d[L.fw(s - 1) if s > 0 else self.PRE] += (piece(g.param_bytes, g.param_numel, P, n) * sig
+                                                         + st.extra * (bst + dst - mdk))
+        if s < len(self.st) - 1:
+            self.h2d[L.bw(s + 1)] += g.param_bytes * sig + st.extra * (gst + dst - mdk)
+        self.d2h[L.bw(s - 1) if s > 0 else self.TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig
+
+    def _host_worker(self, st: StageTerms) -> None:
+        """The host worker's seconds the rules set on `st`, released once the stage's gradient has
+        landed, each due by its deadline (NOTE: [Host step deadlines] in runtime/stepping.py)."""
+        TAIL = self.TAIL
+        if self.disk_ok:
+            self.job_disk_released[st.release] += st.host_disk_s + st.job_disk_s
+            self.job_disk_due[st.prefetched] += st.job_disk_s
+            self.job_disk_due[st.prefetched if self.exact else TAIL] += st.host_disk_s
+            # NOTE: [Jobs due in release order's reverse] in backlog.py
+            self.host_jobs.append((st.release, st.prefetched, st.host_s + st.job_s, st.job_s))
+        self.released[st.release] += st.host_s + st.job_s
+        self.due[st.prefetched if self.exact else TAIL] += st.host_s
+        self.due[st.prefetched] += st.job_s
+
+    def _internals(self, s: int, g: Stage) -> None:
+        """Saved from F(s) to B(s), or recomputed at B(s); plus backward's workspace."""
+        L, mem, rec = self.L, self.mem, self.v["recompute"][s]
+        for t in range(L.fw(s), L.bw(s) + 1):
+            mem[t] = mem[t] + g.saved_bytes * (1 - rec)
+        mem[L.fw(s)] = mem[L.fw(s)] + forward_workspace(g) * rec + saving_workspace(g) * (1 - rec)
+        mem[L.bw(s)] = mem[L.bw(s)] + backward_workspace(g) + recompute_workspace(g) * rec
+        if g.chunks > 1:  # one chunk's forward and backward
+            mem[L.bw(s)] = mem[L.bw(s)] + chunk_workspace(self.st, s)
+
+    def _outputs(self, s: int, g: Stage) -> None:
+        """Output activations: kept, offloaded or dropped, and the gradient of them."""
+        if not g.consumers:
+            return
+        L, mem, S = self.L, self.mem, len(self.st)
+        rec, off, drop = self.v["recompute"][s], self.v["off"][s], self.v["drop"][s]
+        cmin, cmax = g.consumers[0], g.consumers[-1]
+        keep = 1 - off - drop
+        for t in range(L.fw(s), L.bw(cmin) + 1):
+            mem[t] = mem[t] + g.out_bytes * keep
+        # a saving stage's autograd graph holds its outputs until its own backward
+        # (it then keeps them: `_vars`), when its last reader came before
+        for t in range(L.bw(cmin) + 1, L.bw(s) + 1):
+            mem[t] = mem[t] + g.out_bytes * (1 - rec)
+        for t in list(range(L.fw(s), L.fw(cmax) + 1)) + list(range(L.bw(cmax + 1), L.bw(cmin) + 1)) if cmax < S - 1 else []:
+            mem[t] = mem[t] + g.out_bytes * off
+        for t in (L.fw(s), L.fw(s + 1)):
+            mem[t] = mem[t] + g.out_bytes * drop
+        for t in range(L.bw(self.st.grad_maker(s)), L.bw(s) + 1):
+            mem[t] = mem[t] + g.grad_out_bytes
+        if cmax < S - 1:
+            self.spread(self.d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off * g.out_bytes, f"off{s}")
+            self.h2d[L.bw(cmax + 1)] += g.out_bytes * off
+
+    def _host_steps(self) -> None:
+        """The host worker's seconds per window: its backlog over the windows its jobs may run in."""
         # NOTE: [Host step deadlines] in runtime/stepping.py's [Gradient clipping]: unclipped, host
         # steps end by the step's end (the runtime waits for them there); with exact clipping they
         # start after backward and run on into the next step's forward, each done before its prefetch;
         # disk-stepped stages' jobs may always do so (NOTE: [Disk-stepped stages] in disk_model.py)
+        L, S, PRE, TAIL = self.L, len(self.st), self.PRE, self.TAIL
         into_forward = [PRE] + [L.fw(j) for j in range(S - 2)]
-        hosted = self.hosted = [TAIL] + into_forward if exact else list(range(S, T)) + [TAIL] + (into_forward if disk_ok else [])
-        for w, done in backlog(m, released, hosted, self.unit_s, due if exact or disk_ok else None).items():
-            cpu[w] = cpu[w] + done
+        self.hosted = [TAIL] + into_forward if self.exact else \
+            list(range(S, 2 * S)) + [TAIL] + (into_forward if self.disk_ok else [])
+        due = self.due if self.exact or self.disk_ok else None
+        for w, done in backlog(self.m, self.released, self.hosted, self.unit_s, due).items():
+            self.cpu[w] = self.cpu[w] + done
+
+    def _optimizer_stream(self) -> None:
+        """`beside`: seconds a window runs longer for the device steps beside or after it."""
         # NOTE: [Device steps beside compute] in hardware/__init__.py: the optimizer stream runs its
         # steps in the order released, at `gpu_step_pace` beside compute, and finishes after backward
         # (the next forward's first stage waits for the last step); compute loses `gpu_step_lost` of
         # what runs beside it, and what is left after backward runs alone
-        self.beside = [0.0] * (T + 2)  # seconds a window runs longer for the steps beside or after it
-        if on_stream:
-            windows = [L.bw(w) for w in range(S - 2, -1, -1)] + [TAIL]
-            for w, done in backlog(m, stepped, windows, self.unit_s, step_due).items():
-                if w == TAIL:
-                    self.beside[w] = done
-                else:
-                    m += done * (1.0 / self.unit_s) <= cap[w] * (hw.gpu_step_pace / self.unit_s)
-                    self.beside[w] = done * hw.gpu_step_lost
-        # recomputed dropped outputs live at B(c): R[c] = drop[c-1] * (out[c-1] + R[c-1]), in `unit` bytes
-        R = vars_["R"]
-        self.floors.extend(R)
-        for c in range(1, S):
-            mem[L.bw(c)] = mem[L.bw(c)] + R[c] * self.unit + PK * drop[c - 1]
-        self.mem = mem
-        # NOTE: [Flushed updates] in footprint.py: one GPU-stepped stage's update applied between steps
-        if n == 1:
-            flush = m.add_var("flush", lb=0.0)  # in units of `unit` bytes
-            self.floors.append(flush)
-            for s in range(S):
-                m += flush >= (flush_bytes(stages, s) / self.unit) * (gst[s] - vars_["bstep"][s])
-            tail = tail + flush * self.unit
-        self.tail = tail
-        if n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
-            self.host = sum(g.param_bytes for g in stages) + stages.shared_bytes + sum(
+        L, S, TAIL, hw = self.L, len(self.st), self.TAIL, self.hw
+        self.beside = [0.0] * (2 * S + 2)
+        if not self.on_stream:
+            return
+        windows = [L.bw(w) for w in range(S - 2, -1, -1)] + [TAIL]
+        for w, done in backlog(self.m, self.stepped, windows, self.unit_s, self.step_due).items():
+            if w == TAIL:
+                self.beside[w] = done
+            else:
+                self.m += done * (1.0 / self.unit_s) <= self.cap[w] * (hw.gpu_step_pace / self.unit_s)
+                self.beside[w] = done * hw.gpu_step_lost
+
+    def _host_memory(self, terms: list[StageTerms]):
+        """Host bytes: masters, streamed stages' host copies and states, offloaded outputs."""
+        stages, v, M = self.st, self.v, self.st.master_bytes
+        sig, gst, dst, off, mdk = v["stream"], v["gstep"], v["dstep"], v["off"], v["mdisk"]
+        if self.n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
+            n = self.n
+            return sum(g.param_bytes for g in stages) + stages.shared_bytes + sum(
                 sig[s] * host_shard_bytes(g.param_bytes, g.param_numel, len(g.params), stages.state_bytes, M, n)
                 - gst[s] * piece(M * g.param_numel, g.param_numel, len(g.params), n) + off[s] * g.out_bytes
                 + (sig[s] - gst[s]) * piece((CPU_STATE_BYTES - stages.state_bytes) * g.param_numel, g.param_numel,
                                             len(g.params), n)
                 for s, g in enumerate(stages))
-        else:  # NOTE: [Resident masters on the device]
-            placed = hw.device == "cuda"
-            self.host = sum(M * g.param_numel * (sig[s] if placed else 1) for s, g in enumerate(stages)) + sum(
-                sig[s] * host_bytes_streamed(g.param_bytes, g.param_numel, stages.state_bytes, M)
-                - (gst[s] + dst[s]) * (M * g.param_numel + (g.param_bytes if from_master[s] else 0))
-                - bst[s] * g.param_bytes + off[s] * g.out_bytes
-                - mdk[s] * (M * g.param_numel - g.param_bytes)  # NOTE: [Masters on disk]: the copy stays, the master goes
-                + (sig[s] - gst[s] - dst[s]) * (CPU_STATE_BYTES - stages.state_bytes) * g.param_numel
-                for s, g in enumerate(stages))
-        disk_tier(self, disk_ok, TAIL)  # the offload file: its bytes, the host they free, the disk's seconds
-        if M != MASTER_BYTES:  # bf16 masters: the host step's reused buffers (NOTE: [Host step buffers] in runtime/optim.py)
-            buffers = m.add_var("host_step_buffers", lb=0.0)  # in units of `unit` bytes
-            self.floors.append(buffers)
-            for s, g in enumerate(stages):
-                m += buffers >= (HOST_STEP_BYTES * g.largest_numel / self.unit) * (sig[s] - gst[s] - dst[s])
-            self.host = self.host + buffers * self.unit
-        self.h2d, self.d2h, self.cpu, self.cap, self.lag, self.comm = h2d, d2h, cpu, cap, lag, comm
+        placed = self.hw.device == "cuda"  # NOTE: [Resident masters on the device]
+        return sum(M * g.param_numel * (sig[s] if placed else 1) for s, g in enumerate(stages)) + sum(
+            self._stage_host(st, sig[st.s], gst[st.s] + dst[st.s], off[st.s], mdk[st.s]) for st in terms)
+
+    def _stage_host(self, st: StageTerms, sig, device, off, mdk):
+        """A stage's host bytes, without sharded state: a streamed stage's; a stage stepped on the
+        device (`device`: gstep + dstep) keeps no fp32 master there, nor the compute-dtype copy where
+        its prefetches read the master; its kind's own (solver/steps/); its offloaded outputs; and a
+        master on disk leaves its copy (NOTE: [Masters on disk] in disk_model.py)."""
+        g, M = st.g, self.st.master_bytes
+        host = sig * host_bytes_streamed(g.param_bytes, g.param_numel, self.st.state_bytes, M) \
+            - device * (M * g.param_numel + st.copy)
+        for rule in RULES.values():
+            host = host + rule.host_bytes(self, st, rule.indicator(self.v, st.s))
+        return host + off * g.out_bytes - mdk * (M * g.param_numel - g.param_bytes)
 
     def _sharded(self, s, g, mem, comm, h2d, d2h, sig, gst):
         """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
@@ -352,7 +321,7 @@ class StepModel:
                 mem[t] = mem[t] + sg * (1 - sig[s])
         # resident: gathered after its step, any time before the next F(s)
         windows = [L.bw(w) for w in range(s - 2, -1, -1)] + [TAIL, PRE] + [L.fw(w) for w in range(s)]
-        self._spread(comm, windows, t_comm * (1 - sig[s]), f"gather{s}")
+        self.spread(comm, windows, t_comm * (1 - sig[s]), f"gather{s}")
         # streamed: gathered where its forward prefetch lands; the gathered weights go back to the host
         comm[L.fw(s - 1) if s > 0 else PRE] += t_comm * sig[s]
         for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
@@ -372,12 +341,13 @@ class StepModel:
                 self.m += tw >= (size(s) / self.unit) * (1 - sig[s])
         return tw * self.unit
 
-    def _spread(self, table, windows, volume, tag):
+    def spread(self, table, windows, volume, tag):
         """Split `volume` bytes over `windows` with continuous variables: transfers need not fit one window."""
         parts = [self.m.add_var(name=f"{tag}_{w}", lb=0.0) for w in windows]  # in units of `unit` bytes
         self.m += mip.xsum(parts) == volume * (1.0 / self.unit)
         for w, p in zip(windows, parts):
             table[w] = table[w] + p * self.unit
+
 
 
 # NOTE: [Backward steps]
