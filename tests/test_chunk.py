@@ -1,4 +1,4 @@
-"""Pass `chunk` and the chunked loss stage (NOTE: [Chunked loss] in runtime/replay.py).
+"""Pass `chunk` and the chunked loss stage (NOTE: [Chunked loss] in runtime/chunked.py).
 
 The last stage (final norm, lm_head, cross-entropy) runs in k slices of the batch, whole rows or
 pieces of rows (tokens), when it provably keeps them apart and its working set is over

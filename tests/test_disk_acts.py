@@ -97,7 +97,7 @@ def test_replay_and_adamw_steps_with_outputs_on_disk(gpt, tmp_path):
     trainer = assert_disk_steps_equal_adamw(forced(graph, stages, batch, decisions(SPEC), HW).source_text, real, batch,
                                             tmp_path, **HP)
     assert len(trainer.act_disk.buffers) == ACT_RING and trainer.act_disk.free.qsize() == ACT_RING
-    assert trainer.host_act == {}  # no host buffer of their own
+    assert trainer.replay.host_act == {}  # no host buffer of their own
     del trainer
     gc.collect()
     assert offload_files(tmp_path) == []

@@ -107,7 +107,7 @@ def test_replay_and_steps_equal_eager_and_the_gradients_go(gpt):
     trainer, model = bind_source(text, real, **HP)
     names = {p for s in trainer.stages if s.index in trainer.grads_freed for p in s.params}
     held = {}
-    free = trainer._free_resident_grads
+    free = trainer.gradients.free_issued
 
     def spy(frees):
         free(frees)
@@ -116,7 +116,7 @@ def test_replay_and_steps_equal_eager_and_the_gradients_go(gpt):
             if idx.isdigit() and int(idx) in trainer.grads_freed:
                 for p in trainer.stages[int(idx)].params:
                     held[p] = trainer.store.home[p].grad
-    trainer._free_resident_grads = spy
+    trainer.gradients.free_issued = spy
     for _ in range(3):
         trainer.step(batch)
     trainer.synchronize()

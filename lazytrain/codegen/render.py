@@ -33,7 +33,7 @@ _ENV = jinja2.Environment(
 
 def sums_loss(graph: Graph, stage) -> bool:
     """Whether the stage's function takes `loss_sum` (then its loss is the sum over targets, returned
-    with the number of targets counted): a chunked stage (NOTE: [Chunked loss] in runtime/replay.py),
+    with the number of targets counted): a chunked stage (NOTE: [Chunked loss] in runtime/chunked.py),
     and a stage whose loss is the mean of an unweighted cross-entropy over class indices, whose data-
     parallel ranks weight their gradients by those counts (NOTE: [Data parallel] in
     runtime/data_parallel.py)."""
@@ -50,7 +50,7 @@ def sums_loss(graph: Graph, stage) -> bool:
 def stage_function(graph: Graph, stage) -> str:
     """The stage as a function of ATen calls. A chunked stage also takes `loss_sum` (as does a stage
     with a mean cross-entropy loss: `sums_loss`), and reads its whole part's results after its inputs
-    (NOTE: [Chunked loss] in runtime/replay.py)."""
+    (NOTE: [Chunked loss] in runtime/chunked.py)."""
     chunked = stage.chunks > 1
     summed = sums_loss(graph, stage)
     whole = set(stage.whole)

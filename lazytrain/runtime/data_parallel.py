@@ -9,7 +9,7 @@ concatenated global batch.
 The loss is a mean over learnt targets, and the ranks' batches may hold very different numbers of
 them (chat data: labels -100 on most tokens, unevenly per row), so the mean of the ranks' means
 (DDP's) is not the global batch's mean. A loss stage that returns its sum and its count of targets
-(`Stage.loss_sum`: a mean cross-entropy, chunked or not; NOTE: [Chunked loss] in replay.py)
+(`Stage.loss_sum`: a mean cross-entropy, chunked or not; NOTE: [Chunked loss] in chunked.py)
 all-reduces the counts once per step, before any gradient is reduced, and makes its loss the sum
 times N / (the ranks' count): every rank's gradient is then weighted by its share of the targets,
 their average is the global mean's gradient, clipping sees its norm, and the mean of the ranks'

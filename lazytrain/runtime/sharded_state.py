@@ -1,4 +1,5 @@
-"""The trainer's optimizer state as DTensors, for torch.distributed.checkpoint (a mixin of `Trainer`).
+"""The trainer's optimizer state as DTensors, for torch.distributed.checkpoint: `ShardedCheckpoint`,
+the part of `Trainer` behind its `sharded_state_dict()` and `load_sharded_state_dict()`.
 
 NOTE: [Sharded checkpoints]
 `sharded_state_dict()` gives, per model parameter (by its name in the model), its master weights
@@ -25,7 +26,13 @@ import torch.distributed as dist
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class ShardedState:
+class ShardedCheckpoint:
+    """`state_dict()` and `load()` of NOTE: [Sharded checkpoints], over the optimizer's groups."""
+
+    def __init__(self, groups, placeholders: dict, store, optimizer, dp, device: torch.device, sharded: bool):
+        self.groups, self.placeholders, self.store, self.optimizer = groups, placeholders, store, optimizer
+        self.dp, self.device, self.sharded = dp, device, sharded
+
     def _mesh(self):
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -36,9 +43,9 @@ class ShardedState:
 
     def _entries(self):
         """(name in the model, placeholder, group index, home) of every parameter the optimizer steps."""
-        for s in range(-1, len(self.stages)):
-            for p in self._names(s):
-                yield self.m.PLACEHOLDERS[p][1], p, self._group(s), self.store.home[p]
+        for s in self.groups.order:
+            for p in self.groups.names(s):
+                yield self.placeholders[p][1], p, self.groups.index(s), self.store.home[p]
 
     def _state_of(self, group: int, home: torch.Tensor) -> dict:
         """The optimizer's state of `home`, made as its first step would (zeroed) if it has none yet."""
@@ -49,9 +56,8 @@ class ShardedState:
             self.optimizer.state[home] = state
         return state
 
-    def sharded_state_dict(self) -> dict:
-        """NOTE: [Sharded checkpoints]."""
-        self.synchronize()
+    def state_dict(self) -> dict:
+        """NOTE: [Sharded checkpoints]. The trainer has finished every optimizer step first."""
         mesh = self._mesh()
         state = {}
         for name, p, group, home in self._entries():
@@ -73,10 +79,10 @@ class ShardedState:
         placement = Shard(0) if self.sharded else Replicate()
         return DTensor.from_local(flat, mesh, [placement], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
-    def load_sharded_state_dict(self, sd: dict) -> None:
-        """Load what `sharded_state_dict()` gave (here, or filled by torch.distributed.checkpoint from
-        a save on any number of ranks), then rebuild the weights from the masters."""
-        self.synchronize()
+    def load(self, sd: dict) -> None:
+        """Load what `state_dict()` gave (here, or filled by torch.distributed.checkpoint from a save on
+        any number of ranks) into the masters and states. The trainer has finished every optimizer
+        step first, and rebuilds the weights from the masters after."""
         with torch.no_grad():
             for name, p, group, home in self._entries():
                 entry = sd["state"][name]
@@ -93,7 +99,6 @@ class ShardedState:
         for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             g.update({k: v for k, v in saved.items() if k not in ("params", "offsets")})
         self.optimizer._sr_steps = {}  # bf16 masters' noise counters: read again from the loaded steps
-        self._rebuild_weights()
 
     def _piece(self, p: str, t: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
         """This rank's piece of `t`: `t` itself when it is one, else cut from the whole parameter."""
@@ -109,13 +114,13 @@ class ShardedState:
         if len(saved) != len(self.optimizer.param_groups):
             raise ValueError(f"{len(saved)} parameter groups saved, this trainer has {len(self.optimizer.param_groups)}")
         state = {}
-        for s in range(-1, len(self.stages)):
-            names, group = self._names(s), self._group(s)
+        for s in self.groups.order:
+            names, group = self.groups.names(s), self.groups.index(s)
             indices = saved[group]["params"]
             if len(indices) != len(names):
                 raise ValueError(f"group {group} saved {len(indices)} parameters, this trainer steps {len(names)} there")
             for p, index in zip(names, indices):
-                name = self.m.PLACEHOLDERS[p][1]
+                name = self.placeholders[p][1]
                 entry = {"master": model_state[name].reshape(-1)}
                 own = optimizer_state["state"].get(index, {})
                 entry.update({k: own[k].reshape(-1) for k in _MOMENTS if k in own})
@@ -125,22 +130,6 @@ class ShardedState:
                 entry["step"] = step if torch.is_tensor(step) else torch.tensor(float(step))
                 state[name] = entry
         return {"state": state, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in saved]}
-
-    def _rebuild_weights(self) -> None:
-        """The full weights from the loaded masters: this rank's pieces, then every stage gathered."""
-        for s in range(-1, len(self.stages)):
-            names = self._names(s)
-            if not names:
-                continue
-            streamed = s >= 0 and self.stages[s].placement.streamed
-            (self.store.refresh_source if streamed else self.store.refresh_work)(names)
-            if not self.sharded:
-                continue
-            self.pending_gather.add(s)
-            if not streamed:  # a streamed stage's: by synchronize(), through its weight slot
-                self._gather_stage(s)
-        self._model_behind = True
-        self.sync_model()
 
 
 def _local(t):

@@ -1,4 +1,6 @@
 """Sharded data-parallel state: each rank keeps 1/N of the master weights and optimizer states.
+`ShardLayout` cuts a stage's parameters; `Sharding`, a part of the `Trainer`, runs the REDUCE and
+GATHER events.
 
 NOTE: [Sharded state]
 A schedule compiled with `--world-size N` (N > 1) and `SHARDED = True` (the default with 32-bit
@@ -38,6 +40,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from lazytrain.ir.events import Event, Stream
 
 
 class ShardLayout:
@@ -102,3 +106,87 @@ class ShardLayout:
         """This rank's piece of `p` inside its own region `flat` (region elements)."""
         lo, hi = self.span(p)
         return flat[self.offset[p]:self.offset[p] + hi - lo]
+
+
+class Sharding:
+    """Sharded state as the schedule runs: its REDUCE and GATHER events, and the stages stepped whose
+    new weights are still to gather. A `Trainer` has one only with sharded state."""
+
+    def __init__(self, stages, groups, store, dp, streams, gradients, gpu_stepped: frozenset[int], device: torch.device):
+        self.stages, self.groups, self.store, self.dp, self.streams = stages, groups, store, dp, streams
+        self.gradients = gradients
+        self.gpu_stepped = gpu_stepped  # streamed stages stepped on the device: their step writes the host copy
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.scattering = False  # this step reduce-scatters (`forward_backward`'s backward all-reduces instead)
+        self._pending: set[int] = set()  # stages stepped whose new weights are not yet gathered
+        self._gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
+
+    def begin(self, optimize: bool) -> None:
+        self.scattering = optimize
+
+    def updated(self, s: int) -> None:
+        """This rank's piece of stage `s` (-1: the shared weights) changed: its GATHER, or `synchronize`,
+        brings the other ranks' pieces."""
+        self._pending.add(s)
+
+    def awaits(self, s: int) -> bool:
+        """Stage `s`'s new weights are still to gather."""
+        return s in self._pending
+
+    def awaiting(self) -> list[int]:
+        return sorted(self._pending)
+
+    def reduce(self, e: Event) -> None:
+        """This rank's shard of the stage's averaged gradients; the full ones go (NOTE: [Sharded
+        state]). Without a step (`forward_backward`) the backward all-reduced them."""
+        if not self.scattering:
+            return
+        s, work = e.stage, self.store.work
+        names = self.groups.names(s)
+        full = {p: work[p].grad if work[p].grad is not None else
+                torch.zeros(self.store.master[p].shape, dtype=self.store.dtype[p], device=self.device) for p in names}
+        shards = self.dp.reduce_scatter(s, self.store.layouts[s], full)
+        for p in names:
+            if work[p].grad is None:  # no gradient on any rank (the same graph): not stepped, as torch skips it
+                shards[p] = None
+            elif self.cuda:  # the compute stream may reuse it once the collective has read it
+                work[p].grad.record_stream(torch.cuda.current_stream())
+            work[p].grad = None
+        if s >= 0 and self.stages[s].placement.streamed:  # the shard goes to the host (OFFLOAD sg:S)
+            self.gradients.parked[s] = shards
+            if self.cuda:  # made on the comm stream's pool, read by the copy: not reused before it is done
+                for g in shards.values():
+                    if g is not None:
+                        g.record_stream(self.streams.stream(Stream.D2H))
+        else:
+            for p, g in shards.items():
+                home = self.store.home[p]
+                home.grad = None if g is None else g if g.dtype == home.dtype else g.to(home.dtype)
+        if self.gradients.clipped:
+            self.gradients.add_norm([g for g in shards.values() if g is not None])
+
+    def gather(self, e: Event) -> None:
+        """A stepped stage's new weights from every rank's piece (NOTE: [Sharded state])."""
+        if e.stage not in self._pending:
+            return
+        self.gather_stage(e.stage)
+        if e.stage >= 0 and self.stages[e.stage].placement.streamed and e.stage not in self.gpu_stepped:
+            self._gathered.add(e.stage)  # its OFFLOAD w:S takes them to the host
+        self.streams.stepped_at(e.stage)  # the next compute that reads them waits for this
+
+    def gather_stage(self, s: int) -> None:
+        self._pending.discard(s)
+        targets = {p: self.store.work[p].data for p in self.groups.names(s)}
+        pieces = {p: self.store.mine(p, t) for p, t in targets.items()}
+        self.dp.all_gather(s, self.store.layouts[s], pieces, targets)
+
+    def holds_gathered(self, s: int) -> bool:
+        """Host-stepped streamed stage `s` was gathered at this prefetch: its OFFLOAD w:S writes them."""
+        return s in self._gathered
+
+    def write_gathered(self, s: int) -> None:
+        """A host-stepped streamed stage's gathered weights to the host copy prefetches read."""
+        self._gathered.discard(s)
+        for p in self.stages[s].params:
+            self.store.source[p].copy_(self.store.work[p].data, non_blocking=True)

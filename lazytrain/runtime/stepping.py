@@ -1,6 +1,7 @@
 """Gradients into the optimizer: the global norm, clipping, and each stage's AdamW step where
 the schedule places it (the host CPU, the optimizer stream, or a GPU-stepped streamed stage's next
-prefetch).
+prefetch). `Stepping` is the `Trainer`'s optimizer side; each kind of step runs in its handler in
+steps.py.
 
 NOTE: [Gradient clipping]
 With `max_grad_norm`, each stage's squared gradient norm is added up right after its backward (no
@@ -57,33 +58,94 @@ The plan counts what a step beside backward costs compute and how fast it advanc
 
 from __future__ import annotations
 
-import contextlib
 import math
+from concurrent.futures import Future
 
 import torch
 
 from lazytrain.errors import TrainingError
 from lazytrain.ir.events import Event
+from lazytrain.runtime.gpu_step import GpuStepper
+from lazytrain.runtime.gradients import Gradients
+from lazytrain.runtime.groups import Groups
+from lazytrain.runtime.steps import Turn, handlers
 
 
 class Stepping:
-    """The optimizer side of `Trainer` (a mixin)."""
+    """The optimizer side of a `Trainer`: this step's clipping coefficient, each OPT_STEP event run by
+    its stage's kind (steps.py), and the host worker's steps still running. `begin` opens a step's
+    `Turn`, which the event loop hands each OPT_STEP (`issue`); `after_backward` gives the step's
+    coefficient, with which the steps that waited for it then `run`."""
 
-    def _add_norm(self, grads):
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
-            self.norm_sq = sq if self.norm_sq is None else self.norm_sq + sq
+    def __init__(self, stages, groups: Groups, store, optimizer, streams, gradients: Gradients, sharding, dp,
+                 stepper: GpuStepper, disk_stepper: GpuStepper, disk_states, disk_slot, device: torch.device, *,
+                 max_grad_norm: float | None, clipping: str, serial: bool):
+        self.optimizer, self.streams, self.gradients, self.sharding, self.dp = optimizer, streams, gradients, sharding, dp
+        self.stepper, self.disk_stepper = stepper, disk_stepper
+        self.ring = disk_states.ring if disk_states is not None else None  # NOTE: [Backward steps from disk]
+        self.max_grad_norm = max_grad_norm
+        self.clipping = clipping  # NOTE: [Gradient clipping]
+        self.serial = serial  # the baseline: every optimizer step after backward, waited for
+        self.previous_norm_sq: torch.Tensor | None = None  # "previous-norm": the last step's squared global norm
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.jobs: dict[int, Future] = {}  # stage -> its step on the host worker, still running
+        self.kind = {i: s.placement.kind for i, s in enumerate(stages)}
+        self.kind[-1] = "resident"  # the shared weights: on the device, beside their homes
+        self.handlers = handlers(groups, store, optimizer, streams, gradients, sharding, self.jobs, stepper,
+                                 disk_states, disk_stepper, disk_slot, device)
 
+    # ---- a step -------------------------------------------------------------------------------
+    def begin(self, optimize: bool) -> Turn:
+        """A step's turn, with the coefficient its steps may use as they come (None: they wait)."""
+        coef = self._early_coefficient() if optimize and not self.serial else None
+        # NOTE: [Backward steps], [Resident gradients freed at their step]: they cannot wait for this step's norm
+        if optimize and (self.stepper.backward or self.gradients.freed):
+            coef = 1.0 if coef is None else coef  # previous-norm's first step: none to clip by yet
+            self._record_backward_steps(coef)
+            if self.ring is not None:  # NOTE: [Backward steps from disk]: their states read in backward's order
+                self.ring.read(sorted(self.ring.stages, reverse=True))
+        return Turn(optimize, coef)
+
+    def issue(self, e: Event, turn: Turn) -> None:
+        """An OPT_STEP event met in the loop, to its stage's kind."""
+        self.handlers[self.kind[e.stage]].issue(e, turn)
+
+    def run(self, e: Event, coef: float) -> None:
+        """A step that waited for this step's coefficient (`Turn.deferred`)."""
+        self.handlers[self.kind[e.stage]].run(e, coef)
+
+    def after_backward(self, turn: Turn) -> float | None:
+        """This step's clipping coefficient once backward has ended (None: the norm is not finite, skip
+        the update); with "previous-norm", the next step's norm kept."""
+        coef = turn.coef
+        if turn.optimize and self.max_grad_norm is not None:  # this step's global norm: its clipping, or the next's
+            with self.streams.compute_context():
+                waited = coef is None
+                if waited:
+                    coef = self._clip_coefficient()  # leaves the global norm in norm_sq
+                if self.clipping == "previous-norm" and coef is not None:  # the next step clips by it
+                    self.previous_norm_sq = self.gradients.norm_sq if waited else self._global_norm_sq()
+        elif turn.optimize:
+            coef = 1.0
+        return coef
+
+    def skip(self) -> None:
+        """A step whose norm is not finite: no update; its gradients in the host buffers are dropped."""
+        self.skipped_steps += 1
+        self.gradients.fresh.clear()
+
+    # ---- the norm -----------------------------------------------------------------------------
     def _global_norm_sq(self) -> torch.Tensor:
         """This step's squared gradient norm; with sharded state, over every rank's shards (NOTE:
         [Sharded state] in sharding.py)."""
-        norm_sq = self.norm_sq if self.norm_sq is not None else torch.zeros(())
-        return self.dp.total(norm_sq) if self.sharding else norm_sq
+        norm_sq = self.gradients.norm_sq if self.gradients.norm_sq is not None else torch.zeros(())
+        return self.dp.total(norm_sq) if self.sharding is not None and self.sharding.scattering else norm_sq
 
     def _clip_coefficient(self) -> float | None:
         """torch.nn.utils.clip_grad_norm_'s coefficient, or None when the norm is not finite."""
-        self.norm_sq = self._global_norm_sq()
-        norm = math.sqrt(self.norm_sq.item())
+        self.gradients.norm_sq = self._global_norm_sq()
+        norm = math.sqrt(self.gradients.norm_sq.item())
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             return None
@@ -106,129 +168,35 @@ class Stepping:
                 "with a lower learning rate or --clipping exact (which skips such a step)")
         return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
-    def _wait_host_steps(self, disk_jobs: bool = True) -> None:
-        """The host optimizer steps still running: they end inside their step (NOTE: [Host step
-        deadlines]); with `disk_jobs`, disk-stepped stages' jobs too, which may end later."""
-        for s in [s for s in self.cpu_jobs if disk_jobs or s not in self.disk_stepper.params]:
-            self.cpu_jobs.pop(s).result()
-
+    # ---- steps of streamed stages on the device -------------------------------------------------
     def _record_backward_steps(self, coef: float) -> None:
         """Stages stepped in their backward (NOTE: [Backward steps] in solver/step_model.py): this
         step's updates, recorded before its backward prefetches fetch them."""
         for s in self.stepper.backward:
             self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
 
-    def _record_gpu_steps(self, coef: float) -> None:
+    def record_gpu_steps(self, coef: float) -> None:
         """GPU-stepped streamed stages: their gradients wait on the host for the next prefetch."""
         for s, names in self.stepper.params.items():
             if s in self.stepper.backward:
                 continue
-            if any(p in self.fresh for p in names):
+            if any(p in self.gradients.fresh for p in names):
                 self.stepper.record(s, self.optimizer.hyperparameters(s), coef)
-                self.fresh.difference_update(names)
+                self.gradients.fresh.difference_update(names)
 
-    def _names(self, stage: int) -> tuple[str, ...]:
-        return self.stages[stage].params if stage >= 0 else self.m.SHARED
+    # ---- the host worker's steps ----------------------------------------------------------------
+    def running(self, s: int) -> bool:
+        """Stage `s`'s step still runs on the host worker."""
+        return s in self.jobs
 
-    def _group(self, stage: int) -> int:
-        return stage if stage >= 0 else len(self.stages)
+    def wait_host_step(self, s: int) -> None:
+        """Stage `s`'s step on the host worker, if one runs, finishes (its prefetch reads what it updates)."""
+        job = self.jobs.pop(s, None)
+        if job is not None:
+            job.result()
 
-    def _absorb_grads(self, all_stages: bool = False, stage: int | None = None):
-        """Accumulate gradients held elsewhere (host buffers, device work copies) into the homes'
-        (and, without a step, the model's) `.grad`."""
-        stages = range(-1, len(self.stages)) if all_stages else [stage]
-        for s in stages:
-            for p in self._names(s):
-                streamed = s >= 0 and self.stages[s].placement.streamed
-                if streamed:  # page-locked buffers stay (allocating them is slow); the mark is consumed
-                    src = self.host_grad[p] if p in self.fresh else None
-                    self.fresh.discard(p)
-                else:
-                    src = self.store.work[p].grad
-                target = self.store.master[p] if all_stages else self.store.home[p]
-                if src is None or (not streamed and target is self.store.work[p]):
-                    continue
-                if target.grad is None and streamed and not all_stages:  # a step: reuse a buffer
-                    buf = self.grad_buffers.get(p)
-                    if buf is None:
-                        buf = self.grad_buffers[p] = torch.empty(src.shape, dtype=target.dtype, device=target.device)
-                    target.grad = buf.copy_(src)
-                    continue
-                g = src.to(target.device, target.dtype, copy=True)
-                target.grad = g if target.grad is None else target.grad + g
-                if not streamed:
-                    self.store.work[p].grad = None
-
-    def _disk_step(self, s: int, hyper: dict, coef: float) -> None:
-        """A disk-stepped stage's job, on the host worker: its states from disk, the step on the GPU
-        in the one slot such jobs share, the states back to disk. On a GPU the copies and the step
-        run on this thread's current stream, the device's default: the optimizer stream."""
-        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
-            self._load_states(s)
-            self.disk_stepper.step_from_disk(s, self._group(s), hyper, coef, self.disk_step_slot)
-            if self.cuda:  # the states must be back in host memory before they are written: the
-                # job's own work, not the stream's, where the main thread queues more steps meanwhile
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                self._read_ahead()  # a job submitted meanwhile: its read beside the wait
-                done.synchronize()
-            self.disk_states.store(s)
-
-    def _load_states(self, s: int) -> None:
-        """On the host worker, as stage `s`'s job starts: its states from disk, and those of the
-        disk-stepped job most likely next read ahead (NOTE: [Disk reads ahead] in disk_states.py)."""
-        self.disk_states.load(s)
-        self._read_ahead()
-
-    def _read_ahead(self) -> None:
-        after = self.streams.next_due()
-        if after is not None:
-            self.disk_states.read_ahead(after)
-
-    def _opt_step(self, e: Event, coef: float):
-        s = e.stage
-        names = self._names(s)
-        hyper = self.optimizer.hyperparameters(self._group(s))  # a later LR scheduler step must not reach it
-
-        def step(absorb: bool = True):
-            if absorb:
-                self._absorb_grads(stage=s)
-            if coef != 1.0:
-                for p in names:
-                    if self.store.home[p].grad is not None:
-                        self.store.home[p].grad.mul_(coef)
-            self.optimizer.step_group(self._group(s), hyper)
-
-        if e.device == "disk":  # NOTE: [Disk-stepped stages] in solver/disk_model.py
-            self.fresh.difference_update(names)  # its job consumes the gradients in the host buffers
-            # the next forward reads stage s at its prefetch: the lower, the sooner (NOTE: [Host jobs by deadline])
-            self.cpu_jobs[s] = self.streams.host(e, lambda: self._disk_step(s, hyper, coef), due=s)
-        elif e.device == "cpu":
-            def host_step():
-                if self.disk_states is not None and s in self.disk_states.homes:  # NOTE: [Disk-resident states]
-                    self._load_states(s)
-                    step()
-                    self.disk_states.store(s)
-                else:
-                    step()
-                self.store.refresh_source(names)
-                for p in names:  # consumed: the next step starts from fresh gradients
-                    self.store.home[p].grad = None
-            self.cpu_jobs[s] = self.streams.host(e, host_step)
-            if self.sharded:  # gathered at its next prefetch, or by synchronize()
-                self.pending_gather.add(s)
-        else:
-            with self.streams.compute_context():  # NOTE: [Step allocations]
-                self._absorb_grads(stage=s)
-
-            def device_step():
-                grads = [t.grad for p in names for t in (self.store.work[p], self.store.home[p]) if t.grad is not None]
-                step(absorb=False)
-                self.store.refresh_work(names)
-                if self.cuda:  # the next step drops these gradients while this stream may still read them
-                    for g in grads:
-                        g.record_stream(torch.cuda.current_stream())
-            self.streams.run_aside(e, device_step, after_compute=True)
-            self.issued.add(s)
-            if self.sharded:  # its GATHER event follows
-                self.pending_gather.add(s)
+    def wait_host_steps(self, disk_jobs: bool = True) -> None:
+        """The host optimizer steps still running: they end inside their step (NOTE: [Host step
+        deadlines]); with `disk_jobs`, disk-stepped stages' jobs too, which may end later."""
+        for s in [s for s in self.jobs if disk_jobs or s not in self.disk_stepper.params]:
+            self.jobs.pop(s).result()

@@ -5,7 +5,10 @@ GPU they run on CUDA streams ordered by their waits (streams.py), so transfers o
 the CPU optimizer overlaps both. Each event touches only the buffers it names, so a wrong schedule
 fails loudly instead of computing something else.
 
-The event handlers are in replay.py, the optimizer's side in stepping.py.
+A `Trainer` is a few parts, each its own object: `replay` runs the events (replay.py), `stepping`
+the optimizer's side (stepping.py; each kind of step in steps.py), `sharding` sharded state's events
+(sharding.py; None without it), `checkpoint` its DTensor state dicts (sharded_state.py). `gradients`
+(gradients.py) carries gradients from the parts that make them to those that take them.
 
 NOTE: [Memory cap]
 The plan keeps the memory it allocates inside the budget, but PyTorch's caching allocator may
@@ -22,7 +25,6 @@ allocator's reserved peak went 6-8 MiB past a cap at the budget on the H200 (202
 from __future__ import annotations
 
 import tempfile
-from concurrent.futures import Future
 from types import ModuleType
 
 import torch
@@ -31,17 +33,21 @@ from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind
 from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.runtime import model_sync
+from lazytrain.runtime.binding import (bind_tensors, check_batch, check_device, indexed, pin_streamed_masters,
+                                       place_resident_masters, shard)
 from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_states import DiskStates
 from lazytrain.runtime.gpu_step import GpuStepper
+from lazytrain.runtime.gradients import Gradients
+from lazytrain.runtime.groups import Groups
 from lazytrain.runtime.optim import master_dtype, staged_optimizer
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
-from lazytrain.runtime.sharded_state import ShardedState
-from lazytrain.runtime.sharding import ShardLayout
-from lazytrain.runtime.store import OPT_SLACK, ParamStore, streamed_params
+from lazytrain.runtime.sharded_state import ShardedCheckpoint
+from lazytrain.runtime.sharding import Sharding
+from lazytrain.runtime.store import OPT_SLACK, ParamStore
 from lazytrain.runtime.stepping import Stepping
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
@@ -50,20 +56,7 @@ CAP_FLOOR = 1 << 30  # NOTE: [Memory cap]
 CAP_MARGIN = 64 << 20
 
 
-def indexed(device: torch.device) -> torch.device:
-    """`device` with its index: "cuda" is the current GPU. Masters already on a GPU (NOTE: [Masters
-    built in place] in store.py) sit on "cuda:0", which is not equal to "cuda": compared with the
-    bare name, each would get a second copy on the device beside it."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _fmt(shape, dtype) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
-
-
-class Trainer(Replay, Stepping, ShardedState):
+class Trainer:
     """`schedule.bind(model, lr=...)` returns one. `forward_backward(batch)` leaves each parameter's
     gradient in `.grad`; `step(batch)` also applies AdamW. `optimizer` is a `torch.optim.Optimizer`
     (LR schedulers attach to it), and `state_dict()` / `load_state_dict()` save and restore it.
@@ -87,12 +80,12 @@ class Trainer(Replay, Stepping, ShardedState):
         self.stages = module.STAGES
         self.events: tuple[Event, ...] = module.EVENTS
         model_sync.land_previous(model)  # a trainer bound to it before: start from its updated weights
-        tensors = self._bind_tensors(model)
+        tensors = bind_tensors(module, model)
         for name, t in tensors.items():  # NOTE: [Masters in the schedule's dtype] in optim.py
             if module.PLACEHOLDERS[name][0] == "param" and t.dtype != master_dtype(module, t.dtype):
                 t.data = t.data.to(master_dtype(module, t.dtype))
         self.device = torch.device(device) if device is not None else next(iter(tensors.values())).device
-        self._check_device()
+        check_device(module, self.device)
         self.device = indexed(self.device)
         self.cuda = self.device.type == "cuda"
         self.dp = DataParallel.for_schedule(module, process_group, self.device)  # NOTE: [Data parallel]
@@ -101,46 +94,40 @@ class Trainer(Replay, Stepping, ShardedState):
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(min(1.0, max(module.BUDGET - CAP_MARGIN, CAP_FLOOR) / total), index)
         self.sharded = self.dp is not None and getattr(module, "SHARDED", False)  # NOTE: [Sharded state] in sharding.py
-        layouts, pieces = (self._shard(tensors) if self.sharded else (None, None))
+        layouts, pieces = (shard(module, tensors, self.dp) if self.sharded else (None, None))
         self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena] in pinned.py
         if self.cuda:
-            self._pin_streamed_masters(tensors)
+            pin_streamed_masters(module, tensors, self.pinned)
             if not self.sharded:
-                self._place_resident_masters(tensors)
+                place_resident_masters(module, tensors, self.device)
         # NOTE: [Masters on disk] in solver/disk_model.py: in the file they were loaded into, or in a new one
         if disk_masters is None and masters_on_disk(module):
             disk_masters = DiskMasters(module, offload_dir)
         self.disk_masters = disk_masters
         self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces, disk_masters)
-        self.pending_gather: set[int] = set()  # stages stepped whose new weights are not yet gathered
-        self.gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
-        self.max_grad_norm = max_grad_norm
-        self.clipping = module.CLIPPING  # NOTE: [Gradient clipping] in stepping.py
-        if max_grad_norm is not None and self.clipping == "off":
+        self.groups = Groups(self.stages, module.SHARED)
+        self.gradients = Gradients(self.stages, self.groups, self.store, self.pinned, clipped=max_grad_norm is not None)
+        if max_grad_norm is not None and module.CLIPPING == "off":  # NOTE: [Gradient clipping] in stepping.py
             raise ScheduleMismatch(
                 f"max_grad_norm={max_grad_norm} asks for gradient clipping, but this schedule was compiled with "
                 "--clipping off, which plans none: recompile with --clipping exact (or previous-norm), or bind "
                 "without max_grad_norm")
         # NOTE: [Resident gradients freed at their step] in solver/footprint.py
-        self.grads_freed = frozenset(s.index for s in self.stages if s.placement.step.frees_grads)
-        self.issued: set[int] = set()  # stages whose device step was issued in the running step
         if serial_optimizer and (self.grads_freed or any(s.placement.kind == "backward" for s in self.stages)):
             raise ScheduleMismatch("serial_optimizer runs every optimizer step after backward, but this schedule steps "
                                    "some blocks inside it (NOTE: [Backward steps], [Resident gradients freed at their "
                                    "step]); bind without serial_optimizer")
-        self.previous_norm_sq: torch.Tensor | None = None  # "previous-norm": the last step's squared global norm
-        self.serial_optimizer = serial_optimizer  # the baseline: every optimizer step after backward, waited for
         chosen = getattr(module, "OPTIMIZER_STATES", "32bit")
-        groups = []
+        param_groups = []
         for names, states in [(s.params, s.states) for s in self.stages] + [(module.SHARED, chosen)]:
             group = {"params": [self.store.home[p] for p in names], "states": states}
             if self.sharded:  # the pieces' places in their parameters: the bf16 rounding noise follows them
                 group["offsets"] = [self.store.offset(p) for p in names]
             if fused is not None or self.cuda:
                 group["fused"] = fused if fused is not None else True
-            groups.append(group)
-        self.optimizer = staged_optimizer(chosen, groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            param_groups.append(group)
+        self.optimizer = staged_optimizer(chosen, param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
         # NOTE: [Disk-resident states] and [Disk-stepped stages] in solver/disk_model.py: under
         # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
@@ -159,118 +146,34 @@ class Trainer(Replay, Stepping, ShardedState):
         acts_on_disk = {s.index for s in acts}
         reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in acts_on_disk]
         self.act_disk = DiskActivations(acts, reloads, offload_dir or tempfile.gettempdir(), self.pinned) if acts else None
-        self.host_grad: dict[str, torch.Tensor] = {}  # page-locked, in the compute dtype (D2H target)
-        self.grad_buffers: dict[str, torch.Tensor] = {}  # gradients of host-stepped parameters, in the master's dtype
-        self.fresh: set[str] = set()  # parameters whose host_grad holds a gradient not yet absorbed
-        self.host_act: dict[str, torch.Tensor] = {}
-        self.cpu_jobs: dict[int, Future] = {}  # stage -> its host optimizer step, still running
         self.stepper = GpuStepper(self.store, self.optimizer, {s.index: s.params for s in self.stages
                                                                if s.placement.device_stepped and s.index not in disk_stepped},
-                                  self.host_grad, self.pinned, in_backward)
+                                  self.gradients.host, self.pinned, in_backward)
         # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
-        self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.host_grad, self.pinned)
+        self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.gradients.host, self.pinned)
         dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if disk_stepped else []
         slack = OPT_SLACK * 2  # one tensor's weights and optimizer slot at a time
-        self.disk_step_slot = torch.empty(dstep[0] + slack, dtype=torch.uint8, device=self.device) if dstep else None
+        disk_slot = torch.empty(dstep[0] + slack, dtype=torch.uint8, device=self.device) if dstep else None
+        # the parts
+        self.sharding = Sharding(self.stages, self.groups, self.store, self.dp, self.streams, self.gradients,
+                                 frozenset(self.stepper.params), self.device) if self.sharded else None
+        self.stepping = Stepping(self.stages, self.groups, self.store, self.optimizer, self.streams, self.gradients,
+                                 self.sharding, self.dp, self.stepper, self.disk_stepper, self.disk_states, disk_slot,
+                                 self.device, max_grad_norm=max_grad_norm, clipping=module.CLIPPING,
+                                 serial=serial_optimizer)
+        self.replay = Replay(module, self.store, self.streams, self.stepper, self.gradients, self.stepping, self.sharding,
+                             self.dp, self.act_disk, self.disk_states.ring if self.disk_states is not None else None,
+                             self.pinned, self.device)
+        self.checkpoint = ShardedCheckpoint(self.groups, module.PLACEHOLDERS, self.store, self.optimizer, self.dp,
+                                            self.device, self.sharded)
         self.record_timeline = False  # set True to time every event of each step
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
-        self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
         if self.cuda:  # bind's copies ran on the default stream; compute has its own
             torch.cuda.synchronize(self.device)
         self._model_behind = False  # stepped since the last sync_model (NOTE: [Model sync hooks] in model_sync.py)
         if self.dp is not None:  # every rank bound the same schedule and weights; none steps before all have bound
             self.dp.check_agree(module.CHECKSUM, {module.PLACEHOLDERS[p][1]: t for p, t in self.store.master.items()})
         model_sync.attach(self, model)
-
-    # ---- binding checks -----------------------------------------------------------------------
-    def _bind_tensors(self, model) -> dict[str, torch.Tensor]:
-        found = dict(model.named_parameters(remove_duplicate=False))  # tied weights answer to every name
-        found.update(dict(model.named_buffers(remove_duplicate=False)))
-        tensors: dict[str, torch.Tensor] = {}
-        problems = []
-        for name, (kind, target, shape, dtype) in self.m.PLACEHOLDERS.items():
-            if kind == "input":
-                continue
-            t = found.get(target)
-            if t is None:
-                problems.append(f"it has no {kind} {target}")
-            elif tuple(t.shape) != tuple(shape):
-                problems.append(f"{target} is {_fmt(t.shape, t.dtype)}, compiled for {_fmt(shape, dtype)}")
-            elif t.device.type == "meta":
-                problems.append(f"{target} is on the meta device; load or initialise the weights first")
-            else:
-                tensors[name] = t
-        known = {target for kind, target, *_ in self.m.PLACEHOLDERS.values() if kind == "param"}
-        known_ids = {id(found[t]) for t in known if t in found}
-        extra = [n for n, p in model.named_parameters() if id(p) not in known_ids and p.requires_grad]
-        if extra:
-            problems.append(f"it has parameters the schedule does not know: {', '.join(extra[:3])}")
-        if problems:
-            raise ScheduleMismatch(
-                f"schedule {self.m.SOURCE or '<in memory>'} (fingerprint {self.m.FINGERPRINT}) does not fit this model: "
-                + "; ".join(problems[:4]) + ". Recompile the schedule for this model with `lazytrain compile`")
-        return tensors
-
-    def _check_device(self):
-        """The stages run on the device type they were captured for (NOTE: [Capture on the target
-        device] in ir/target.py): model code picks operators by device type."""
-        file = getattr(self.m, "__file__", "") or ""
-        name = f"schedule {file}" if file and not file.startswith("<") else "the schedule"
-        where = (f"{name} (of {self.m.SOURCE or 'an in-memory model'}) was compiled for {self.m.DEVICE} "
-                 f"(hardware {self.m.HARDWARE})")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ScheduleMismatch(f"{where} and this machine has no usable GPU; recompile it with --hardware cpu to run here")
-        if self.device.type != self.m.DEVICE:
-            fix = "--hardware cpu" if self.device.type == "cpu" else "a hardware profile of this machine (`lazytrain profile`)"
-            raise ScheduleMismatch(
-                f"{where} and is bound on {self.device.type}: its operators were chosen for {self.m.DEVICE}. Recompile it with "
-                f"{fix}, or bind it with device=\"{self.m.DEVICE}\"")
-
-    def _shard(self, tensors) -> tuple[dict, dict]:
-        """This rank's cut of every stage's parameters (NOTE: [Sharded state] in sharding.py), and
-        the mixed-precision masters' pieces, taken before the model's parameters become the full
-        weights in the compute dtype."""
-        groups = [(s.index, s.params) for s in self.stages] + [(-1, self.m.SHARED)]
-        # every stage has one, empty where all its parameters are shared (a prologue holding only a
-        # tied embedding): its REDUCE and GATHER events then move nothing, on every rank alike
-        layouts = {i: ShardLayout({p: tensors[p].numel() for p in names}, self.dp.world, self.dp.rank)
-                   for i, names in groups}
-        pieces = {}
-        for lay in layouts.values():
-            for p in lay.numel:
-                t, dtype = tensors[p], getattr(torch, self.m.PLACEHOLDERS[p][3])
-                if t.dtype != dtype:
-                    pieces[p] = lay.own(p, t.detach()).clone()
-                    t.data = t.data.to(dtype)
-        return layouts, pieces
-
-    def _pin_streamed_masters(self, tensors):
-        """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The
-        parameter's storage moves into the arena: no second host copy."""
-        for p in streamed_params(self.m) - set(masters_on_disk(self.m)):  # NOTE: [Masters on disk]: not those
-            t = tensors[p]
-            if t.device.type == "cpu" and not t.is_pinned():
-                t.data = self.pinned.copy_of(t.data)
-
-    def _place_resident_masters(self, tensors):
-        """NOTE: [Resident masters on the device] in solver/step_model.py: a resident master moves
-        to its home on the device, and the model's parameter with it; the host copy is freed."""
-        streamed = streamed_params(self.m)
-        for p, t in tensors.items():
-            if self.m.PLACEHOLDERS[p][0] == "param" and p not in streamed and t.device != self.device:
-                t.data = t.data.to(self.device)
-
-    def _check_batch(self, batch: dict) -> dict:
-        if set(batch) != set(self.m.BATCH):
-            raise ScheduleMismatch(f"batch has inputs {sorted(batch)}, the schedule was compiled for {sorted(self.m.BATCH)}")
-        for name, (shape, dtype) in self.m.BATCH.items():
-            t = batch[name]
-            if tuple(t.shape) != tuple(shape) or str(t.dtype).removeprefix("torch.") != dtype:
-                raise ScheduleMismatch(
-                    f"batch input {name} is {_fmt(t.shape, t.dtype)} but the schedule was compiled for "
-                    f"{_fmt(shape, dtype)}; recompile with example_batch() returning that shape")
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     # ---- public API ---------------------------------------------------------------------------
     def forward_backward(self, batch: dict) -> torch.Tensor:
@@ -286,55 +189,83 @@ class Trainer(Replay, Stepping, ShardedState):
         first (NOTE: [Model sync hooks] in model_sync.py)."""
         # Stages whose host step still runs clear their own gradients when done; waiting here
         # would serialise the host optimizer with this step's forward.
-        self._clear_grads(s for s in range(-1, len(self.stages)) if s not in self.cpu_jobs)
+        self.gradients.clear(s for s in self.groups.order if not self.stepping.running(s))
         self._model_behind = True
         return self._run(batch, optimize=True)
 
+    def _run(self, batch: dict, optimize: bool) -> torch.Tensor:
+        """One step's events, then the steps that waited for its gradient norm (NOTE: [Gradient
+        clipping] in stepping.py)."""
+        with self.streams.compute_context():  # NOTE: [Optimizer stream] in stepping.py
+            self.replay.begin(check_batch(self.m, batch, self.device))
+        self.gradients.begin()
+        if self.sharding is not None:  # NOTE: [Sharded state] in sharding.py
+            self.sharding.begin(optimize)
+        turn = self.stepping.begin(optimize)
+        self.streams.begin(self.record_timeline)
+        self.replay.run(turn)
+        coef = self.stepping.after_backward(turn)
+        if optimize and (turn.deferred or self.stepper.params):
+            if coef is None:
+                self.stepping.skip()
+                self.zero_grad()
+            else:
+                for event in turn.in_order():
+                    self.stepping.run(event, coef)
+                    if event.stage in turn.gathers:
+                        g = turn.gathers[event.stage]
+                        self.streams.run(g, lambda g=g: self.sharding.gather(g))
+                self.stepping.record_gpu_steps(coef)
+                if self.stepping.serial:
+                    self.synchronize()
+        if optimize and not turn.deferred:  # host steps end inside their step (NOTE: [Host step deadlines])
+            self.stepping.wait_host_steps(disk_jobs=False)
+        timeline = self.streams.finish()
+        loss = self.replay.end()
+        if not optimize:
+            self.gradients.absorb_all()
+        self.gradients.end()
+        self.timeline = timeline or []
+        return loss
+
     def zero_grad(self) -> None:
         self.synchronize()
-        self._clear_grads(range(-1, len(self.stages)))
-
-    def _clear_grads(self, stages) -> None:
-        for s in stages:
-            for p in self._names(s):
-                self.store.master[p].grad = None
-                self.store.home[p].grad = None
-                self.store.work[p].grad = None
+        self.gradients.clear(self.groups.order)
 
     def synchronize(self) -> None:
         """Finish every optimizer step: wait for host steps still running (with exact clipping they
         overlap the next step), and apply GPU steps of streamed stages still waiting for the next prefetch."""
-        self._wait_host_steps()
+        self.stepping.wait_host_steps()
         if self.cuda:  # every stream: what follows may read on any of them
             torch.cuda.synchronize(self.device)
         if self.disk_states is not None:  # the ring's writes after the last step's backward
             self.disk_states.drain()
         if self.stepper.pending:
             self._flush_gpu_steps()
-        if self.pending_gather:  # NOTE: [Sharded state] in sharding.py: a collective
+        if self.sharding is not None and self.sharding.awaiting():  # NOTE: [Sharded state] in sharding.py: a collective
             self._land_gathers()
 
     def _flush_gpu_steps(self) -> None:
         """The pending updates' events, run back to back on the current stream (`synchronize`
         has waited for every stream first)."""
         for s in sorted(self.stepper.pending):
-            self._fetch_stage(s, update=True)
-            if self.stepper.step(s, self._group(s)) and self.sharded:
-                self._gather_stage(s)
+            self.replay.fetch_stage(s, update=True)
+            if self.stepper.step(s, self.groups.index(s)) and self.sharding is not None:
+                self.sharding.gather_stage(s)
             self.stepper.write_weights(s)
             self.stepper.write_back(s)
-            self._release_weights(s)
+            self.replay.release_weights(s)
             self.store.release_slot(f"opt:{s}")
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
     def _land_gathers(self) -> None:
         """Host-stepped streamed stages' updates, gathered now instead of at their next prefetch."""
-        for s in sorted(self.pending_gather):
-            self._fetch_stage(s, update=False)
-            self._gather_stage(s)
-            self._write_gathered(s)
-            self._release_weights(s)
+        for s in self.sharding.awaiting():
+            self.replay.fetch_stage(s, update=False)
+            self.sharding.gather_stage(s)
+            self.sharding.write_gathered(s)
+            self.replay.release_weights(s)
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -384,3 +315,54 @@ class Trainer(Replay, Stepping, ShardedState):
                 elif home is not master:
                     master.copy_(home)
         self._model_behind = False
+
+    def sharded_state_dict(self) -> dict:
+        """NOTE: [Sharded checkpoints] in sharded_state.py."""
+        self.synchronize()
+        return self.checkpoint.state_dict()
+
+    def load_sharded_state_dict(self, sd: dict) -> None:
+        """Load what `sharded_state_dict()` gave (here, or filled by torch.distributed.checkpoint from
+        a save on any number of ranks), then rebuild the weights from the masters."""
+        self.synchronize()
+        self.checkpoint.load(sd)
+        self._rebuild_weights()
+
+    def whole_state(self, optimizer_state: dict, model_state: dict) -> dict:
+        """`load_sharded_state_dict`'s entries, whole, from torch.optim's format of a trainer of the same
+        schedule's stages (one process, or ranks with replicated state) and the model's weights (the
+        masters). Raises ValueError where the groups do not match this trainer's."""
+        return self.checkpoint.whole_state(optimizer_state, model_state)
+
+    def _rebuild_weights(self) -> None:
+        """The full weights from the loaded masters: this rank's pieces, then every stage gathered."""
+        for s in self.groups.order:
+            names = self.groups.names(s)
+            if not names:
+                continue
+            streamed = s >= 0 and self.stages[s].placement.streamed
+            (self.store.refresh_source if streamed else self.store.refresh_work)(names)
+            if self.sharding is None:
+                continue
+            self.sharding.updated(s)
+            if not streamed:  # a streamed stage's: by synchronize(), through its weight slot
+                self.sharding.gather_stage(s)
+        self._model_behind = True
+        self.sync_model()
+
+    # ---- the parts' state, read by tests and tools ------------------------------------------------
+    @property
+    def grads_freed(self) -> frozenset[int]:
+        """Resident stages whose gradients go at their step (NOTE: [Resident gradients freed at their
+        step] in solver/footprint.py)."""
+        return self.gradients.freed
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """NOTE: [Gradient clipping] in stepping.py."""
+        return self.stepping.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose gradient norm was not finite: their update skipped (NOTE: [Gradient clipping])."""
+        return self.stepping.skipped_steps
