@@ -64,7 +64,7 @@ class Split:
 
     def laid_out(self, spec: TensorSpec) -> bool:
         """The tensor's leading dimensions are cut the way the runtime cuts them (NOTE: [Chunked loss]
-        in runtime/trainer.py): rows leading (a multiple of the batch), or the tokens apart or flat."""
+        in runtime/chunked.py): rows leading (a multiple of the batch), or the tokens apart or flat."""
         if not spec.shape:
             return False
         if self.tokens:

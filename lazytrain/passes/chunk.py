@@ -5,7 +5,7 @@ the last stage's working set is over `limit` bytes and the stage provably keeps 
 positions apart, the last stage carries `chunks=k` and memory figures for one chunk: `peak_bytes`
 is one chunk's working set, `saved_bytes` and `internal_bytes` are 0, since its forward and
 backward run together, chunk by chunk, in its backward window (NOTE: [Chunked loss] in
-runtime/trainer.py). Otherwise the stages come back unchanged (k = 1). Two ways to cut:
+runtime/chunked.py). Otherwise the stages come back unchanged (k = 1). Two ways to cut:
   - along rows: k divides the batch B, each chunk B/k whole rows; chosen when some k brings a
     chunk within the limit;
   - along tokens: each row cut into pieces of `chunk_len` consecutive positions (the last may be
