@@ -8,6 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # a note written down: a line that starts with it, not followed by where it is (which makes it a citation)
 WRITTEN = re.compile(r"^\s*(?:#\s*|\"\"\")?NOTE: \[([^\]]+)\](?:\s*$| (?!in [\w/]+\.py)[A-Za-z(`'\"])")
 CITED = re.compile(r"NOTE: \[([^\]]+)\](?: in ([\w/]+\.py))?")
+WRAPPED = re.compile(r"NOTE: \[([^\]]+)\] in ([\w/]+\.py)")
 
 
 def _sources():
@@ -26,6 +27,9 @@ def test_every_cited_note_is_written_where_it_is_said_to_be():
                 written.setdefault(m.group(1), set()).add(rel)
                 continue
             cited += [(rel, number, c.group(1), c.group(2)) for c in CITED.finditer(line)]
+        # a citation whose file is on the next line: read the text with the comment marks gone
+        flat = " ".join(re.sub(r"^\s*#?\s*", "", line) for line in path.read_text(encoding="utf-8").splitlines())
+        cited += [(rel, "wrapped", c.group(1), c.group(2)) for c in WRAPPED.finditer(flat)]
     assert len(written) > 50  # the pattern still finds the notes
     problems = []
     for rel, number, title, where in cited:
