@@ -15,7 +15,6 @@ it is built; the stages get theirs after blocks, and the budget is resolved once
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -93,14 +92,6 @@ class _Hook:
             (self.dir / f"{index:02d}-{name}.txt").write_text(text)
 
 
-def for_states(hw: Hardware, optimizer_states: str) -> Hardware:
-    """The profile with the GPU optimizer rate of the chosen state precision; host steps stay
-    fp32 (NOTE: [State precision per stage] in solver/solve.py)."""
-    if optimizer_states == "8bit":
-        return dataclasses.replace(hw, gpu_adamw_params_per_s=hw.gpu_adamw8bit_params_per_s)
-    return hw
-
-
 def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None, *,
             options: CompileOptions | None = None, **settings):
     """The stages before the solver: capture, costs, liveness, blocks, chunk; the model cast to the
@@ -142,8 +133,8 @@ def resolve_budget(options: CompileOptions, stages: Stages, hw: Hardware, hook: 
             return budget
 
 
-def _hardware(hardware: str | Hardware | None, options: CompileOptions) -> Hardware:
-    return for_states(hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware), options.optimizer_states)
+def _hardware(hardware: str | Hardware | None) -> Hardware:
+    return hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None = None, hardware: str | Hardware | None = None, *,
@@ -154,7 +145,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
     make one CompileOptions. `hardware` is a profile's name or file, or a Hardware (None: h200);
     `batch` is one rank's batch."""
     options = from_settings(options, budget, settings)
-    hw = _hardware(hardware, options)
+    hw = _hardware(hardware)
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, options=options)
     budget = resolve_budget(options, stages, hw, hook)
@@ -173,7 +164,7 @@ def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware
     """The smallest feasible budget of `model(**batch)` compiled with these options (their budget
     aside), in bytes."""
     options = from_settings(options, None, settings)
-    hw = _hardware(hardware, options)
+    hw = _hardware(hardware)
     _, stages = analyse(model, batch, hw, options=options)
     return smallest_budget(stages, hw)
 

@@ -16,7 +16,6 @@ from lazytrain.errors import PlanError
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import Tier
-from lazytrain.pipeline import for_states
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s
 from lazytrain.solver.solve import evaluate, solve
@@ -74,7 +73,7 @@ def test_the_solver_takes_them_where_the_host_binds():
     """On the H200 profile, 24 blocks wide enough that streaming pays on the GPU: at the GPU budget of
     a plan with 22 blocks stepped in backward from disk and the host that plan needs, the solver's
     plan fits both, and steps blocks in backward from disk; with the whole host it keeps none there."""
-    hw = for_states(hardware.load("h200"), "8bit")
+    hw = hardware.load("h200")
     _, stages, _, _ = _stages("8bit", hw=hw, layers=24, dim=256)
     fixed = evaluate(stages, hw, 1 << 40, decisions(["-rk", "GRk"] + ["KRk"] * 22 + ["GRk", "-rk"]))
     budget = fixed.peak_bytes + hw.allocator_reserve_bytes

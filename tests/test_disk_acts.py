@@ -19,7 +19,7 @@ from lazytrain.errors import PlanError
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import Outputs
-from lazytrain.pipeline import analyse, for_states
+from lazytrain.pipeline import analyse
 from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import ACT_RING, disk_act_bytes, disk_io_s
@@ -145,7 +145,7 @@ def test_the_solver_takes_them_where_the_host_binds():
     """On the H200 profile, a narrow model on long rows (outputs of 1 MiB a block against 0.2 MiB of
     weights): at the GPU budget and the host of a plan with outputs on disk, the solver's plan fits
     both and keeps outputs on disk; with the whole host, none."""
-    hw = for_states(hardware.load("h200"), "8bit")
+    hw = hardware.load("h200")
     meta, _ = model_pair(lambda: tiny_gpt.TinyGPT(dim=64, layers=8))
     _, stages = analyse(meta, token_batch(8, 512, tiny_gpt.VOCAB), hw, optimizer_states="8bit")
     stages = dataclasses.replace(stages, disk=True)

@@ -18,7 +18,7 @@ from lazytrain.errors import PlanError
 from lazytrain.examples import tiny_gpt
 from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import PlacementError, Step, Tier
-from lazytrain.pipeline import analyse, for_states
+from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s, disk_master_bytes
 from lazytrain.solver.solve import evaluate, solve
@@ -127,7 +127,7 @@ def test_the_solver_takes_them_where_the_host_binds():
     """On the H200 profile, 12 blocks with fp32 masters and bf16 compute: at the GPU budget and the
     host of a plan with 10 masters on disk, the solver's plan fits both and puts masters on disk;
     with the whole host it puts none there."""
-    hw = for_states(hardware.load("h200"), "8bit")
+    hw = hardware.load("h200")
     _, stages, _, _ = _mixed("8bit", hw=hw, layers=12, dim=256)
     fixed = evaluate(stages, hw, 1 << 40, decisions(["-rk", "GRk"] + ["MRk"] * 10 + ["GRk", "-rk"]))
     budget = fixed.peak_bytes + hw.allocator_reserve_bytes

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from lazytrain import hardware
-from lazytrain.pipeline import analyse, for_states
+from lazytrain.pipeline import analyse
 from lazytrain.solver import plancache
 from lazytrain.solver.solve import smallest_budget, solve
 from models import tiny_gpt_pair
@@ -49,7 +49,7 @@ def test_key_separates_every_input(stages):
         plancache.key(stages, HW, budget, gap=1e-3),
         plancache.key(stages, dataclasses.replace(HW, h2d_bandwidth=HW.h2d_bandwidth * 2), budget),
         plancache.key(stages, dataclasses.replace(HW, host_memory_bytes=HW.host_memory_bytes - 1), budget),
-        plancache.key(stages, for_states(HW, "8bit"), budget),
+        plancache.key(stages, dataclasses.replace(HW, gpu_adamw8bit_params_per_s=HW.gpu_adamw8bit_params_per_s * 2), budget),
         plancache.key(dataclasses.replace(stages, master_bytes=2), HW, budget),
         plancache.key(dataclasses.replace(stages, state_bytes=2.03125), HW, budget),
         plancache.key(dataclasses.replace(stages, stages=stages.stages[:1] + (dataclasses.replace(g, fwd_s=g.fwd_s * (1 + 1e-15)),)

@@ -122,7 +122,7 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
             if g is None:
-                return gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes)
+                return gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes, stages.state_bytes)
             p = plan.decisions[stage]
             return RULES[p.kind].step_seconds(stages, stage, p, hw)
         return 0.0

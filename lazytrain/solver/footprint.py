@@ -108,11 +108,13 @@ def cpu_step_s(param_bytes: int, numel: int, hw: Hardware, master: int = MASTER_
     return alone / hw.host_fraction  # NOTE: [Host steps in a running step] in hardware/__init__.py
 
 
-def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTES) -> float:
+def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTES,
+               state_bytes: float = STATE_BYTES["32bit"]) -> float:
     """A device optimizer step of `numel` parameters in `tensors` tensors: AdamW at the profile's rate
-    for the chosen states (`pipeline.for_states`), and for a bf16 master its twins and rounding
-    (NOTE: [Device steps of bf16 masters] in hardware/__init__.py)."""
-    seconds = numel / hw.gpu_adamw_params_per_s
+    for states of `state_bytes` a parameter (8-bit or 32-bit), and for a bf16 master its twins and
+    rounding (NOTE: [Device steps of bf16 masters] in hardware/__init__.py)."""
+    rate = hw.gpu_adamw8bit_params_per_s if state_bytes == STATE_BYTES["8bit"] else hw.gpu_adamw_params_per_s
+    seconds = numel / rate
     if master != MASTER_BYTES:
         seconds += (numel / hw.gpu_round_params_per_s if hw.gpu_round_params_per_s else 0.0) + tensors * hw.gpu_round_tensor_s
     return seconds
@@ -177,7 +179,7 @@ def disk_gpu_job_s(param_bytes: int, numel: int, tensors: int, hw: Hardware, sta
     fetch = gpu_step_state_bytes(numel, state_bytes, master) + param_bytes
     out = gpu_step_out_bytes(param_bytes, numel, state_bytes, master)
     return (disk_io_s(disk_gpu_state_bytes(numel, state_bytes), hw) + fetch / hw.h2d_bandwidth
-            + gpu_step_s(numel, tensors, hw, master) + out / hw.d2h_bandwidth)
+            + gpu_step_s(numel, tensors, hw, master, state_bytes) + out / hw.d2h_bandwidth)
 
 
 def host_bytes_streamed(param_bytes: int, numel: int, state_bytes: float, master: int = MASTER_BYTES) -> int:

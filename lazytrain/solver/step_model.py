@@ -101,7 +101,7 @@ class StepModel:
         self.stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
         self.step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
         shared_step = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
-                                 len(stages.shared_params), hw, M)
+                                 len(stages.shared_params), hw, M, stages.state_bytes)
         if self.on_stream:
             self.stepped[TAIL] += shared_step
         self.serial = 0.0 if self.on_stream else shared_step
@@ -164,7 +164,7 @@ class StepModel:
         # master, plain prefetches bring the master, and the host keeps no compute-dtype copy
         mixed = weights_from_master(stages, s)  # if stepped on the device (gstep, dstep)
         copy, staging = (g.param_bytes, master_staging_bytes(g)) if mixed else (0, 0)
-        return StageTerms(s, g, numel, gpu_step_s(numel, P, hw, M), copy, staging,
+        return StageTerms(s, g, numel, gpu_step_s(numel, P, hw, M, stages.state_bytes), copy, staging,
                           M * g.param_numel - g.param_bytes if mixed else 0,
                           L.bw(s - 2) if s >= 2 and not self.exact else self.TAIL,
                           (self.TAIL, self.PRE)[s] if s < 2 else L.fw(s - 2))

@@ -90,7 +90,7 @@ class StepRule:
     def step_seconds(self, stages: Stages, s: int, p: Placement, hw: Hardware) -> float:
         """The predicted seconds of stage `s`'s OPT_STEP event: a device step of its parameters."""
         g = stages[s]
-        return gpu_step_s(g.param_numel, len(g.params), hw, stages.master_bytes)
+        return gpu_step_s(g.param_numel, len(g.params), hw, stages.master_bytes, stages.state_bytes)
 
     def buffers(self, lo: Lowering, s: int) -> None:
         """The stage's buffers for its weights, gradients and step, before its activations'."""
