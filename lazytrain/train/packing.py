@@ -21,9 +21,10 @@ restarting positions into a block-diagonal causal mask when no ``attention_mask`
 rotary or learned position embeddings read the same positions), so each sequence sees itself
 alone, exactly as in a row of its own; NOTE: [Document boundaries reach attention] in
 boundaries.py says how a model is checked to do so. The loss shifts labels (the logit at ``t``
-predicts the label at ``t + 1``), so the label at the first token of every sequence that does not
-start a row is -100: no label crosses into the next sequence. With both options off the rows are
-the ones earlier versions wrote, byte for byte, and their saved positions still resume.
+predicts the label at ``t + 1``), so the label at the first token of every packed example and
+document is -100: no label crosses into the next sequence (at a row's start it is never a target
+anyway). With both options off the rows are the ones earlier versions wrote, byte for byte, and
+their saved positions still resume.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class RowWriter:
             return
         self._pack_window()
         words = np.asarray(ids, dtype=np.uint32)
-        if self._doc == 0 and self.layout.mask_documents and self.tokens % self.seq_len:
+        if self._doc == 0 and self.layout.mask_documents:
             words = words.copy()
             self._starts(words)
         self._append(words)
@@ -101,9 +101,13 @@ class RowWriter:
         return had
 
     def _starts(self, words: np.ndarray) -> None:
-        """``words`` begin a sequence inside a row: its first label crosses no boundary."""
-        words[0] |= START | MASKED
-        self.masked = self.stats.separated = True
+        """``words`` begin a sequence: its first label is no target (inside a row it would be the
+        previous sequence's), and inside a row it is marked where it starts."""
+        words[0] |= MASKED
+        self.masked = True
+        if self.tokens % self.seq_len:
+            words[0] |= START
+            self.stats.separated = True
 
     def example(self, ids: np.ndarray, supervised: np.ndarray) -> str:
         """One example: "ok", "truncated", or skipped: "nothing" (no learnt token even whole) or
@@ -145,8 +149,8 @@ class RowWriter:
 
     def _row_of(self, examples: list[np.ndarray]) -> None:
         """A row of whole examples, padded to its end."""
-        for i, words in enumerate(examples):
-            if i:
+        for words in examples:
+            if self.layout.pack_examples:
                 words = words.copy()
                 self._starts(words)
             self._append(words)

@@ -37,6 +37,10 @@ class ModelSource:
     # directory, whose batch has them where its rows need them
     file_positions: bool | None = None
 
+    def example_batch(self) -> dict:
+        ids = torch.zeros(self.batch_shape, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids.clone()}
+
     def materialize(self, dtype: torch.dtype | None = None,
                     places: dict[str, torch.device] | None = None) -> tuple[torch.nn.Module, list[str]]:
         """The model with its weights: streamed from the checkpoint (NOTE: [Loading weights] in
