@@ -93,8 +93,10 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
         _check_log(Path(args.log), run_dir, args.resume, args.overwrite_log)
     tokenizer = _tokenizer(args, source)
     data = run_data(args, source, meta_model, tokenizer, vocab_size(meta_model), rank, world, lambda: _device(args))
-    for line in (data.train.stats.describe(source.batch_shape[1]), data.train.packing.describe(source.batch_shape[1], data.layout, data.train.stats.documents),
-                 data.eval.describe() if data.eval else None):
+    seq = source.batch_shape[1]
+    said = (data.train.stats.describe(seq), data.train.packing.describe(seq, data.layout, data.train.stats.documents),
+            data.eval.describe() if data.eval else None)
+    for line in said:
         if line and rank == 0:
             print(line, flush=True)
     found = load_latest(run_dir / "checkpoints", None) if args.resume else None
