@@ -4,8 +4,8 @@ Flags are range-checked by the argument parser (lazytrain/cli.py). Here: the run
 against `--resume`, the model file (imported, its batch checked, built on the meta device), its
 sequence length against its positions, the weights file, `--log` (a new run erases no existing file
 but its run directory's own log unless told to) and `--export-hf` (never over the model trained
-from, files that are no export, or the run's own outputs), the tokenizer and the data (tokenised
-and checked against the model's vocabulary), and, when resuming, the checkpoint (read and its
+from, files that are no export, or the run's own outputs), the tokenizer and the data (tokenised,
+checked against the model's vocabulary and laid out as the model can take it: run_data.py), and, when resuming, the checkpoint (read and its
 digests checked; its fingerprint and structure need the compiled schedule and are checked right
 after the compile, before anything is written). Every output's place is probed for writing
 (`files.cannot_write`: an entry made and removed there); nothing else is written here.
