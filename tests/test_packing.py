@@ -148,8 +148,9 @@ def test_a_resumed_position_yields_the_batches_of_an_uninterrupted_run(tmp_path,
 def test_a_position_is_resumed_only_with_its_layout(tmp_path, tok):
     write_examples(tmp_path / "ex.jsonl", [6] * 40)
     state = PackedBatches(tmp_path / "ex.jsonl", tok, 2, 32).state_dict()
-    with pytest.raises(DataError, match="laid out with --packing on, this run lays the data out with "
-                                        "--packing off --cross-document-attention; resume with --packing on"):
+    with pytest.raises(DataError, match="laid out with --packing on --cross-document-attention, this run lays the "
+                                        "data out with --packing off --cross-document-attention; resume with "
+                                        "--packing on, or start a fresh run"):
         PackedBatches(tmp_path / "ex.jsonl", tok, 2, 32, layout=UNPACKED).load_state_dict(state)
 
 
@@ -180,7 +181,8 @@ def test_packing_off_writes_the_rows_earlier_versions_wrote(tmp_path, tok):
              "rows_per_epoch": 31, "data_digest": "07ca9ac47189483b"}
     batches.load_state_dict(saved)
     assert batches.packing.examples == batches.packing.example_rows == 18 and not batches.separated
-    with pytest.raises(DataError, match="laid out with --packing off --cross-document-attention"):
+    with pytest.raises(DataError, match="laid out with --packing off --cross-document-attention, .*; resume with "
+                                        "--packing off and --cross-document-attention, or start a fresh run"):
         PackedBatches(paths, tok, 2, 16).load_state_dict(saved)
 
 
@@ -213,3 +215,34 @@ def test_an_eval_set_is_read_once_in_order_with_its_last_batch_completed(tmp_pat
     assert batches[1].inputs["labels"][1].eq(IGNORE).all() and batches[1].tokens == 10
     assert sum(b.learnt for b in batches) == 7 * (10 - 10 // 3)
     assert EvalSet(tmp_path / "ev.jsonl", tok, 2, 32, layout=Layout(), steps=1).steps == 1
+
+
+def test_ranks_share_each_packed_batch_and_count_the_global_one(tmp_path, tok):
+    """Rank r of 2 reads rows r·B/2 to (r+1)·B/2 of each global batch (NOTE: [Data across ranks] in
+    lazytrain/train/data.py), and every rank counts the global batch's tokens and learnt labels."""
+    write_examples(tmp_path / "ex.jsonl", [random.Random(6).randint(2, 25) for _ in range(60)])
+    whole = PackedBatches(tmp_path / "ex.jsonl", tok, 4, 32, seed=2)
+    ranks = [PackedBatches(tmp_path / "ex.jsonl", tok, 4, 32, seed=2, rank=r, world=2) for r in range(2)]
+    for _ in range(6):
+        want = whole.next_batch()
+        got = [r.next_batch() for r in ranks]
+        for k in want.inputs:
+            assert torch.equal(torch.cat([g.inputs[k] for g in got]), want.inputs[k])
+        assert all((g.tokens, g.learnt, g.slots) == (want.tokens, want.learnt, want.slots) for g in got)
+    held = [EvalSet(tmp_path / "ex.jsonl", tok, 4, 32, layout=Layout(), rank=r, world=2) for r in range(2)]
+    for a, b, w in zip(held[0].batches(), held[1].batches(), EvalSet(tmp_path / "ex.jsonl", tok, 4, 32,
+                                                                      layout=Layout()).batches()):
+        assert torch.equal(torch.cat([a.inputs["labels"], b.inputs["labels"]]), w.inputs["labels"])
+        assert a.learnt == b.learnt == w.learnt
+
+
+def test_a_position_binds_only_the_layout_its_data_has(tmp_path, tok):
+    """Text alone packs no example: a position saved before packing (no layout in it) resumes with
+    packing on, as long as documents are laid out as they were (attending across each other)."""
+    (tmp_path / "a.txt").write_text("\n\n".join(f"plain text number {i} " * 3 for i in range(40)))
+    crossing = Layout(pack_examples=True, mask_documents=False)
+    saved = {k: v for k, v in PackedBatches(tmp_path / "a.txt", tok, 2, 16, layout=UNPACKED).state_dict().items()
+             if k not in ("packing", "document_mask")}
+    PackedBatches(tmp_path / "a.txt", tok, 2, 16, layout=crossing).load_state_dict(saved)
+    with pytest.raises(DataError, match="resume with --cross-document-attention, or start"):
+        PackedBatches(tmp_path / "a.txt", tok, 2, 16).load_state_dict(saved)

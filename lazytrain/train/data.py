@@ -117,6 +117,9 @@ class PackedBatches:
             )
         self.num_tokens = self._store.num_tokens
         self.data_digest = self._store.digest
+        # the layout as far as this data is concerned: a position binds it (packing text alone packs nothing)
+        self._laid_out = Layout(layout.pack_examples and self.stats.examples > 0,
+                                layout.mask_documents and self.stats.documents > 0)
         self._epoch = 0
         self._row = 0
         self._order_epoch = -1
@@ -195,7 +198,7 @@ class PackedBatches:
             "seq_len": self.seq_len,
             "rows_per_epoch": self.rows_per_epoch,
             "data_digest": self.data_digest,
-            **self.layout.state(),
+            **self._laid_out.state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -223,10 +226,10 @@ class PackedBatches:
                 f"data position has version {version}, this lazytrain reads version "
                 f"{_STATE_VERSION}; resume with the lazytrain that wrote it"
             )
-        if layout != self.layout:
+        if layout != self._laid_out:
             raise DataError(
                 f"the saved data position was laid out with {layout.flags()}, this run lays the data out with "
-                f"{self.layout.flags()}; resume with {layout.flags()}, or start a fresh run"
+                f"{self._laid_out.flags()}; resume with {layout.fix(self._laid_out)}, or start a fresh run"
             )
         ours = (self.seq_len, self.rows_per_epoch, self.data_digest)
         if tuple(saved) != ours:

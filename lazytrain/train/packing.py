@@ -61,6 +61,16 @@ class Layout:
         return " ".join(parts)
 
 
+    def fix(self, other: Layout) -> str:
+        """The flags that make a run laid out as ``other`` lay its data out as this layout."""
+        parts = []
+        if self.pack_examples != other.pack_examples:
+            parts.append(f"--packing {'on' if self.pack_examples else 'off'}")
+        if self.mask_documents != other.mask_documents:
+            parts.append("no --cross-document-attention" if self.mask_documents else "--cross-document-attention")
+        return " and ".join(parts)
+
+
 UNPACKED = Layout(pack_examples=False, mask_documents=False)
 
 
