@@ -245,6 +245,20 @@ def parser() -> argparse.ArgumentParser:
                                                   "(default: the model directory's); 'random' for a fresh initialisation")
     t.add_argument("--data", nargs="+", default=None, help=".txt/.jsonl files or directories (default: the shipped corpus)")
     t.add_argument("--tokenizer", default=None, help="local Hugging Face tokenizer (default: the model directory's, else the shipped one)")
+    t.add_argument("--packing", choices=["on", "off"], default="on",
+                   help="on (default): pack whole examples (chat, prompt/completion, ids with labels) several to a row, "
+                        "best fit decreasing, kept apart by position_ids; off: one padded row per example")
+    t.add_argument("--cross-document-attention", action="store_true",
+                   help="let the text documents concatenated into a row attend to each other (default: each attends "
+                        "to itself alone)")
+    t.add_argument("--eval-data", nargs="+", default=None, metavar="FILES",
+                   help="held-out data (the --data formats): its loss over learnt tokens is printed and logged as "
+                        "eval_loss after the last step and every --eval-every steps")
+    t.add_argument("--eval-every", type=_at_least(1), default=None, metavar="N",
+                   help="with --eval-data: evaluate every N steps too (default: after the last step only)")
+    t.add_argument("--eval-steps", type=_at_least(1), default=None, metavar="K",
+                   help="with --eval-data: batches an evaluation reads from the eval set's start (default: the whole "
+                        "set, at most 50)")
     t.add_argument("--batch-size", type=_at_least(1), default=None, help="for model directories (model files set their own)")
     t.add_argument("--seq-len", type=_at_least(1), default=None, help="for model directories (model files set their own)")
     t.add_argument("--schedule", type=_path, default=None, help="a compiled schedule (default: compile on the fly)")
@@ -338,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             p._commands["train"].error(f"--clipping {args.clipping} chooses how --max-grad-norm clips; pass "
                                        "--max-grad-norm N with it, or drop --clipping")
         args.clipping = args.clipping or "exact"
+        for flag in ("eval_every", "eval_steps"):
+            if getattr(args, flag) is not None and not args.eval_data:
+                p._commands["train"].error(f"--{flag.replace('_', '-')} sets how --eval-data is evaluated; pass "
+                                           "--eval-data FILES with it, or drop it")
         steps = args.steps if args.steps is not None else None if args.resume else DEFAULT_STEPS
         if args.warmup_steps is not None and steps is not None and args.warmup_steps > steps:
             p._commands["train"].error(f"--warmup-steps {args.warmup_steps} is longer than the run's {steps} steps; "

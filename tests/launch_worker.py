@@ -44,7 +44,7 @@ def die_at(at: int, mode: str = "exit", code: int = 7) -> None:
     """This process exits with `code` (mode "exit") or hangs ("stall") as it reads its `at`-th batch."""
     from lazytrain.train.data import PackedBatches
 
-    original = PackedBatches.__next__
+    original = PackedBatches.next_batch
     count = [0]
 
     def next_batch(self):
@@ -55,7 +55,7 @@ def die_at(at: int, mode: str = "exit", code: int = 7) -> None:
             time.sleep(600)
         return original(self)
 
-    PackedBatches.__next__ = next_batch
+    PackedBatches.next_batch = next_batch
 
 
 def run_ranks(argv: list[str], out: Path, world: int = 2, fault: tuple[str, int] | None = None,

@@ -21,6 +21,7 @@ from lazytrain.train.data import (
     check_vocab,
     load_tokenizer,
 )
+from lazytrain.train.packing import UNPACKED
 
 EOS = 0
 
@@ -72,13 +73,15 @@ def test_corpus_is_a_modest_natural_text():
 
 
 def test_builtin_batches_shapes(tok):
-    batches = builtin_batches(4, 64, shuffle=False)
+    """Attention across documents (UNPACKED): labels are the inputs, positions count along each row."""
+    batches = builtin_batches(4, 64, shuffle=False, layout=UNPACKED)
     assert batches.tokens_per_batch == 256
     assert batches.rows_per_epoch == batches.num_tokens // 64
     batch = next(batches)
-    assert set(batch) == {"input_ids", "labels"}
-    assert batch["input_ids"].shape == (4, 64) and batch["input_ids"].dtype == torch.long
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert all(t.shape == (4, 64) and t.dtype == torch.long for t in batch.values())
     assert torch.equal(batch["labels"], batch["input_ids"])
+    assert torch.equal(batch["position_ids"], torch.arange(64).expand(4, 64))
     assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()
     # Unshuffled, epoch 0 is the stream in order: the first row starts the corpus, whose
     # paragraphs (separated by blank lines) are documents joined by eos.

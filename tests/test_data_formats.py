@@ -192,7 +192,7 @@ def test_chat_records_learn_only_assistant_tokens(tmp_path, chat_tok):
 def test_chat_records_need_a_chat_template(tmp_path, tok):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
     with pytest.raises(DataError, match=r"c\.jsonl:1: chat records need a tokenizer with a chat "
-                                        r"template.*each is padded to one row"):
+                                        r"template.*records \(their labels are -100 on the prompt"):
         PackedBatches(path, tok, 1, 96)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lazytrain.errors import DataError
-from lazytrain.train import json_lines, records, tokens
+from lazytrain.train import json_lines, records, rows
 from lazytrain.train.data import PackedBatches
 from test_data import tok, write_jsonl  # noqa: F401 -- the fixture and the writer the data tests share
 
@@ -147,8 +147,8 @@ def test_a_full_tmpdir_names_the_token_file_and_what_it_had_written(tmp_path, mo
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-    monkeypatch.setattr(tokens, "_FLUSH_TOKENS", 64)  # a write every row
-    monkeypatch.setattr(tokens, "open", lambda path, mode: _FillsUp(path, mode, room=3 * 4 * 64), raising=False)
+    monkeypatch.setattr(rows, "_FLUSH_TOKENS", 64)  # a write every row
+    monkeypatch.setattr(rows, "open", lambda path, mode: _FillsUp(path, mode, room=3 * 4 * 64), raising=False)
     data = tmp_path / "d.txt"
     data.write_text("Rivers carry mud to the sea and bees make honey.\n\n" * 200)
     assert main(["train", "--steps", "1", "--data", str(data), "--no-progress"]) == 2

@@ -22,5 +22,6 @@ def build_model() -> torch.nn.Module:
 
 
 def example_batch() -> dict:
+    """position_ids keep packed documents and examples apart (NOTE: [Packing] in lazytrain/train/packing.py)."""
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": ids.clone()}

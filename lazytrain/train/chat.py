@@ -38,8 +38,8 @@ def chat_example(
         raise DataError(
             f"{where()}: chat records need a tokenizer with a chat template, and this one has "
             "none; pass --tokenizer with one that has (the model's own, if it is a chat model), "
-            'or write {"prompt": ..., "completion": ...} records. Chat examples are not packed: '
-            "each is padded to one row with labels -100 outside the assistant's tokens"
+            'or write {"prompt": ..., "completion": ...} records (their labels are -100 on the '
+            "prompt, as a conversation's are outside the assistant's tokens)"
         )
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     full = _render(tokenizer, messages, False, where)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import resource
 import sys
 import time
 from dataclasses import replace
@@ -44,7 +43,12 @@ from lazytrain.train.lock import RunLock
 from lazytrain.train.preflight import Prepared, prepare
 from lazytrain.train.finite import check_loaded, check_restored, labelled_state, param_names, refuse_nonfinite
 from lazytrain.train.resume import LrSchedule, check_structure, lr_lambda, trim_log
+from lazytrain.train import report
+from lazytrain.train.boundaries import POSITIONS
+from lazytrain.train.evaluation import evaluate
+from lazytrain.train.packing import UNPACKED
 from lazytrain.train.room import Room
+from lazytrain.train.run_data import zeros
 from lazytrain.train.source import ModelSource
 from lazytrain.units import format_size
 
@@ -64,7 +68,7 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
     from lazytrain.pipeline import compile_model  # the solver: only to compile here
 
     hw = _hardware(args)
-    batch = _zeros(prep.rank_batch)
+    batch = prep.batch(prep.rank_batch)
     options = replace(options, master_weights=args.master_weights or default_masters(prep.meta_model),
                       world_size=prep.world, shard_state=None if hw.link_bandwidth > 0 else False)  # NOTE: [State in train]
     if prep.world > 1 and not hw.link_bandwidth > 0:
@@ -110,16 +114,12 @@ def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
     from lazytrain.ir.capture import capture
     from lazytrain.passes.causal import causal
 
-    return causal(capture(prep.meta_model, _zeros(theirs), str(prep.source.path), schedule.DEVICE)).fingerprint()
+    return causal(capture(prep.meta_model, zeros(schedule.BATCH, theirs), str(prep.source.path),
+                          schedule.DEVICE)).fingerprint()
 
 
 def _hardware(args):
     return hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
-
-
-def _zeros(shape) -> dict:
-    ids = torch.zeros(tuple(shape), dtype=torch.long)
-    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def _check_schedule(args, schedule, prep: Prepared) -> None:
@@ -134,6 +134,11 @@ def _check_schedule(args, schedule, prep: Prepared) -> None:
             f"{list(prep.source.batch_shape)}, {list(prep.rank_batch)} per rank. Drop --schedule to compile the right "
             f"one (the run directory keeps it as schedule.py), or compile {list(prep.rank_batch)} with --world-size "
             f"{prep.world}")
+    if POSITIONS in prep.inputs and POSITIONS not in schedule.BATCH:  # NOTE: [Packing] in packing.py
+        raise DataError(
+            f"{where} was compiled without position_ids, and this run packs several sequences into a row, which only "
+            f"they keep apart; compile it with position_ids in example_batch(), drop --schedule to compile here, or "
+            f"pass {UNPACKED.flags()}")
 
 
 def _materialize(source: ModelSource, schedule, disk: DiskMasters | None = None) -> torch.nn.Module:
@@ -152,11 +157,6 @@ def _materialize(source: ModelSource, schedule, disk: DiskMasters | None = None)
         print(f"loaded {len(source.weights.files)} tensors from {source.weights.origin}"
               + (f" ({files} shards)" if files > 1 else "") + "".join(f"; {c}" for c in casts), flush=True)
     return model
-
-
-def _host_gib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def train(args, options: CompileOptions) -> dict:
@@ -225,14 +225,14 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
         was = found.extra.get("world_size", 1)
         print(f"resumed from {found.path} at step {start}" + (f" (saved on {was} rank{'s' if was > 1 else ''})"
               if was != prep.world else "") + (" (the run is complete)" if start >= lr.steps else ""), flush=True)
-    report = trainer.memory_report()
+    memory = trainer.memory_report()
     on = f" (each of {prep.world} ranks)" if ranks else ""
-    print(f"runtime on {trainer.device}{on}: weight and optimizer slots (at most) {format_size(report['slot_bytes'])}, "
-          f"page-locked host buffers {format_size(report['pinned_bytes'])}", flush=True)
+    print(f"runtime on {trainer.device}{on}: weight and optimizer slots (at most) {format_size(memory['slot_bytes'])}, "
+          f"page-locked host buffers {format_size(memory['pinned_bytes'])}", flush=True)
     room = _room(args, run_dir, model, schedule, start, lr, ranks)  # NOTE: [Checkpoint room] in room.py
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    tokens = source.batch_shape[0] * source.batch_shape[1]  # the global batch: every rank's tokens
+    feed = lambda batch: {k: batch.inputs[k] for k in schedule.BATCH}  # noqa: E731 -- what the step takes
     log_path = Path(args.log) if args.log else run_dir / "log.jsonl" if run_dir else None
     if log_path is not None and main:
         trim_log(log_path, start)  # one record per step across resumes
@@ -241,25 +241,24 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
                disable=args.no_progress or not sys.stderr.isatty() or not main, dynamic_ncols=True, mininterval=0.5)
     record = {}
     for step in bar:
-        batch = next(data)
+        batch = data.next_batch()
         trainer.record_timeline = run_dir is not None and step + 1 == lr.steps  # time the last step's events
         t0 = time.perf_counter()
-        loss = trainer.step(batch).item()  # on several ranks, the mean of their losses (the global batch's)
+        loss = trainer.step(feed(batch)).item()  # on several ranks, the mean of their losses (the global batch's)
         if not math.isfinite(loss):
             error = DataError if main else PeerFailed  # the same loss on every rank: rank 0 says it
             raise error(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
         scheduler.step()
-        seconds = time.perf_counter() - t0
-        record = {
-            "step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0], "step_s": seconds,
-            "tokens_per_s": tokens / seconds, "tflops": 6 * n_params * tokens / seconds / 1e12,
-            "gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
-            "host_gib": _host_gib(),
-        }
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", tflops=f"{record['tflops']:.3f}",
-                        gpu=f"{record['gpu_gib']:.2f}G", host=f"{record['host_gib']:.2f}G")
+        record = report.step_record(step + 1, loss, scheduler.get_last_lr()[0], time.perf_counter() - t0, batch,
+                                    n_params)  # NOTE: [Honest throughput] in report.py
+        bar.set_postfix(**report.postfix(record))
         if (step + 1) % args.print_every == 0 or step + 1 == lr.steps or step == start:
-            bar.write(f"step {step + 1:>5}  loss {loss:.4f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}")
+            bar.write(report.line(record))
+        if prep.eval_set is not None and ((step + 1) % (args.eval_every or lr.steps) == 0 or step + 1 == lr.steps):
+            held = evaluate(trainer, prep.eval_set, feed)  # NOTE: [Evaluation through the training step]
+            record["eval_loss"] = held.loss
+            bar.write(f"eval at step {step + 1}: loss {held.loss:.4f} over {held.learnt} learnt tokens "
+                      f"({held.batches} batch{'es' if held.batches != 1 else ''})")
         if log:
             log.write(json.dumps(record) + "\n")
             log.flush()

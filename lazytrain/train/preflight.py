@@ -4,8 +4,8 @@ Flags are range-checked by the argument parser (lazytrain/cli.py). Here: the run
 against `--resume`, the model file (imported, its batch checked, built on the meta device), its
 sequence length against its positions, the weights file, `--log` (a new run erases no existing file
 but its run directory's own log unless told to) and `--export-hf` (never over the model trained
-from, files that are no export, or the run's own outputs), the tokenizer and the data (tokenised
-and checked against the model's vocabulary), and, when resuming, the checkpoint (read and its
+from, files that are no export, or the run's own outputs), the tokenizer and the data (tokenised,
+checked against the model's vocabulary and laid out as the model can take it: run_data.py), and, when resuming, the checkpoint (read and its
 digests checked; its fingerprint and structure need the compiled schedule and are checked right
 after the compile, before anything is written). Every output's place is probed for writing
 (`files.cannot_write`: an entry made and removed there); nothing else is written here.
@@ -31,9 +31,12 @@ from lazytrain.ir.capture import build_on_meta
 from lazytrain.runtime.disk import check_directory
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.checkpoint_load import holds_checkpoints, load_latest
-from lazytrain.train.data import CORPUS_PATH, PackedBatches, builtin_tokenizer, load_tokenizer
+from lazytrain.train.data import PackedBatches, builtin_tokenizer, load_tokenizer
+from lazytrain.train.evaluation import EvalSet
 from lazytrain.train.export import EXPORT_MARKER, read_marker
+from lazytrain.train.packing import Layout
 from lazytrain.train.resume import LrSchedule, settle
+from lazytrain.train.run_data import run_data, zeros
 from lazytrain.train.source import RANDOM, ModelSource, resolve
 from lazytrain.units import format_size
 
@@ -52,6 +55,13 @@ class Prepared:
     lr: LrSchedule
     lr_notice: str | None  # set when --new-lr-schedule changed the recorded schedule
     world: int  # data-parallel ranks
+    eval_set: EvalSet | None  # --eval-data
+    layout: Layout  # how the rows are filled (NOTE: [Packing] in packing.py)
+    inputs: tuple[str, ...]  # what the step takes: input_ids, labels[, position_ids]
+
+    def batch(self, shape) -> dict[str, torch.Tensor]:
+        """A batch of the step's inputs in `shape`, zeros: what it is compiled for."""
+        return zeros(self.inputs, shape)
 
     @property
     def rank_batch(self) -> tuple[int, int]:
@@ -82,10 +92,26 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
     if args.log:
         _check_log(Path(args.log), run_dir, args.resume, args.overwrite_log)
     tokenizer = _tokenizer(args, source)
-    data = _data(args, source, meta_model, tokenizer, rank, world)
+    data = run_data(args, source, meta_model, tokenizer, vocab_size(meta_model), rank, world, lambda: _device(args))
+    seq = source.batch_shape[1]
+    said = (data.train.stats.describe(seq), data.train.packing.describe(seq, data.layout, data.train.stats.documents),
+            data.eval.describe() if data.eval else None)
+    for line in said:
+        if line and rank == 0:
+            print(line, flush=True)
     found = load_latest(run_dir / "checkpoints", None) if args.resume else None
     lr, notice = settle(args, found)
-    return Prepared(source, meta_model, tokenizer, data, run_dir, found, lr, notice, world)
+    return Prepared(source, meta_model, tokenizer, data.train, run_dir, found, lr, notice, world, data.eval, data.layout,
+                    data.inputs)
+
+
+def _device(args) -> str:
+    """The device type the step is captured for: the --schedule's, else the hardware profile's."""
+    if args.schedule:
+        from lazytrain.runtime.schedule import load_schedule
+
+        return load_schedule(args.schedule).DEVICE
+    return hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu")).device
 
 
 def _check_split(source: ModelSource, world: int) -> None:
@@ -250,13 +276,3 @@ def _tokenizer(args, source: ModelSource):
         raise DataError(f"{source.path} holds weights but no tokenizer (tokenizer.json, tokenizer_config.json or "
                         "tokenizer.model); copy the checkpoint's tokenizer files there, or pass --tokenizer DIR")
     return builtin_tokenizer()
-
-
-def _data(args, source: ModelSource, model: torch.nn.Module, tokenizer, rank: int, world: int) -> PackedBatches:
-    paths = args.data or [CORPUS_PATH]
-    data = PackedBatches(paths, tokenizer, *source.batch_shape, seed=args.seed, vocab_size=vocab_size(model),
-                         rank=rank, world=world, shuffle=not args.no_shuffle)
-    line = data.stats.describe(source.batch_shape[1])
-    if line:
-        print(line, flush=True)
-    return data

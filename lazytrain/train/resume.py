@@ -139,7 +139,8 @@ _SCHEDULER = {"base_lrs": (_rates, "a list of learning rates"), "_last_lr": (_ra
 _DATA = {"version": (_int, "a version"), "epoch": (_int, "an epoch"), "row": (_int, "a row"),
          "seed": (_int, "a seed"), "shuffle_from": (lambda v: v in (0, 1, None) and not _bool(v), "0, 1 or null"),
          "seq_len": (lambda v: _int(v, 1), "a length"), "rows_per_epoch": (lambda v: _int(v, 1), "a number of rows"),
-         "data_digest": (lambda v: isinstance(v, str), "a digest")}
+         "data_digest": (lambda v: isinstance(v, str), "a digest"),
+         "packing": (_bool, "true or false"), "document_mask": (_bool, "true or false")}
 _NEEDED = {"lr_schedule": tuple(_LR_RECORD), "scheduler": ("base_lrs", "_last_lr", "last_epoch"),
            "data": ("version", "epoch", "row", "seed", "seq_len", "rows_per_epoch", "data_digest")}
 

@@ -2,7 +2,8 @@
 
 A model file follows the convention (`build_model()`, `example_batch()`). A directory with a
 `config.json` builds `AutoModelForCausalLM.from_config` (no download), with the batch shape from
-`--batch-size`/`--seq-len`; its weights are the directory's safetensors (one file, or shards with
+`--batch-size`/`--seq-len` (and `position_ids` where packed rows need them: preflight.py); its
+weights are the directory's safetensors (one file, or shards with
 their index), or the file `--weights` names (`--weights random`: a fresh initialisation), and its
 tokenizer is the directory's when it has one. Everything is checked here, before compiling: the
 config, the weights' headers against the model built on the meta device (weights.py), and the
@@ -32,6 +33,9 @@ class ModelSource:
     batch_shape: tuple[int, int]
     weights: ckpt_weights.Weights | None  # checked against the model; loaded after building it
     tokenizer_dir: Path | None  # a tokenizer that ships with the model, if any
+    # a model file's example_batch() holds position_ids (NOTE: [Packing] in packing.py); None for a
+    # directory, whose batch has them where its rows need them
+    file_positions: bool | None = None
 
     def example_batch(self) -> dict:
         ids = torch.zeros(self.batch_shape, dtype=torch.long)
@@ -63,11 +67,16 @@ def resolve(model: str | Path, batch_size: int | None, seq_len: int | None, weig
     shape = tuple(batch["input_ids"].shape)
     if (batch_size and batch_size != shape[0]) or (seq_len and seq_len != shape[1]):
         raise DataError(f"{path} compiles for batch {list(shape)}; --batch-size/--seq-len apply to model directories only")
+    positions = batch.get("position_ids")
+    if positions is not None and (tuple(positions.shape) != shape or positions.dtype != torch.long):
+        raise TraceError(f"{path}: example_batch()'s position_ids are {str(positions.dtype).removeprefix('torch.')}"
+                         f"{list(positions.shape)}; make them int64 {list(shape)}, the shape of input_ids (they "
+                         "restart at 0 where each packed sequence starts)")
     found = None
     if weights and weights != RANDOM:
         found = ckpt_weights.read(Path(weights))
         ckpt_weights.check(found, build_on_meta(build_model), str(path))
-    return ModelSource(path, build_model, shape, found, None)
+    return ModelSource(path, build_model, shape, found, None, positions is not None)
 
 
 def _resolve_dir(path: Path, batch_size: int | None, seq_len: int | None, weights: str | None) -> ModelSource:

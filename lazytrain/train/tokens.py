@@ -1,27 +1,22 @@
 """Training records to rows of tokens in a file on disk.
 
-``build_rows`` tokenises every input into one flat stream of ``uint32`` tokens, written in whole
-rows of ``seq_len`` to a file, so host memory stays bounded whatever the corpus size.
+``build_rows`` tokenises every input, in order, into the row file (``lazytrain.train.rows``),
+written in whole rows of ``seq_len``, so host memory stays bounded whatever the corpus size.
 
-NOTE: [Packing and masking] The compiled step takes exactly ``input_ids`` and ``labels``; no
-attention mask or position ids. So:
-
+NOTE: [Packing and masking]
 * Documents (``.txt`` documents, ``{"text"}`` records, ``{"input_ids"}`` records without labels)
-  are packed: each one's tokens and an end-of-text token are appended to the stream, which is
-  cut into rows; attention crosses document boundaries, as in usual pre-training.
-* Examples (``{"prompt", "completion"}``, ``{"messages"}``, ``{"input_ids", "labels"}``) are not
-  packed: each one starts a row, is truncated to ``seq_len`` and padded to it. Causal attention
-  never looks ahead, so right padding changes nothing for the real tokens and no example sees
-  another. Labels are -100 on padding, prompt and non-assistant tokens.
-
-A token whose label is -100 is stored with bit 31 set (``MASKED``): labels are otherwise the
-input ids themselves (the model shifts them), so one ``uint32`` per token holds both.
+  are concatenated: each one's tokens and an end-of-text token are appended to the stream, which
+  is cut into rows; each document attends to itself alone unless the layout lets attention cross
+  them, as in usual pre-training.
+* Examples (``{"prompt", "completion"}``, ``{"messages"}``, ``{"input_ids", "labels"}``) are
+  truncated to ``seq_len`` and packed whole, several to a row, or (``--packing off``) each starts
+  a row of its own, padded to its end. Labels are -100 on padding, prompt and non-assistant
+  tokens, and at the first token of every sequence that does not start its row.
+How the sequences of a row are kept apart: NOTE: [Packing] in packing.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +29,13 @@ from lazytrain.files import free_bytes, is_disk_full
 from lazytrain.train import records as rec
 from lazytrain.train.chat import chat_example
 from lazytrain.train.data_stats import Stats
+from lazytrain.train.packing import Layout, PackingStats
+from lazytrain.train.rows import ID_LIMIT, IGNORE, RowWriter
 from lazytrain.units import format_size
 
-MASKED = np.uint32(1 << 31)
-IGNORE = -100  # the label Hugging Face's cross-entropy skips
 PIECE_CHARS = 1 << 16  # the longest text handed to the tokenizer in one piece
 BATCH_CHARS = 1 << 19  # text tokenised per call (the tokenizer's parallel batch)
 BATCH_ROWS = 256  # records read per batch
-_FLUSH_TOKENS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -52,126 +46,7 @@ class Rows:
     tokens: int
     masked: bool  # some label is -100 (else labels equal input_ids everywhere)
     stats: Stats
-
-
-# --------------------------------------------------------------------------- the file
-
-
-class _Writer:
-    """Appends documents and examples to the token file; only whole rows reach the file, so
-    the row being filled can still be padded or dropped."""
-
-    def __init__(self, path: Path, seq_len: int, eos: int, pad: int):
-        self._file = open(path, "wb")
-        self.seq_len, self.eos, self.pad = seq_len, eos, pad
-        self._parts: list[np.ndarray] = []
-        self._held = 0  # tokens in _parts
-        self.written = 0  # tokens in the file
-        self.masked = False
-        self._doc = 0  # tokens of the document being appended
-        self._last = -1
-
-    @property
-    def tokens(self) -> int:
-        return self.written + self._held
-
-    def _append(self, tokens: np.ndarray) -> None:
-        self._parts.append(tokens)
-        self._held += tokens.size
-        if self._held >= _FLUSH_TOKENS:
-            self._flush(whole_rows=True)
-
-    def _flush(self, whole_rows: bool) -> None:
-        if not self._parts:
-            return
-        held = np.concatenate(self._parts)
-        n = held.size - held.size % self.seq_len if whole_rows else held.size
-        self._file.write(held[:n].tobytes())
-        self.written += n
-        self._parts = [held[n:]] if n < held.size else []
-        self._held = held.size - n
-
-    def extend(self, ids: list[int] | np.ndarray) -> None:
-        """Part of the packed document being appended."""
-        if len(ids):
-            self._append(np.asarray(ids, dtype=np.uint32))
-            self._doc += len(ids)
-            self._last = int(ids[-1])
-
-    def end_document(self) -> bool:
-        """Close the document with eos (unless it is empty or ends with eos already)."""
-        had = self._doc > 0
-        if had and self._last != self.eos:
-            self._append(np.array([self.eos], dtype=np.uint32))
-        self._doc, self._last = 0, -1
-        return had
-
-    def example(self, ids: np.ndarray, supervised: np.ndarray) -> str:
-        """One example in a row of its own: "ok", "truncated", or skipped: "nothing" (no learnt
-        token even whole) or "truncated_away" (none left in its first ``seq_len`` tokens)."""
-        fill = self.tokens % self.seq_len
-        if fill == 1:  # one packed token alone in a row teaches nothing: drop it
-            self._drop_last()
-        elif fill:
-            self._pad(self.seq_len - fill)
-        if not supervised[1:].any():  # the model shifts labels: position 0 is never predicted
-            return "nothing"
-        outcome = "ok"
-        if ids.size > self.seq_len:
-            ids, supervised, outcome = ids[: self.seq_len], supervised[: self.seq_len], "truncated"
-            if not supervised[1:].any():
-                return "truncated_away"
-        tokens = ids.astype(np.uint32)
-        tokens[~supervised] |= MASKED
-        self.masked = self.masked or not supervised.all()
-        self._append(tokens)
-        self._pad(self.seq_len - ids.size)
-        return outcome
-
-    def _pad(self, n: int) -> None:
-        if n:
-            self._append(np.full(n, self.pad | MASKED, dtype=np.uint32))
-            self.masked = True
-
-    def _drop_last(self) -> None:
-        self._flush(whole_rows=True)  # leaves exactly the partial row held
-        self._parts = [np.concatenate(self._parts)[:-1]] if self._parts else []
-        self._held -= 1
-
-    def close(self) -> None:
-        self._flush(whole_rows=False)
-        self._file.close()
-
-    def abort(self) -> None:
-        """Close the file after a failure; what it still buffers is lost with the failed build."""
-        try:
-            self._file.close()
-        except OSError:  # its buffer's flush fails as the write did (a full disk)
-            pass
-
-
-def row_digest(path: Path, rows: int, seq_len: int, masked: bool) -> str:
-    """A digest of the first ``rows`` rows; for data without masked labels it equals the
-    sha256 of the int64 token rows, as it always has, so saved positions stay valid."""
-    ids_hash, raw_hash = hashlib.sha256(), hashlib.sha256()
-    remaining = rows * seq_len
-    with open(path, "rb") as f:
-        while remaining:
-            n = min(remaining, _FLUSH_TOKENS)
-            raw = np.frombuffer(f.read(4 * n), dtype=np.uint32)
-            ids_hash.update((raw & ~MASKED).astype(np.int64).tobytes())
-            raw_hash.update(raw.tobytes())
-            remaining -= n
-    return (raw_hash if masked else ids_hash).hexdigest()[:16]
-
-
-def read_rows(fd: int, seq_len: int, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` consecutive rows from row ``first``: ``(input_ids, labels)`` as int64."""
-    size = 4 * seq_len
-    raw = np.frombuffer(os.pread(fd, size * count, size * first), dtype=np.uint32)
-    ids = (raw & ~MASKED).astype(np.int64)
-    labels = np.where(raw & MASKED, IGNORE, ids)
-    return ids.reshape(count, seq_len), labels.reshape(count, seq_len)
+    packing: PackingStats  # what the whole rows hold
 
 
 # --------------------------------------------------------------------------- records
@@ -221,7 +96,7 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 class _Builder:
-    def __init__(self, writer: _Writer, tokenizer, vocab_bound: int):
+    def __init__(self, writer: RowWriter, tokenizer, vocab_bound: int):
         self.writer, self.tokenizer, self.bound = writer, tokenizer, vocab_bound
         self.stats = Stats()
         self._pending: list[tuple[Callable[[list[list[int]]], None], list[str]]] = []
@@ -314,13 +189,16 @@ class _Builder:
 
 def build_rows(
     inputs: list[rec.Input], tokenizer, seq_len: int, vocab_bound: int, eos: int, pad: int,
-    workdir: Path,
+    workdir: Path, layout: Layout,
 ) -> Rows:
-    """Tokenise ``inputs`` in order into ``workdir/tokens.u32`` (see NOTE: [Packing and
-    masking]); raises ``DataError`` naming the file and line of any unusable record, and
-    ``ResourceError`` naming the token file if its disk fills."""
+    """Tokenise ``inputs`` in order into ``workdir/tokens.u32`` laid out as ``layout`` says (see
+    NOTE: [Packing and masking]); raises ``DataError`` naming the file and line of any unusable
+    record, and ``ResourceError`` naming the token file if its disk fills."""
+    if vocab_bound > ID_LIMIT:
+        raise DataError(f"a vocabulary of {vocab_bound} ids is past the {ID_LIMIT} the token file holds; use a "
+                        "tokenizer and model with fewer ids")
     path = workdir / "tokens.u32"
-    writer = _Writer(path, seq_len, eos, pad)
+    writer = RowWriter(path, seq_len, eos, pad, layout)
     builder = _Builder(writer, tokenizer, vocab_bound)
     try:
         for inp in inputs:
@@ -341,7 +219,7 @@ def build_rows(
         if isinstance(exc, Exception) and not isinstance(exc, LazytrainError) and is_disk_full(exc):
             raise _disk_full(path, writer.written) from None
         raise
-    return Rows(path, writer.tokens, writer.masked, builder.stats)
+    return Rows(path, writer.tokens, writer.masked, builder.stats, writer.stats)
 
 
 def _disk_full(path: Path, written: int) -> ResourceError:

@@ -1,0 +1,47 @@
+"""What `lazytrain train` says about each step: the record it logs (log.jsonl) and the line it prints.
+
+NOTE: [Honest throughput]
+A packed or padded batch has slots that hold no token of any example or document: the padding at
+the end of its rows. Counting them would credit a run for work that teaches nothing (one padded
+row per chat example is ~85% padding at 1024 tokens), so ``tokens_per_s`` and ``tflops`` count the
+global batch's tokens that are no padding; ``pad_fraction`` is the share of slots that are, and
+``learnt_tokens`` the labels the loss counts (not -100, after each row's first position, which
+the shifted loss never predicts). ``tflops`` is 6 x parameters x those tokens a second, the usual
+estimate, which leaves out attention's own work.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from lazytrain.train.row_store import Batch
+
+
+def step_record(step: int, loss: float, lr: float, seconds: float, batch: Batch, n_params: int) -> dict:
+    """The log record of one training step (NOTE: [Honest throughput])."""
+    return {
+        "step": step, "loss": loss, "lr": lr, "step_s": seconds,
+        "tokens_per_s": batch.tokens / seconds, "tflops": 6 * n_params * batch.tokens / seconds / 1e12,
+        "pad_fraction": batch.pad_fraction, "learnt_tokens": batch.learnt,
+        "gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        "host_gib": host_gib(),
+    }
+
+
+def postfix(record: dict) -> dict:
+    """The progress bar's fields."""
+    return dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", tflops=f"{record['tflops']:.3f}",
+                gpu=f"{record['gpu_gib']:.2f}G", host=f"{record['host_gib']:.2f}G")
+
+
+def line(record: dict) -> str:
+    """The printed line of a step."""
+    return f"step {record['step']:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"
+
+
+def host_gib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
