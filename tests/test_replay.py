@@ -86,6 +86,26 @@ def test_forward_backward_accumulates(case):
     assert_grads_match(model, loss, ref_loss, ref_grads)
 
 
+def test_loss_discards_gradients_and_steps_go_on_unchanged(case):
+    """`loss` (an evaluation) gives eager's loss, leaves no gradient anywhere, and training after it
+    steps exactly as training without it."""
+    _, _, real, batch, _, compiled = case
+    ref_loss, _ = eager_grads(real, batch)
+    text = compiled["minimum"].source_text
+    evaluated, model = bind_source(text, real, **HP)
+    plain, other = bind_source(text, real, **HP)
+    evaluated.step(batch)
+    plain.step(batch)
+    assert torch.isfinite(evaluated.loss(batch))
+    assert all(p.grad is None for p in model.parameters())
+    for _ in range(2):
+        assert torch.equal(evaluated.step(batch), plain.step(batch))
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    fresh, _ = bind_source(text, real)
+    assert torch.allclose(fresh.loss(batch), ref_loss, atol=1e-5, rtol=1e-5)
+
+
 def test_loss_depends_on_labels(case):
     """Different labels give a different loss: the replay reads the labels it is given."""
     _, _, real, batch, _, compiled = case

@@ -85,6 +85,11 @@ class Gradients:
                 if not streamed:
                     store.work[p].grad = None
 
+    def discard(self, stages) -> None:
+        """This step's gradients go unread (`Trainer.loss`): the host buffers' marks, and every `.grad`."""
+        self.fresh.clear()
+        self.clear(stages)
+
     def clear(self, stages) -> None:
         """Every gradient of these stages' parameters (-1: the shared ones) goes."""
         for s in stages:

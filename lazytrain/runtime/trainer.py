@@ -180,6 +180,14 @@ class Trainer:
         """Loss of `batch`; gradients accumulate into the model's `.grad` as `loss.backward()` would."""
         return self._run(batch, optimize=False)
 
+    def loss(self, batch: dict) -> torch.Tensor:
+        """Loss of `batch` through the compiled step, every gradient discarded: an evaluation. Unlike
+        `forward_backward`, whose `.grad` of every parameter (streamed ones' in host memory) no plan
+        counts, it stays within the plan's memory: gradients live in the step's own buffers and go
+        with them. Pending updates are applied first, as `zero_grad` does."""
+        self.zero_grad()
+        return self._run(batch, optimize=False, keep_grads=False)
+
     def step(self, batch: dict) -> torch.Tensor:
         """One training step: fresh gradients, forward, backward, AdamW. Returns the loss.
         With exact clipping host steps may still run when it returns (NOTE: [Host step deadlines] in
@@ -193,7 +201,7 @@ class Trainer:
         self._model_behind = True
         return self._run(batch, optimize=True)
 
-    def _run(self, batch: dict, optimize: bool) -> torch.Tensor:
+    def _run(self, batch: dict, optimize: bool, keep_grads: bool = True) -> torch.Tensor:
         """One step's events, then the steps that waited for its gradient norm (NOTE: [Gradient
         clipping] in stepping.py)."""
         with self.streams.compute_context():  # NOTE: [Optimizer stream] in stepping.py
@@ -222,8 +230,10 @@ class Trainer:
             self.stepping.wait_host_steps(disk_jobs=False)
         timeline = self.streams.finish()
         loss = self.replay.end()
-        if not optimize:
+        if not optimize and keep_grads:
             self.gradients.absorb_all()
+        elif not optimize:
+            self.gradients.discard(self.groups.order)
         self.gradients.end()
         self.timeline = timeline or []
         return loss

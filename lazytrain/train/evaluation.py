@@ -2,9 +2,9 @@
 
 NOTE: [Evaluation through the training step]
 The step is compiled for one batch shape and run by the trainer, so an evaluation runs the same
-compiled step: ``forward_backward`` (no optimizer step), its gradients discarded. Nothing it does
-reaches training: pending updates are applied first (``synchronize``, as a checkpoint does), the
-gradients are zeroed after, and the random-number generators are put back as they were (a model
+compiled step: ``Trainer.loss`` (no optimizer step, its gradients discarded where the step keeps
+them, so within the plan's memory). Nothing it does reaches training: pending updates are applied
+first (``synchronize``, as a checkpoint does), no gradient outlives a batch, and the random-number generators are put back as they were (a model
 with dropout draws in forward), while the optimizer, the LR schedule and the data position are
 never touched; so a run with evaluations trains exactly as one without. The eval set is laid out
 as the training data (NOTE: [Packing] in packing.py) and read in file order from its start every
@@ -12,8 +12,7 @@ time, so successive evaluations are comparable; a last batch the rows do not fil
 with empty rows (padding, nothing learnt). The loss is the mean over every learnt token of the
 batches evaluated: each batch's mean (the global batch's, on several ranks) weighted by its count
 of learnt tokens. Dropout stays as compiled (training mode), and the backward costs as in training:
-an evaluation costs about what a training step does per batch, and holds one gradient of every
-parameter until it is zeroed.
+an evaluation costs about what a training step does per batch.
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ def evaluate(trainer, eval_set: EvalSet, feed) -> Evaluation:
         for batch in eval_set.batches():
             if not batch.learnt:  # nothing learnt in the whole global batch: its mean is no number
                 continue
-            loss = trainer.forward_backward(feed(batch)).item()
-            trainer.zero_grad()
+            loss = trainer.loss(feed(batch)).item()
             total += loss * batch.learnt
             learnt += batch.learnt
             batches += 1
