@@ -29,7 +29,8 @@ def test_a_cpu_plan_names_no_gpu(tmp_path, capsys):
     assert "GPU" not in out and " gpu\n" not in out
     assert "GPU memory" not in header and "GPU bytes" not in header and "optimizer on gpu" not in header
     assert "predicted device memory per window" in out and "420.0 KiB device memory" in header
-    assert re.search(r"keep +host\n", out) and "optimizer on host" in header
+    assert re.search(r"outputs keep +optimizer on host\n", out) and "optimizer on host" in header
+    assert "optimizer on gpu" not in out
 
 
 def test_the_smallest_budget_reads_the_same_where_it_is_printed(tmp_path, capsys):
