@@ -7,13 +7,14 @@ stage's OPT_STEP event goes to the handler of its kind (the shared weights' to "
     prefetch  last step's update, on the device at this step's forward prefetch
     backward  on the device right after its backward, on the gradients there
 
-The first three need the step's clipping coefficient: where it is not known yet (exact clipping,
+The first three (`WaitsForNorm`) need the step's clipping coefficient: where it is not known yet (exact clipping,
 NOTE: [Gradient clipping] in stepping.py) they wait until backward has ended (`Turn.deferred`).
 A new kind is a class here and its line in `handlers`.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,9 +41,16 @@ class Turn:
         return sorted(self.deferred, key=lambda e: (e.stage < 0, e.stage))
 
 
-class StepKind:
-    """A kind's handler. `issue` meets the kind's OPT_STEP event in the event loop: by default the step
-    runs there (`run`) if this step's clipping coefficient is known, else it waits for it."""
+class StepKind(abc.ABC):
+    """A kind's handler. `issue` meets the kind's OPT_STEP event in the event loop."""
+
+    @abc.abstractmethod
+    def issue(self, e: Event, turn: Turn) -> None: ...
+
+
+class WaitsForNorm(StepKind):
+    """A kind whose step needs this step's clipping coefficient: it runs where its event is met
+    (`run`) if the coefficient is known, else it waits for it (`Turn.deferred`)."""
 
     def issue(self, e: Event, turn: Turn) -> None:
         if turn.coef is not None:
@@ -50,11 +58,11 @@ class StepKind:
         elif turn.optimize:
             turn.deferred.append(e)
 
-    def run(self, e: Event, coef: float) -> None:
-        raise NotImplementedError(f"{type(self).__name__} runs where its event is met")
+    @abc.abstractmethod
+    def run(self, e: Event, coef: float) -> None: ...
 
 
-class _OnHomes(StepKind):
+class _OnHomes(WaitsForNorm):
     """A step of the homes themselves: torch's optimizer on the gradients absorbed into their `.grad`."""
 
     def __init__(self, groups, store, optimizer, streams, gradients, sharding):
@@ -121,7 +129,7 @@ class HostStep(_OnHomes):
             self.sharding.updated(s)
 
 
-class DiskJob(StepKind):
+class DiskJob(WaitsForNorm):
     """NOTE: [Disk-stepped stages] in solver/disk_model.py: a host worker's job reads the stage's
     states from disk, steps it on the GPU in the one slot such jobs share (the schedule's `dstep`
     buffer), and writes the states back."""

@@ -3,6 +3,7 @@ the registry of rules by kind (`RULES`, filled by the kind modules in `lazytrain
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ class StageTerms:
     job_disk_s: object = 0.0
 
 
-class StepRule:
+class StepRule(abc.ABC):
     """One optimizer-step kind's part of the planner. The step model (solver/step_model.py) calls
     the MIP hooks for every stage and every kind, with `x`, the linear expression that is 1 exactly
     where the stage takes this kind (`indicator`), in the walk's order: `home`, `host_work`,
@@ -58,9 +59,9 @@ class StepRule:
 
     # ---- the step model ------------------------------------------------------------------------
     @staticmethod
+    @abc.abstractmethod
     def indicator(v: dict, s: int):
         """1 where stage `s` takes this kind, 0 elsewhere, over the MIP's binaries `v` (`solve._vars`)."""
-        raise NotImplementedError
 
     def home(self, model: StepModel, st: StageTerms, x) -> None:
         """Before the weight slot's terms: what the stage keeps on the device all step, and its
