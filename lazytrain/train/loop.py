@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError, LazytrainError
 from lazytrain.files import write_atomic
 from lazytrain.ir.placement import Outputs, Tier
@@ -40,7 +39,7 @@ from lazytrain.train.export import export_hf
 from lazytrain.train import distributed
 from lazytrain.train.distributed import PeerFailed, Ranks, from_rank0, together
 from lazytrain.train.lock import RunLock
-from lazytrain.train.preflight import Prepared, prepare
+from lazytrain.train.preflight import Prepared, device_type, hardware, prepare
 from lazytrain.train.finite import check_loaded, check_restored, labelled_state, param_names, refuse_nonfinite
 from lazytrain.train.resume import LrSchedule, check_structure, lr_lambda, trim_log
 from lazytrain.train import report
@@ -67,7 +66,7 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
         return Path(args.schedule).read_text(), False
     from lazytrain.pipeline import compile_model  # the solver: only to compile here
 
-    hw = _hardware(args)
+    hw = hardware(args)
     batch = prep.batch(prep.rank_batch)
     options = replace(options, master_weights=args.master_weights or default_masters(prep.meta_model),
                       world_size=prep.world, shard_state=None if hw.link_bandwidth > 0 else False)  # NOTE: [State in train]
@@ -116,10 +115,6 @@ def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
 
     return causal(capture(prep.meta_model, zeros(schedule.BATCH, theirs), str(prep.source.path),
                           schedule.DEVICE)).fingerprint()
-
-
-def _hardware(args):
-    return hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
 
 
 def _check_schedule(args, schedule, prep: Prepared) -> None:
@@ -174,7 +169,7 @@ def train(args, options: CompileOptions) -> dict:
 def _device(args) -> str:
     """Where the run's schedule runs, for the process group's backend; preflight reports bad input."""
     try:
-        return load_schedule(args.schedule).DEVICE if args.schedule else _hardware(args).device
+        return device_type(args)
     except Exception:  # noqa: BLE001 -- the same input fails again, inside preflight, with its own error
         return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -80,7 +80,7 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
         raise DataError(f"schedule {args.schedule} does not exist; pass a file written by `lazytrain compile`, "
                         "or drop --schedule to compile on the fly")
     if not args.schedule:
-        hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
+        hardware(args)
     if args.weights and args.weights != RANDOM:
         _check_weights(Path(args.weights))
     source = resolve(args.model or examples.DEFAULT, args.batch_size, args.seq_len, args.weights)
@@ -92,7 +92,7 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
     if args.log:
         _check_log(Path(args.log), run_dir, args.resume, args.overwrite_log)
     tokenizer = _tokenizer(args, source)
-    data = run_data(args, source, meta_model, tokenizer, vocab_size(meta_model), rank, world, lambda: _device(args))
+    data = run_data(args, source, meta_model, tokenizer, vocab_size(meta_model), rank, world, lambda: device_type(args))
     seq = source.batch_shape[1]
     said = (data.train.stats.describe(seq), data.train.packing.describe(seq, data.layout, data.train.stats.documents),
             data.eval.describe() if data.eval else None)
@@ -105,13 +105,18 @@ def prepare(args, rank: int = 0, world: int = 1) -> Prepared:
                     data.inputs)
 
 
-def _device(args) -> str:
-    """The device type the step is captured for: the --schedule's, else the hardware profile's."""
+def hardware(args):
+    """The hardware profile a step is compiled for: --hardware, else h200 where a GPU is, else cpu."""
+    return hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu"))
+
+
+def device_type(args) -> str:
+    """The device type the step runs and is captured for: the --schedule's, else the hardware profile's."""
     if args.schedule:
         from lazytrain.runtime.schedule import load_schedule
 
         return load_schedule(args.schedule).DEVICE
-    return hw_profiles.load(args.hardware or ("h200" if torch.cuda.is_available() else "cpu")).device
+    return hardware(args).device
 
 
 def _check_split(source: ModelSource, world: int) -> None:
