@@ -1,0 +1,5 @@
+"""Custom operators that models call in place of torch's own kernels.
+
+documents.py: attention restricted to each document of a packed row (NOTE: [Document attention]).
+Modules here are imported by the runtime, so they import only torch at module level.
+"""

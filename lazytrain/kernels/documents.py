@@ -1,0 +1,239 @@
+"""Document-masked attention for packed rows: the `lazytrain::document_attention` operator, its
+backward, and the Hugging Face attention function that calls it."""
+
+# NOTE: [Document attention]
+# A packed training row holds several examples; attention must stay inside each one. Hugging Face
+# builds that as a dense [B, 1, S, S] mask for sdpa, which costs O(S^2) memory, keeps sdpa off its
+# flash kernel and computes every masked score. This operator takes the position_ids instead and is exact: a query sees
+# a key iff both are in the same document, key <= query, and, with a sliding window W,
+# query - key < W (Hugging Face's semantics). A document starts where the row starts and wherever
+# position_ids[t] != position_ids[t-1] + 1 (transformers' find_packed_sequence_indices), so a
+# row's trailing padding, restarting at 0, is a document of its own and no query is fully masked.
+# Kernels: on CUDA in bf16/fp16, FlexAttention (compiled once) with a block mask built per call,
+# so blocks that are masked out (other documents, beyond the window) are skipped and memory stays
+# O(S); everywhere else (CPU, other devices, CUDA in float32) an exact float32 reference that
+# takes BLOCK query rows at a time, so its scores are [B, H, BLOCK, S], never [B, H, S, S].
+# The operator returns (out, lse), lse being the natural log-sum-exp of each query's scaled
+# scores on every device (FlexAttention's public function already converts its base-2 statistic).
+# The backward is a second operator: the reference applies the standard formulas with the saved
+# lse; on the GPU it runs FlexAttention's forward again under autograd and asks for its gradients,
+# which costs one more attention forward per backward.
+
+import inspect
+
+import torch
+
+IMPLEMENTATION = "lazytrain_documents"
+BLOCK = 1024  # query rows per float32 score block of the reference kernels
+
+_FLEX = None  # torch.compile(flex_attention), made on first use
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] int32: the document of each token, counted from 0 in each row."""
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    starts = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1)
+    return starts.cumsum(-1, dtype=torch.int32)
+
+
+def _rows_mask(ids, r0: int, r1: int, lo: int, window: int | None) -> torch.Tensor:
+    """[B, r1 - r0, r1 - lo]: may query r0..r1 see key lo..r1 (keys past r1 are in the future)."""
+    q = torch.arange(r0, r1, device=ids.device)[:, None]
+    k = torch.arange(lo, r1, device=ids.device)[None, :]
+    keep = (ids[:, r0:r1, None] == ids[:, None, lo:r1]) & (k <= q)
+    return keep if window is None else keep & (q - k < window)
+
+
+def document_mask(position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, S, S] bool, True where query (row) may attend to key (column)."""
+    S = position_ids.shape[-1]
+    return _rows_mask(document_ids(position_ids), 0, S, 0, window)
+
+
+def _blocks(S: int, window: int | None):
+    """Query blocks (r0, r1) and the first key any of their queries can see."""
+    for r0 in range(0, S, BLOCK):
+        yield r0, min(r0 + BLOCK, S), 0 if window is None else max(0, r0 - window + 1)
+
+
+def _grouped(x, KV: int) -> torch.Tensor:
+    """[B, H, S, D] in float32 as [B, KV, H // KV, S, D]: query head h reads kv head h // (H // KV)."""
+    B, H, S, D = x.shape
+    return x.float().reshape(B, KV, H // KV, S, D)
+
+
+def _scores(q5, k5, ids, r0, r1, lo, scale, window) -> torch.Tensor:
+    s = q5[..., r0:r1, :] @ k5[..., lo:r1, :].transpose(-1, -2) * scale
+    return s.masked_fill(~_rows_mask(ids, r0, r1, lo, window)[:, None, None], float("-inf"))
+
+
+def _empty_out(query, value) -> torch.Tensor:
+    """[B, H, S, Dv] laid out as [B, S, H, Dv], the layout Hugging Face transposes back."""
+    B, H, S, _ = query.shape
+    return query.new_empty(B, S, H, value.shape[-1]).transpose(1, 2)
+
+
+def _reference_forward(query, key, value, ids, scale, window):
+    B, H, S, _ = query.shape
+    KV = key.shape[1]
+    q5, k5, v5 = _grouped(query, KV), key.float()[:, :, None], value.float()[:, :, None]
+    out, lse = _empty_out(query, value), query.new_empty(B, H, S, dtype=torch.float32)
+    for r0, r1, lo in _blocks(S, window):
+        s = _scores(q5, k5, ids, r0, r1, lo, scale, window)
+        m = torch.logsumexp(s, dim=-1)
+        out[:, :, r0:r1] = (torch.exp(s - m[..., None]) @ v5[..., lo:r1, :]).reshape(B, H, r1 - r0, -1)
+        lse[:, :, r0:r1] = m.reshape(B, H, r1 - r0)
+    return out, lse
+
+
+def _reference_backward(grad_out, query, key, value, out, lse, ids, scale, window):
+    B, H, S, D = query.shape
+    KV = key.shape[1]
+    q5, k5, v5 = _grouped(query, KV), key.float()[:, :, None], value.float()[:, :, None]
+    do5 = _grouped(grad_out, KV)
+    delta = (do5 * _grouped(out, KV)).sum(-1, keepdim=True)  # rowsum(dout * out)
+    lse5 = lse.reshape(B, KV, H // KV, S, 1)
+    dq = torch.empty_like(q5)
+    dk = key.new_zeros(key.shape, dtype=torch.float32)
+    dv = value.new_zeros(value.shape, dtype=torch.float32)
+    for r0, r1, lo in _blocks(S, window):
+        p = torch.exp(_scores(q5, k5, ids, r0, r1, lo, scale, window) - lse5[..., r0:r1, :])
+        dob = do5[..., r0:r1, :]
+        dv[:, :, lo:r1] += (p.transpose(-1, -2) @ dob).sum(2)
+        ds = p * (dob @ v5[..., lo:r1, :].transpose(-1, -2) - delta[..., r0:r1, :])
+        dq[..., r0:r1, :] = ds @ k5[..., lo:r1, :] * scale
+        dk[:, :, lo:r1] += (ds.transpose(-1, -2) @ q5[..., r0:r1, :]).sum(2) * scale
+    return dq.reshape(B, H, S, D).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+def _uses_flex(query) -> bool:
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def _flex_forward(query, key, value, ids, scale, window):
+    """FlexAttention with a block mask over the document ids: (out, lse in natural log)."""
+    global _FLEX
+    from torch.nn.attention import flex_attention as fa
+
+    if _FLEX is None:
+        _FLEX = torch.compile(fa.flex_attention, dynamic=False)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+        return keep if window is None else keep & (q_idx - kv_idx < window)
+
+    B, _, S, _ = query.shape
+    block_mask = fa.create_block_mask(mask_mod, B, None, S, S, device=query.device, _compile=True)
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=True)
+    # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there); both
+    # return it in natural log: the kernels' base-2 statistic is scaled by ln 2 before it leaves.
+    if "return_aux" in inspect.signature(fa.flex_attention).parameters:
+        out, aux = _FLEX(query, key, value, return_aux=fa.AuxRequest(lse=True), **kwargs)
+        lse = aux.lse
+    else:
+        out, lse = _FLEX(query, key, value, return_lse=True, **kwargs)
+    return out, lse
+
+
+def _autograd_dispatch():
+    """Let the recomputed forward record a graph: torch runs an operator's kernel with the autograd
+    dispatch keys excluded, which torch.enable_grad() alone does not undo."""
+    keys = torch._C.DispatchKey
+    autograd = (torch._C.DispatchKeySet(keys.AutogradFunctionality) | torch._C.DispatchKeySet(keys.AutogradOther)
+                | torch._C.DispatchKeySet(keys.AutogradNestedTensor))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - autograd)
+
+
+@torch.library.custom_op("lazytrain::document_attention", mutates_args=())
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
+                       scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [B, H, S, D], key and value [B, KV, S, D] (H % KV == 0), position_ids [B, S] ->
+    (out [B, H, S, D] in query's dtype, laid out as [B, S, H, D]; lse [B, H, S] float32)."""
+    ids = document_ids(position_ids)
+    if not _uses_flex(query):
+        return _reference_forward(query, key, value, ids, scale, window)
+    # detached: the kernel runs below autograd, and inputs that require grad would compile a training graph
+    out, lse = _flex_forward(query.detach(), key.detach(), value.detach(), ids, scale, window)
+    if not out.transpose(1, 2).is_contiguous():
+        out = _empty_out(query, value).copy_(out)
+    return out, lse.float().contiguous()
+
+
+@document_attention.register_fake
+def _(query, key, value, position_ids, scale, window):
+    B, H, S, _ = query.shape
+    return _empty_out(query, value), query.new_empty(B, H, S, dtype=torch.float32)
+
+
+@torch.library.custom_op("lazytrain::document_attention_backward", mutates_args=())
+def document_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, position_ids: torch.Tensor, scale: float,
+                                window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, in the dtypes and shapes of query, key and value."""
+    ids = document_ids(position_ids)
+    if not _uses_flex(query):
+        return _reference_backward(grad_out, query, key, value, out, lse, ids, scale, window)
+    # FlexAttention's backward is reached through autograd only: one more attention forward
+    with _autograd_dispatch(), torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
+        grads = torch.autograd.grad(_flex_forward(q, k, v, ids, scale, window)[0], (q, k, v), grad_out)
+    return tuple(g.contiguous() for g in grads)
+
+
+@document_attention_backward.register_fake
+def _(grad_out, query, key, value, out, lse, position_ids, scale, window):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, position_ids, scale, window = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(query, key, value, position_ids, out, lse)
+    ctx.scale, ctx.window = scale, window
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, position_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.lazytrain.document_attention_backward(
+        grad_out, query, key, value, out, lse, position_ids, ctx.scale, ctx.window)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("lazytrain::document_attention", _backward, setup_context=_setup_context)
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """A transformers attention function (the contract of its sdpa_attention_forward): returns
+    (attn_output [B, S, H, D], None). Documents come from kwargs["position_ids"]; attention_mask
+    is ignored, since transformers builds none for this implementation (`register`)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError(f"attn_implementation={IMPLEMENTATION!r} finds the documents in position_ids, "
+                         "and the attention layer was given none")
+    if dropout:
+        raise ValueError(f"attn_implementation={IMPLEMENTATION!r} has no attention dropout (got {dropout})")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"attn_implementation={IMPLEMENTATION!r} is for training: queries and keys are the "
+                         f"same tokens (got {query.shape[2]} queries, {key.shape[2]} keys)")
+    position_ids = position_ids.expand(query.shape[0], -1)  # models pass [1, S] for unpacked batches
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, _ = torch.ops.lazytrain.document_attention(query, key, value, position_ids, scale, sliding_window)
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, **kwargs):
+    """The mask function of IMPLEMENTATION: the operator reads the documents from position_ids, so
+    no [S, S] mask is built."""
+    return None
+
+
+def register() -> str:
+    """Make IMPLEMENTATION a transformers attn_implementation (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+    return IMPLEMENTATION
