@@ -1,8 +1,9 @@
 """The document attention operator (NOTE: [Document attention] in lazytrain/kernels/documents.py):
 its output, lse and gradients equal sdpa under the dense document mask, for several packings, GQA
 and MHA, with and without a sliding window, in one block of queries and in many; it passes
-torch.library.opcheck and torch.export; its GPU branch (FlexAttention, the backward recomputing
-the forward) gives the reference's numbers through FlexAttention's dense CPU implementation; and a
+torch.library.opcheck and torch.export; its GPU branch (FlexAttention under its own autograd, with a block mask
+made from the documents' block ranges) gives the reference's numbers through FlexAttention's dense CPU
+implementation; and a
 tiny Qwen2 with attn_implementation "lazytrain_documents" trains exactly as with sdpa on packed
 position_ids, sliding window too."""
 
@@ -166,32 +167,60 @@ def test_qwen2_trains_as_with_sdpa(sliding, monkeypatch):
         torch.testing.assert_close(a.grad, b.grad, atol=ATOL, rtol=0, msg=n)
 
 
-def test_flex_branch_on_cpu(monkeypatch):
-    """The GPU branch's code (block mask, lse request, layout, the backward's recomputation below
-    autograd) run on the CPU through FlexAttention's dense implementation: inductor's CPU kernels
-    give no lse, and flex_attention refuses inputs that require grad on the CPU."""
+def flex_on_cpu(monkeypatch):
+    """FlexAttention's dense implementation, compiled with aot_eager: inductor's CPU kernels give no
+    lse, and flex_attention refuses inputs that require grad on the CPU."""
     from torch.nn.attention import flex_attention as fa
 
     monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
-    make_mask = fa.create_block_mask  # uncompiled: inductor's C++ build of the mask costs seconds here
-    monkeypatch.setattr(fa, "create_block_mask", lambda *args, _compile, **kwargs: make_mask(*args, **kwargs))
     monkeypatch.setattr(documents, "_FLEX", torch.compile(fa.flex_attention, backend="aot_eager", dynamic=False))
-    monkeypatch.setattr(documents, "_uses_flex", lambda query: True)
+
+
+def long_packing() -> torch.Tensor:
+    """[2, 420]: documents longer than a block of 128 (full blocks), shorter ones, a ragged end."""
+    pos = torch.cat([torch.arange(170), torch.arange(30), torch.arange(220)]).repeat(2, 1)
+    pos[1, 20:] = torch.arange(400)
+    return pos
+
+
+@pytest.mark.parametrize("window", [None, 7, 140])
+def test_block_mask_is_the_document_mask(window):
+    """The block mask made from each block's first and last document is the dense mask of
+    create_block_mask on the same mask: the same blocks skipped, and every element the same."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pos = long_packing()
+    ids = documents.document_ids(pos)
+    ours = documents.block_mask(ids, window)
+    mask = document_mask(pos, window)
+    theirs = create_block_mask(lambda b, h, q, k: mask[b, q, k], 2, None, 420, 420, device="cpu")
+    assert torch.equal(ours.to_dense(), theirs.to_dense())  # blocks computed at all
+    dense = ours.to_dense().repeat_interleave(128, -1).repeat_interleave(128, -2)[..., :420, :420].bool()
+    b, q, k = torch.meshgrid(torch.arange(2), torch.arange(420), torch.arange(420), indexing="ij")
+    assert torch.equal(ours.mask_mod(b, 0, q, k) & dense[:, 0], mask)
+    full = ours.full_kv_num_blocks is not None and ours.full_kv_num_blocks.sum() > 0
+    assert full == (window is None)  # a long document makes full blocks, unless a window cuts them
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_flex_attention_on_cpu(window, monkeypatch):
+    """The GPU path's code (block mask, lse request, layout, FlexAttention's own backward) gives the
+    reference's output, lse and gradients through FlexAttention's dense CPU implementation."""
+    flex_on_cpu(monkeypatch)
     g = torch.Generator().manual_seed(0)
-    pos = torch.cat([torch.arange(50), torch.arange(30), torch.arange(48)]).repeat(2, 1)
-    pos[1, 100:] = torch.arange(28)
-    q = torch.randn(2, 128, 4, 16, generator=g).transpose(1, 2)
-    k, v = (torch.randn(2, 2, 128, 16, generator=g) for _ in range(2))
+    pos = long_packing()
+    q = torch.randn(2, 420, 4, 16, generator=g).transpose(1, 2)
+    k, v = (torch.randn(2, 2, 420, 16, generator=g) for _ in range(2))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, lse = torch.ops.lazytrain.document_attention(*leaves, pos, 0.25, 7)
+    ids = documents.document_ids(pos)
+    out, lse = documents.flex_attention(*leaves, ids, 0.25, window)
     assert out.transpose(1, 2).is_contiguous()
     grad = torch.randn(out.shape, generator=g)
     out.backward(grad)
 
-    ids = documents.document_ids(pos)
-    ref_out, ref_lse = documents._reference_forward(q, k, v, ids, 0.25, 7)
+    ref_out, ref_lse = documents._reference_forward(q, k, v, ids, 0.25, window)
     torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)  # natural log, as the reference's
-    ref_grads = documents._reference_backward(grad, q, k, v, ref_out, ref_lse, ids, 0.25, 7)
+    ref_grads = documents._reference_backward(grad, q, k, v, ref_out, ref_lse, ids, 0.25, window)
     for leaf, ref in zip(leaves, ref_grads):
         torch.testing.assert_close(leaf.grad, ref, atol=ATOL, rtol=0)

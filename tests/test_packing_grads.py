@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from lazytrain.kernels import documents
 from lazytrain.pipeline import compile_model
 from lazytrain.train.data import PackedBatches, builtin_tokenizer
 from lazytrain.train.packing import Layout
@@ -24,10 +25,10 @@ VOCAB, BATCH, SEQ = 512, 2, 32
 IGNORE = -100
 
 
-def build(family: str):
+def build(family: str, attention: str = "sdpa"):
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, use_cache=False, attn_implementation="sdpa")
+    common = dict(vocab_size=VOCAB, use_cache=False, attn_implementation=attention)
     if family == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0,
                                                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common))
@@ -78,18 +79,25 @@ def loss_alone(model, batch: dict) -> torch.Tensor:
     return sum(model(input_ids=ids[None], labels=labels[None]).loss * n / total for (ids, labels), n in zip(pieces, counts))
 
 
-def compiled(family: str, batch: dict):
-    meta, real = model_pair(lambda: build(family))
+def compiled(family: str, batch: dict, attention: str = "sdpa"):
+    meta, real = model_pair(lambda: build(family, attention))
     return compile_model(meta, batch, 1 << 40, "cpu", source="tests", time_limit=20).source_text, real
 
 
+@pytest.mark.parametrize("attention", ["sdpa", documents.register()])
 @pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3", "gpt2"])
-def test_a_packed_batch_equals_its_examples_run_alone(tmp_path, family):
+def test_a_packed_batch_equals_its_examples_run_alone(tmp_path, family, attention):
+    """With sdpa, the mask transformers builds from position_ids; with lazytrain_documents, the
+    document attention operator, which reads them (NOTE: [Document attention])."""
     batch = packed(tmp_path, 1)[0]
-    text, real = compiled(family, batch)
+    text, real = compiled(family, batch, attention)
+    if attention != "sdpa":
+        assert text.count("torch.ops.lazytrain.document_attention.default(") == 2  # one a layer
     trainer, model = bind_source(text, real)
     loss = trainer.forward_backward(batch)
     reference = copy.deepcopy(real)
+    reference.set_attn_implementation("sdpa")  # the examples alone through torch's own attention
+    assert reference.config._attn_implementation == "sdpa"
     ref_loss = loss_alone(reference, batch)
     ref_loss.backward()
     assert_grads_match(model, loss, ref_loss.detach(), {n: p.grad for n, p in reference.named_parameters()})

@@ -97,6 +97,8 @@ def test_a_packed_run_reports_real_tokens_and_evaluates_without_touching_trainin
         assert record["tflops"] / record["tokens_per_s"] == pytest.approx(records[0]["tflops"] / records[0]["tokens_per_s"])
         assert record["pad_fraction"] == pytest.approx(batch.pad_fraction) and record["learnt_tokens"] == batch.learnt
     assert padded  # some padding was left out
+    # the directory's Qwen2 attends through the document attention operator (NOTE: [Document attention])
+    assert "torch.ops.lazytrain.document_attention.default(" in (tmp_path / "run" / "schedule.py").read_text()
     assert [("eval_loss" in r) for r in records] == [False, True, True]  # every 2 steps, and after the last
     assert "eval at step 2: loss " in out and "eval at step 3: loss " in out
     weights = tmp_path / "run" / "checkpoints" / "step-00000002" / "model.safetensors"

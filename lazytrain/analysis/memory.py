@@ -80,7 +80,7 @@ def mask_bias_bytes(node: Node, graph: Graph) -> int:
     return mask.numel * (q.nbytes // max(1, q.numel))
 
 
-@rule("aten.scaled_dot_product_attention.default")
+@rule("aten.scaled_dot_product_attention.default", "lazytrain.document_attention.default")
 def _attention(node: Node, graph: Graph) -> int:
     """A boolean mask's bias (`mask_bias_bytes`), and the fp32 accumulator of the queries' gradient
     that the fused kernels' backward keeps beside it (flash attention's `dq_accum`: 0.9 GiB for a

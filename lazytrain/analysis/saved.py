@@ -21,7 +21,7 @@ from typing import Callable
 
 from lazytrain.analysis.memory import mask_bias_bytes
 from lazytrain.ir.graph import Graph, OpKind, Sym
-from lazytrain.passes.costs import NodeCost
+from lazytrain.passes.costs import DOCUMENT_ATTENTION, NodeCost
 
 # target -> (positions of the tensor arguments saved, given which positions carry gradient;
 #            whether the result is saved)
@@ -68,6 +68,9 @@ SAVES: dict[str, Rule] = {
     )},
     "aten.embedding.default": (lambda rg: {1}, False),
     "aten.scaled_dot_product_attention.default": (lambda rg: {0, 1, 2, 3}, True),  # a float mask too
+    # query, key, value and position_ids; its output is saved as the o-projection's input already
+    # (the `contiguous` between them copies nothing), its lse below (`_document_attention_bytes`)
+    DOCUMENT_ATTENTION: (lambda rg: {0, 1, 2, 3}, False),
     "aten.layer_norm.default": (_first, True),
     "aten.cross_entropy_loss.default": (lambda rg: {0, 1}, False),
 }
@@ -82,9 +85,20 @@ def _attention_bytes(node, graph: Graph) -> int:
     return lse + mask_bias_bytes(node, graph)
 
 
+def _document_attention_bytes(node, graph: Graph) -> int:
+    """Document attention's fp32 lse, [B, H, S], a value of the graph that no other operator reads
+    (its tuple is not counted as saved, since its output is the o-projection's), and its block mask:
+    two int32 [B, S/128, S/128] block tables, each with its row counts, forward and transposed."""
+    q = graph[node.args[0].value].spec
+    B, H, S = q.shape[0], q.shape[1], q.shape[2]
+    blocks = -(-S // 128)
+    return 4 * B * H * S + 4 * 4 * B * blocks * (blocks + 1)
+
+
 # target -> bytes its backward keeps that are no value of the graph (an operator's own buffers)
 SAVED_INTERNAL: dict[str, Callable] = {
     "aten.scaled_dot_product_attention.default": _attention_bytes,
+    DOCUMENT_ATTENTION: _document_attention_bytes,
 }
 
 

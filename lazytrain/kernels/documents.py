@@ -9,15 +9,20 @@ backward, and the Hugging Face attention function that calls it."""
 # query - key < W (Hugging Face's semantics). A document starts where the row starts and wherever
 # position_ids[t] != position_ids[t-1] + 1 (transformers' find_packed_sequence_indices), so a
 # row's trailing padding, restarting at 0, is a document of its own and no query is fully masked.
-# Kernels: on CUDA in bf16/fp16, FlexAttention (compiled once) with a block mask built per call,
-# so blocks that are masked out (other documents, beyond the window) are skipped and memory stays
-# O(S); everywhere else (CPU, other devices, CUDA in float32) an exact float32 reference that
-# takes BLOCK query rows at a time, so its scores are [B, H, BLOCK, S], never [B, H, S, S].
-# The operator returns (out, lse), lse being the natural log-sum-exp of each query's scaled
-# scores on every device (FlexAttention's public function already converts its base-2 statistic).
-# The backward is a second operator: the reference applies the standard formulas with the saved
-# lse; on the GPU it runs FlexAttention's forward again under autograd and asks for its gradients,
-# which costs one more attention forward per backward.
+# Kernels: on CUDA in bf16/fp16, FlexAttention (compiled once), registered at the operator's
+# AutogradCUDA key so that FlexAttention's own backward is recorded. Its block mask is made per call
+# from each 128-token block's first and last document (`block_mask`: a few small ops, no [S, S]
+# evaluation), so blocks of other documents are skipped, blocks inside one document run unmasked,
+# and memory stays O(S). Everywhere else (CPU, other devices, CUDA in float32) an exact float32
+# reference takes BLOCK query rows at a time, so its scores are [B, H, BLOCK, S], never [B, H, S, S];
+# its backward is a second operator applying the standard formulas with the saved lse. The
+# operator returns (out, lse), lse being the natural log-sum-exp of each query's scaled scores on
+# every device (FlexAttention's public function converts its base-2 statistic).
+# Measured on the H200 (bench/doc_attention.py, 2026-12-03, torch 2.11, a Qwen2.5-7B layer's
+# attention, 32 x 1024 tokens, bf16, forward + backward): full causal flash 2.68 ms; sdpa under the
+# dense document mask 6.04 ms; FlexAttention with its own backward 2.71 ms; an operator backward
+# of our own, which could only run FlexAttention's forward again, 11.83 ms with the mask made by
+# create_block_mask per call. The plan prices the operator as full causal attention: the bound.
 
 import inspect
 
@@ -110,21 +115,54 @@ def _uses_flex(query) -> bool:
     return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
 
 
-def _flex_forward(query, key, value, ids, scale, window):
-    """FlexAttention with a block mask over the document ids: (out, lse in natural log)."""
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys
+
+
+def block_mask(ids: torch.Tensor, window: int | None):
+    """FlexAttention's BlockMask for the document ids [B, S], from each block's first and last
+    document (ids never decrease along a row): a key block is skipped when its last document ends
+    before the query block's first one starts, or it lies in the future or beyond the window; it is
+    full, its mask not evaluated, when both blocks lie in one document and inside the window."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, S = ids.shape
+    n = -(-S // FLEX_BLOCK)
+    padded = torch.cat([ids, ids[:, -1:].expand(B, n * FLEX_BLOCK - S)], dim=1).view(B, n, FLEX_BLOCK)
+    first, last = padded[..., 0], padded[..., -1]
+    qb = torch.arange(n, device=ids.device)[:, None]
+    kb = torch.arange(n, device=ids.device)[None, :]
+    seen = (kb <= qb) & (last[:, None, :] >= first[:, :, None])  # [B, query block, key block]
+    full = (kb < qb) & (first[:, None, :] == last[:, :, None])
+    if S % FLEX_BLOCK:  # the last blocks are part padding: their mask is evaluated
+        full &= (qb < n - 1) & (kb < n - 1)
+    if window is not None:
+        seen &= (qb - kb - 1) * FLEX_BLOCK + 1 < window  # some query-key pair is inside the window
+        full &= (qb - kb + 1) * FLEX_BLOCK - 1 < window  # every pair is
+    partial = seen & ~full
+
+    def indexed(blocks):
+        blocks = blocks[:, None]  # one mask for every head
+        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+        return blocks.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = ids[b, q_idx.clamp(max=S - 1)] == ids[b, kv_idx.clamp(max=S - 1)]
+        keep = same & (kv_idx <= q_idx)
+        return keep if window is None else keep & (q_idx - kv_idx < window)
+
+    return BlockMask.from_kv_blocks(*indexed(partial), *indexed(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(S, S))
+
+
+def flex_attention(query, key, value, ids, scale, window):
+    """FlexAttention over the documents (compiled once): (out laid out as [B, S, H, D], lse in
+    natural log). Differentiable through FlexAttention's own backward where autograd records."""
     global _FLEX
     from torch.nn.attention import flex_attention as fa
 
     if _FLEX is None:
         _FLEX = torch.compile(fa.flex_attention, dynamic=False)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
-        return keep if window is None else keep & (q_idx - kv_idx < window)
-
-    B, _, S, _ = query.shape
-    block_mask = fa.create_block_mask(mask_mod, B, None, S, S, device=query.device, _compile=True)
-    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=True)
+    kwargs = dict(block_mask=block_mask(ids, window), scale=scale, enable_gqa=True)
     # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there); both
     # return it in natural log: the kernels' base-2 statistic is scaled by ln 2 before it leaves.
     if "return_aux" in inspect.signature(fa.flex_attention).parameters:
@@ -132,17 +170,9 @@ def _flex_forward(query, key, value, ids, scale, window):
         lse = aux.lse
     else:
         out, lse = _FLEX(query, key, value, return_lse=True, **kwargs)
-    return out, lse
-
-
-def _autograd_dispatch():
-    """Let the recomputed forward record a graph: torch runs an operator's kernel with the autograd
-    dispatch keys excluded, which torch.enable_grad() alone does not undo."""
-    keys = torch._C.DispatchKey
-    autograd = (torch._C.DispatchKeySet(keys.AutogradFunctionality) | torch._C.DispatchKeySet(keys.AutogradOther)
-                | torch._C.DispatchKeySet(keys.AutogradNestedTensor))
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                           torch._C._dispatch_tls_local_exclude_set() - autograd)
+    if not out.transpose(1, 2).is_contiguous():
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    return out, lse.detach().float()
 
 
 @torch.library.custom_op("lazytrain::document_attention", mutates_args=())
@@ -151,13 +181,10 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """query [B, H, S, D], key and value [B, KV, S, D] (H % KV == 0), position_ids [B, S] ->
     (out [B, H, S, D] in query's dtype, laid out as [B, S, H, D]; lse [B, H, S] float32)."""
     ids = document_ids(position_ids)
-    if not _uses_flex(query):
-        return _reference_forward(query, key, value, ids, scale, window)
-    # detached: the kernel runs below autograd, and inputs that require grad would compile a training graph
-    out, lse = _flex_forward(query.detach(), key.detach(), value.detach(), ids, scale, window)
-    if not out.transpose(1, 2).is_contiguous():
-        out = _empty_out(query, value).copy_(out)
-    return out, lse.float().contiguous()
+    if _uses_flex(query):  # reached below autograd: a forward that records nothing
+        with torch.no_grad():
+            return flex_attention(query, key, value, ids, scale, window)
+    return _reference_forward(query, key, value, ids, scale, window)
 
 
 @document_attention.register_fake
@@ -171,14 +198,7 @@ def document_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key
                                 out: torch.Tensor, lse: torch.Tensor, position_ids: torch.Tensor, scale: float,
                                 window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, in the dtypes and shapes of query, key and value."""
-    ids = document_ids(position_ids)
-    if not _uses_flex(query):
-        return _reference_backward(grad_out, query, key, value, out, lse, ids, scale, window)
-    # FlexAttention's backward is reached through autograd only: one more attention forward
-    with _autograd_dispatch(), torch.enable_grad():
-        q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
-        grads = torch.autograd.grad(_flex_forward(q, k, v, ids, scale, window)[0], (q, k, v), grad_out)
-    return tuple(g.contiguous() for g in grads)
+    return _reference_backward(grad_out, query, key, value, out, lse, document_ids(position_ids), scale, window)
 
 
 @document_attention_backward.register_fake
@@ -204,6 +224,37 @@ def _backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd("lazytrain::document_attention", _backward, setup_context=_setup_context)
 
 
+class _Reference(torch.autograd.Function):
+    """The operator's own autograd, for a kernel registered above it (`_autograd_cuda`)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, position_ids, scale, window):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse = torch.ops.lazytrain.document_attention(query, key, value, position_ids, scale, window)
+        _setup_context(ctx, (query, key, value, position_ids, scale, window), (out, lse))
+        return out, lse
+
+    backward = staticmethod(_backward)
+
+
+def _autograd_cuda(query, key, value, position_ids, scale, window):
+    """The operator on CUDA: in bf16 and fp16, FlexAttention's own autograd records its backward,
+    which reads the forward's lse (an operator backward of our own could only run FlexAttention's
+    forward again: 11.8 ms against 2.7 ms for a 7B layer, `bench/doc_attention.py`); float32
+    keeps the reference."""
+    if _uses_flex(query):
+        return flex_attention(query, key, value, document_ids(position_ids), scale, window)
+    return _Reference.apply(query, key, value, position_ids, scale, window)
+
+
+_LIB = torch.library.Library("lazytrain", "IMPL")
+_LIB.impl("document_attention", _autograd_cuda, "AutogradCUDA")
+
+
+# attention-interface arguments that change the softmax: refused rather than ignored
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "attn_logit_softcapping")
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """A transformers attention function (the contract of its sdpa_attention_forward): returns
     (attn_output [B, S, H, D], None). Documents come from kwargs["position_ids"]; attention_mask
@@ -214,6 +265,11 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                          "and the attention layer was given none")
     if dropout:
         raise ValueError(f"attn_implementation={IMPLEMENTATION!r} has no attention dropout (got {dropout})")
+    changed = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if changed or getattr(module, "is_causal", True) is False:
+        what = ", ".join(changed) or "attention that is not causal"
+        raise ValueError(f"attn_implementation={IMPLEMENTATION!r} computes plain causal softmax attention within each "
+                         f"document; {type(module).__name__} also asks for {what}; train it with --packing off")
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"attn_implementation={IMPLEMENTATION!r} is for training: queries and keys are the "
                          f"same tokens (got {query.shape[2]} queries, {key.shape[2]} keys)")

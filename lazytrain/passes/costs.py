@@ -101,8 +101,9 @@ def _grouped_mm(node, graph):
     return 2.0 * node.spec.numel * _in(node, graph, 0).shape[-1]
 
 
+DOCUMENT_ATTENTION = "lazytrain.document_attention.default"  # NOTE: [Document attention] in kernels/documents.py
 ATTENTION = ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
-             "aten._scaled_dot_product_efficient_attention.default")
+             "aten._scaled_dot_product_efficient_attention.default", DOCUMENT_ATTENTION)
 
 
 # NOTE: [Attention at length] Fused attention's share of the matmul rate grows with the keys each
@@ -124,7 +125,9 @@ def _sdpa(node, graph):
     nb = 1
     for b in batch:
         nb *= b
-    causal = dict(node.kwargs).get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    # document attention is priced as causal over the whole row: the bound, whatever the packing
+    causal = node.target == DOCUMENT_ATTENTION or dict(node.kwargs).get(
+        "is_causal", node.args[5] if len(node.args) > 5 else False)
     return 4.0 * nb * lq * k.shape[-2] * d * (0.5 if causal else 1.0)  # QK^T and PV (causal: half of it)
 
 

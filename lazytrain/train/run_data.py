@@ -69,12 +69,28 @@ def run_data(args, source, model: torch.nn.Module, tokenizer, vocab: int | None,
     separated = any(d.separated for d in both)
     positions = takes and (source.file_positions or separated)
     inputs = INPUTS + ((POSITIONS,) if positions else ())
+    if separated and source.file_positions is None:
+        document_attention(model)
     if separated and rank == 0:
         from lazytrain.ir.capture import capture
 
         graph = capture(model, zeros(inputs, (rows // world, seq)), str(source.path), device())
         check_boundaries(graph, seq, str(source.path), f"pass {_unpacking(layout, both)}")
     return RunData(train, held_out, layout, inputs)
+
+
+def document_attention(model: torch.nn.Module) -> bool:
+    """Have a Hugging Face model whose attention goes through transformers' attention interface
+    call the document attention operator, which reads the documents from position_ids (NOTE:
+    [Document attention] in kernels/documents.py), in place of sdpa under a dense [S, S] mask
+    built from them. Whether it did; a model that cannot switch keeps its own attention."""
+    from lazytrain.kernels import documents
+
+    can = getattr(model, "_can_set_attn_implementation", None)
+    if can is None or not can():
+        return False
+    model.set_attn_implementation(documents.register())
+    return model.config._attn_implementation == documents.IMPLEMENTATION
 
 
 def _forward_takes_positions(model: torch.nn.Module) -> bool:
