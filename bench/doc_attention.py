@@ -21,12 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.sdpa_mask import timed
-from lazytrain.train.packing import best_fit_decreasing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package `bench`, not bench/bench.py
+from bench.sdpa_mask import timed  # noqa: E402
+from lazytrain.train.packing import best_fit_decreasing  # noqa: E402
 
 
 def packed_positions(batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, float]:

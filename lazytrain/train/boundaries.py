@@ -25,8 +25,9 @@ its architecture, which a model file does not offer, and proves one input; the g
 that will be trained, whatever its size, and a failure names the operator and its module. What it
 does not prove is that the mask is the right function of the positions: Hugging Face decoders
 build it from them (masking_utils' packed-sequence mask, with sliding windows and chunks remapped
-to positions), which tests/test_packing_grads.py checks against examples run alone for four
-families. Token mixing by other means (a shift written as slicing and padding) is not detected.
+to positions), and a model directory's attention is the document attention operator, which reads
+them itself (NOTE: [Document attention] in kernels/documents.py); tests/test_packing_grads.py
+checks both against examples run alone for four families. Token mixing by other means (a shift written as slicing and padding) is not detected.
 """
 
 from __future__ import annotations
