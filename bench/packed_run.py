@@ -12,7 +12,8 @@ one safetensors file, the shipped tokenizer), `lazytrain train --model DIR` at 3
 * `unpacked`: the same set with `--packing off`, one padded row per example.
 
 Each runs `--steps` steps; the table gives the medians of the steps after `--warmup` of
-`step_s`, of tokens/s and TFLOPS over non-padding tokens (as `log.jsonl` reports them), and
+`step_s`, of tokens/s over non-padding tokens and TFLOPS of model FLOPs, attention counted over
+each case's own sequences (as `log.jsonl` reports them: NOTE: [Model FLOPs] in flops.py), and
 the padding fraction. The machine without a GPU compiles the two schedules (it has the solver):
 
     python bench/packed_run.py compile            # here: .bench/packed/{causal,documents}.py, chat.jsonl

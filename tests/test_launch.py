@@ -226,6 +226,14 @@ def test_only_rank_0_prints_and_logs(runs):
     # tokens/s counts the global batch: 4 x 32 tokens per step
     record = log(runs["2"][0])[-1]
     assert record["tokens_per_s"] == pytest.approx(4 * 32 / record["step_s"], rel=1e-9)
+    # and TFLOPS its attention too (NOTE: [Model FLOPs] in lazytrain/train/flops.py): all 4 rows, each
+    # one 32-token sequence (the documents attend across each other), in 2 layers of 2 heads x 32
+    space = {}
+    exec(MODEL, space)
+    n_params = sum(p.numel() for p in space["build_model"]().parameters())
+    assert record["tflops_counts_attention"] is True
+    assert record["tflops"] * record["step_s"] * 1e12 == pytest.approx(
+        6 * n_params * 4 * 32 + 14 * 2 * 64 * 4 * (32 * 33 // 2), rel=1e-9)
 
 
 # ---- data slices -----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """`lazytrain train` with packed examples: the packing summary, honest throughput (NOTE: [Honest
-throughput] in lazytrain/train/report.py), `--eval-data` through the compiled step (NOTE:
+throughput] in lazytrain/train/report.py) and its model FLOPs (NOTE: [Model FLOPs] in
+lazytrain/train/flops.py), `--eval-data` through the compiled step (NOTE:
 [Evaluation through the training step] in lazytrain/train/evaluation.py), and models that cannot
 keep packed sequences apart refused before compiling (NOTE: [Document boundaries reach attention]
 in lazytrain/train/boundaries.py)."""
@@ -22,6 +23,7 @@ from test_hf_model import save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, BATCH, SEQ = 512, 2, 64
+LAYERS, WIDTH = 2, 32  # the model's attention: 4 heads of 8
 IGNORE = -100
 
 
@@ -29,11 +31,23 @@ def model_dir(path: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-                     ).save_pretrained(str(path))
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64,
+                                 num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=SEQ)).save_pretrained(str(path))
     save_tokenizer(path)
     return path
+
+
+def causal_pairs(batch: dict) -> int:
+    """The (query, key) pairs causal attention inside each sequence computes, over the tokens that
+    are no padding (a row's padding: its last run of positions, when it learns nothing)."""
+    total = 0
+    for labels, pos in zip(batch["labels"].tolist(), batch["position_ids"].tolist()):
+        starts = [i for i, p in enumerate(pos) if p == 0] + [SEQ]
+        if all(x == IGNORE for x in labels[starts[-2]:]):
+            starts.pop()  # the tokens end where the padding starts
+        total += sum((b - a) * (b - a + 1) // 2 for a, b in zip(starts, starts[1:]))
+    return total
 
 
 def examples(path: Path, n: int, start: int = 0) -> Path:
@@ -89,12 +103,16 @@ def test_a_packed_run_reports_real_tokens_and_evaluates_without_touching_trainin
 
     tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
     batches = PackedBatches(data, tokenizer, BATCH, SEQ, vocab_size=VOCAB)
+    n_params = sum(t.numel() for t in load_file(str(src / "model.safetensors")).values())
     padded = 0
     for record in records:  # the same batches the run read: their counts, not the slots
         batch = batches.next_batch()
         padded += batch.tokens < BATCH * SEQ
         assert record["tokens_per_s"] * record["step_s"] == pytest.approx(batch.tokens, rel=1e-9)
-        assert record["tflops"] / record["tokens_per_s"] == pytest.approx(records[0]["tflops"] / records[0]["tokens_per_s"])
+        # 6N per token plus each layer's attention over the batch's own sequences (NOTE: [Model FLOPs])
+        assert record["tflops_counts_attention"] is True
+        assert record["tflops"] * record["step_s"] * 1e12 == pytest.approx(
+            6 * n_params * batch.tokens + 14 * LAYERS * WIDTH * causal_pairs(batch.inputs), rel=1e-9)
         assert record["pad_fraction"] == pytest.approx(batch.pad_fraction) and record["learnt_tokens"] == batch.learnt
     assert padded  # some padding was left out
     # the directory's Qwen2 attends through the document attention operator (NOTE: [Document attention])

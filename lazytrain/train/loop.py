@@ -45,6 +45,7 @@ from lazytrain.train.resume import LrSchedule, check_structure, lr_lambda, trim_
 from lazytrain.train import report
 from lazytrain.train.boundaries import POSITIONS
 from lazytrain.train.evaluation import evaluate
+from lazytrain.train.flops import attention_layers
 from lazytrain.train.packing import UNPACKED
 from lazytrain.train.room import Room
 from lazytrain.train.run_data import zeros
@@ -227,6 +228,7 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     room = _room(args, run_dir, model, schedule, start, lr, ranks)  # NOTE: [Checkpoint room] in room.py
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layers = attention_layers(prep.meta_model)  # NOTE: [Model FLOPs] in flops.py
     feed = lambda batch: {k: batch.inputs[k] for k in schedule.BATCH}  # noqa: E731 -- what the step takes
     log_path = Path(args.log) if args.log else run_dir / "log.jsonl" if run_dir else None
     if log_path is not None and main:
@@ -245,7 +247,7 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
             raise error(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
         scheduler.step()
         record = report.step_record(step + 1, loss, scheduler.get_last_lr()[0], time.perf_counter() - t0, batch,
-                                    n_params)  # NOTE: [Honest throughput] in report.py
+                                    n_params, layers)  # NOTE: [Honest throughput] in report.py
         bar.set_postfix(**report.postfix(record))
         if (step + 1) % args.print_every == 0 or step + 1 == lr.steps or step == start:
             bar.write(report.line(record))

@@ -6,25 +6,32 @@ the end of its rows. Counting them would credit a run for work that teaches noth
 row per chat example is ~85% padding at 1024 tokens), so ``tokens_per_s`` and ``tflops`` count the
 global batch's tokens that are no padding; ``pad_fraction`` is the share of slots that are, and
 ``learnt_tokens`` the labels the loss counts (not -100, after each row's first position, which
-the shifted loss never predicts). ``tflops`` is 6 x parameters x those tokens a second, the usual
-estimate, which leaves out attention's own work.
+the shifted loss never predicts). ``tflops`` is the step's model FLOPs a second: 6 x parameters x
+those tokens, plus attention's own work over the sequences the global batch holds, where the
+model's config gives its attention layers (NOTE: [Model FLOPs] in flops.py);
+``tflops_counts_attention`` says whether it does.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Sequence
 
 import torch
 
+from lazytrain.train.flops import AttentionLayer, step_flops
 from lazytrain.train.row_store import Batch
 
 
-def step_record(step: int, loss: float, lr: float, seconds: float, batch: Batch, n_params: int) -> dict:
-    """The log record of one training step (NOTE: [Honest throughput])."""
+def step_record(step: int, loss: float, lr: float, seconds: float, batch: Batch, n_params: int,
+                layers: Sequence[AttentionLayer] | None) -> dict:
+    """The log record of one training step (NOTE: [Honest throughput]); ``layers``: the model's
+    attention layers (``flops.attention_layers``), None where it has no config to read them from."""
     return {
         "step": step, "loss": loss, "lr": lr, "step_s": seconds,
-        "tokens_per_s": batch.tokens / seconds, "tflops": 6 * n_params * batch.tokens / seconds / 1e12,
+        "tokens_per_s": batch.tokens / seconds, "tflops": step_flops(n_params, batch, layers) / seconds / 1e12,
+        "tflops_counts_attention": layers is not None,
         "pad_fraction": batch.pad_fraction, "learnt_tokens": batch.learnt,
         "gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
         "host_gib": host_gib(),

@@ -17,7 +17,7 @@ import torch
 from lazytrain.errors import DataError
 from lazytrain.train import records, tokens
 from lazytrain.train.packing import Layout
-from lazytrain.train.rows import IGNORE, RowFile, row_digest
+from lazytrain.train.rows import IGNORE, RowFile, row_digest, runs
 from lazytrain.train.tokenizers import check_vocab, eos_id, id_bound
 
 
@@ -25,12 +25,15 @@ from lazytrain.train.tokenizers import check_vocab, eos_id, id_bound
 class Batch:
     """A batch of rows and what the global batch it belongs to holds: ``inputs`` (this rank's
     ``input_ids``, ``labels``, ``position_ids``), the global batch's ``slots`` (rows x seq_len),
-    ``tokens`` (slots that are no padding) and ``learnt`` (labels the shifted loss counts)."""
+    ``tokens`` (slots that are no padding), ``learnt`` (labels the shifted loss counts) and
+    ``documents`` (the lengths of the sequences its attention keeps apart, read-only; they sum to
+    ``tokens``: NOTE: [Model FLOPs] in flops.py)."""
 
     inputs: dict[str, torch.Tensor]
     slots: int
     tokens: int
     learnt: int
+    documents: np.ndarray
 
     @property
     def pad_fraction(self) -> float:
@@ -82,7 +85,7 @@ class RowStore:
         """The batch of global ``rows`` (indices; -1: an empty row, all padding, nothing learnt), of
         which this rank reads ``mine``."""
         parts = []
-        for first, count in _runs(rows[mine]):
+        for first, count in runs(rows[mine]):
             if first < 0:
                 empty = np.full((count, self.seq_len), self.pad, dtype=np.int64)
                 parts.append((empty, np.full_like(empty, IGNORE), np.tile(np.arange(self.seq_len), (count, 1))))
@@ -90,22 +93,12 @@ class RowStore:
                 parts.append(self.file.read(first, count))
         real = rows[rows >= 0]
         padding, learnt = self.file.counts(real)
+        documents = self.file.documents(real)  # every rank's rows, as the counts: the global batch's
+        documents.flags.writeable = False
         slots = rows.size * self.seq_len
         inputs = {name: torch.from_numpy(np.concatenate([p[i] for p in parts]))
                   for i, name in enumerate(("input_ids", "labels", "position_ids"))}
-        return Batch(inputs, slots, slots - padding - (rows.size - real.size) * self.seq_len, learnt)
-
-
-def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
-    """``rows`` as (first, count) runs of consecutive rows, read together; empty rows (-1) run too."""
-    runs: list[tuple[int, int]] = []
-    for r in rows.tolist():
-        last = runs[-1] if runs else None
-        if last is not None and ((r < 0 and last[0] < 0) or (r >= 0 and last[0] >= 0 and sum(last) == r)):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((r, 1))
-    return runs
+        return Batch(inputs, slots, slots - padding - (rows.size - real.size) * self.seq_len, learnt, documents)
 
 
 def _release(directory: Path, file: RowFile | None) -> None:

@@ -6,7 +6,8 @@ document starts inside a row (NOTE: [Packing] in packing.py), ``MASKED`` (bit 31
 is -100; labels are otherwise the input ids themselves (the model shifts them). Beside it, two
 ``uint32`` per whole row: the padding at the row's end and the tokens it learns (labels not -100
 after its first position, the ones the shifted loss counts), so a batch's honest token counts
-need no read of its tokens.
+need no read of its tokens (its sequences' lengths, which attention's FLOPs need, read the marks:
+NOTE: [Model FLOPs] in flops.py).
 """
 
 from __future__ import annotations
@@ -217,8 +218,7 @@ class RowFile:
 
     def read(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``count`` consecutive rows from row ``first``: ``(input_ids, labels, position_ids)``, int64."""
-        size = 4 * self.seq_len
-        raw = np.frombuffer(os.pread(self.fd, size * count, size * first), dtype=np.uint32).reshape(count, self.seq_len)
+        raw = self._words(first, count)
         ids = (raw & _ID).astype(np.int64)
         labels = np.where(raw & MASKED, IGNORE, ids)
         starts = (raw & START) != 0
@@ -229,7 +229,45 @@ class RowFile:
         begun = np.maximum.accumulate(np.where(starts, self._arange, 0), axis=1)
         return ids, labels, self._arange - begun
 
+    def documents(self, rows: np.ndarray) -> np.ndarray:
+        """The lengths, in order, of the sequences these rows hold (examples, documents, or a row's
+        tokens whole where nothing marks a start in it): the runs ``read``'s ``position_ids``
+        restart at 0, less each row's padding, so they sum to the rows' tokens that are no padding."""
+        words = [np.zeros((0, self.seq_len), dtype=np.uint32)] + [self._words(f, n) for f, n in runs(rows)]
+        return sequence_lengths(np.concatenate(words), self._meta[rows, 0])
+
+    def _words(self, first: int, count: int) -> np.ndarray:
+        size = 4 * self.seq_len
+        raw = np.frombuffer(os.pread(self.fd, size * count, size * first), dtype=np.uint32)
+        return raw.reshape(count, self.seq_len)
+
     def counts(self, rows: np.ndarray) -> tuple[int, int]:
         """``(padding, learnt tokens)`` of these rows."""
         picked = self._meta[rows]
         return int(picked[:, 0].sum()), int(picked[:, 1].sum())
+
+
+def sequence_lengths(raw: np.ndarray, pads: np.ndarray) -> np.ndarray:
+    """The lengths, row by row, of the sequences of ``raw`` rows (row file words) whose padding is
+    ``pads``: each starts at its row's start or a ``START`` mark and ends at the next one or where
+    the row's padding begins."""
+    starts = (raw & START) != 0
+    starts[:, 0] = True
+    ends = raw.shape[1] - pads.astype(np.int64)
+    row, col = np.nonzero(starts)
+    keep = col < ends[row]
+    row, col = row[keep], col[keep]
+    same_row = np.append(row[1:] == row[:-1], False)
+    return np.where(same_row, np.append(col[1:], 0), ends[row]) - col
+
+
+def runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """``rows`` as (first, count) runs of consecutive rows, read together; empty rows (-1) run too."""
+    found: list[tuple[int, int]] = []
+    for r in rows.tolist():
+        last = found[-1] if found else None
+        if last is not None and ((r < 0 and last[0] < 0) or (r >= 0 and last[0] >= 0 and sum(last) == r)):
+            found[-1] = (last[0], last[1] + 1)
+        else:
+            found.append((r, 1))
+    return found
