@@ -10,7 +10,7 @@ Each case runs attention forward + backward for one layer (bf16) and reports the
 Cases: `causal` (flash, no document mask: the bound the plan prices), `sdpa bool mask` (the
 traced mask, what a Hugging Face decoder exports: memory-efficient kernel, every block computed),
 `lazytrain op` (the `lazytrain::document_attention` operator: FlexAttention, its block mask made
-per call from the document ids; `block mask only` times that), `flex (autograd)` (FlexAttention
+from the document ids once a batch; `block mask only` times making it), `flex (autograd)` (FlexAttention
 with create_block_mask's mask, made once outside the timing) and `varlen`
 (flash attention over cu_seqlens known in advance, k and v repeated for the heads). Each masked case is checked
 against the bool-mask reference first.

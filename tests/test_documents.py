@@ -213,7 +213,7 @@ def test_flex_attention_on_cpu(window, monkeypatch):
     k, v = (torch.randn(2, 2, 420, 16, generator=g) for _ in range(2))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ids = documents.document_ids(pos)
-    out, lse = documents.flex_attention(*leaves, ids, 0.25, window)
+    out, lse = documents.flex_attention(*leaves, documents.batch_block_mask(pos, window), 0.25)
     assert out.transpose(1, 2).is_contiguous()
     grad = torch.randn(out.shape, generator=g)
     out.backward(grad)
@@ -224,3 +224,36 @@ def test_flex_attention_on_cpu(window, monkeypatch):
     ref_grads = documents._reference_backward(grad, q, k, v, ref_out, ref_lse, ids, 0.25, window)
     for leaf, ref in zip(leaves, ref_grads):
         torch.testing.assert_close(leaf.grad, ref, atol=ATOL, rtol=0)
+
+def test_a_batch_makes_its_block_mask_once():
+    """Every layer reading the batch's position_ids (or a view of them) reuses one block mask; a
+    new batch, an in-place change, another view or another window makes a new one."""
+    pos = long_packing()
+    mask = documents.batch_block_mask(pos, None)
+    assert documents.batch_block_mask(pos, None) is mask
+    assert documents.batch_block_mask(pos.expand(2, -1), None) is mask  # transformers' expand per layer
+    assert documents.batch_block_mask(pos, 7) is not mask
+    assert documents.batch_block_mask(pos[:1], None) is not mask
+    same = pos.clone()
+    other = documents.batch_block_mask(same, None)
+    assert other is not mask and torch.equal(other.to_dense(), mask.to_dense())
+    same[1, 20:] = torch.arange(400) % 50  # written in place: other documents
+    changed = documents.batch_block_mask(same, None)
+    assert changed is not other and not torch.equal(changed.to_dense(), other.to_dense())
+    assert torch.equal(changed.to_dense(), documents.block_mask(documents.document_ids(same), None).to_dense())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_packed_model_directory_switches_to_the_operator_unless_it_drops_attention(dropout):
+    """run_data switches a Hugging Face model to the operator, except one whose attention has
+    dropout (which the operator has not): it keeps its own attention under the dense mask."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lazytrain.train.run_data import document_attention
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, attention_dropout=dropout,
+                                             attn_implementation="sdpa"))
+    assert document_attention(model) == (dropout == 0)
+    assert model.config._attn_implementation == ("sdpa" if dropout else documents.IMPLEMENTATION)

@@ -10,22 +10,24 @@ backward, and the Hugging Face attention function that calls it."""
 # position_ids[t] != position_ids[t-1] + 1 (transformers' find_packed_sequence_indices), so a
 # row's trailing padding, restarting at 0, is a document of its own and no query is fully masked.
 # Kernels: on CUDA in bf16/fp16, FlexAttention (compiled once), registered at the operator's
-# AutogradCUDA key so that FlexAttention's own backward is recorded. Its block mask is made per call
-# from each 128-token block's first and last document (`block_mask`: a few small ops, no [S, S]
-# evaluation), so blocks of other documents are skipped, blocks inside one document run unmasked,
-# and memory stays O(S). Everywhere else (CPU, other devices, CUDA in float32) an exact float32
+# AutogradCUDA key so that FlexAttention's own backward is recorded. Its block mask is made from
+# each 128-token block's first and last document (`block_mask`: small ops, no [S, S] evaluation),
+# once a batch (`batch_block_mask`), so blocks of other documents are skipped, blocks inside one
+# document run unmasked, and memory stays O(S). Everywhere else (CPU, other devices, CUDA in float32) an exact float32
 # reference takes BLOCK query rows at a time, so its scores are [B, H, BLOCK, S], never [B, H, S, S];
 # its backward is a second operator applying the standard formulas with the saved lse. The
 # operator returns (out, lse), lse being the natural log-sum-exp of each query's scaled scores on
 # every device (FlexAttention's public function converts its base-2 statistic).
 # Measured on the H200 (bench/doc_attention.py, 2026-12-03, torch 2.11, a Qwen2.5-7B layer's
 # attention, 32 x 1024 tokens packed from examples of mean 162, bf16, forward + backward): full
-# causal flash 2.65 ms; sdpa under the dense document mask 6.13 ms; this operator 6.80 ms, of which
-# `block_mask` is 3.10 ms (FlexAttention alone, its mask made once: 2.66 ms). An operator backward
+# causal flash 2.65 ms; sdpa under the dense document mask 6.13 ms; this operator, when it made its
+# mask on every call, 6.80 ms, of which `block_mask` was 3.10 ms (FlexAttention alone, its mask
+# made once: 2.66 ms): hence one mask a batch (not yet timed on the H200). An operator backward
 # of our own, which could only run FlexAttention's forward again, took 11.83 ms. The plan prices the
 # operator as full causal attention: the bound.
 
 import inspect
+import weakref
 
 import torch
 
@@ -155,15 +157,34 @@ def block_mask(ids: torch.Tensor, window: int | None):
                                     seq_lengths=(S, S))
 
 
-def flex_attention(query, key, value, ids, scale, window):
-    """FlexAttention over the documents (compiled once): (out laid out as [B, S, H, D], lse in
-    natural log). Differentiable through FlexAttention's own backward where autograd records."""
+_MADE: dict = {"batch": None, "version": -1, "masks": {}}  # the block masks of one batch's position_ids
+
+
+def batch_block_mask(position_ids: torch.Tensor, window: int | None):
+    """`block_mask` of these position_ids, made once for every attention layer that reads them
+    (3.1 ms a call for a 7B layer at 32 x 1024: NOTE: [Document attention]). The layers take the
+    same batch tensor, or views of it: a mask is reused only while that very tensor (by identity,
+    held weakly, so a new batch at the same address is another tensor) is unchanged (its version
+    counter, which in-place writes through any view advance) and is seen through the same view."""
+    base = position_ids if position_ids._base is None else position_ids._base
+    held = _MADE["batch"]
+    if held is None or held() is not base or _MADE["version"] != base._version:
+        _MADE.update(batch=weakref.ref(base), version=base._version, masks={})
+    view = (window, tuple(position_ids.shape), position_ids.stride(), position_ids.storage_offset())
+    if view not in _MADE["masks"]:
+        _MADE["masks"][view] = block_mask(document_ids(position_ids), window)
+    return _MADE["masks"][view]
+
+
+def flex_attention(query, key, value, mask, scale):
+    """FlexAttention (compiled once) under the block mask `mask`: (out laid out as [B, S, H, D],
+    lse in natural log). Differentiable through FlexAttention's own backward where autograd records."""
     global _FLEX
     from torch.nn.attention import flex_attention as fa
 
     if _FLEX is None:
         _FLEX = torch.compile(fa.flex_attention, dynamic=False)
-    kwargs = dict(block_mask=block_mask(ids, window), scale=scale, enable_gqa=True)
+    kwargs = dict(block_mask=mask, scale=scale, enable_gqa=True)
     # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there); both
     # return it in natural log: the kernels' base-2 statistic is scaled by ln 2 before it leaves.
     if "return_aux" in inspect.signature(fa.flex_attention).parameters:
@@ -181,11 +202,10 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """query [B, H, S, D], key and value [B, KV, S, D] (H % KV == 0), position_ids [B, S] ->
     (out [B, H, S, D] in query's dtype, laid out as [B, S, H, D]; lse [B, H, S] float32)."""
-    ids = document_ids(position_ids)
     if _uses_flex(query):  # reached below autograd: a forward that records nothing
         with torch.no_grad():
-            return flex_attention(query, key, value, ids, scale, window)
-    return _reference_forward(query, key, value, ids, scale, window)
+            return flex_attention(query, key, value, batch_block_mask(position_ids, window), scale)
+    return _reference_forward(query, key, value, document_ids(position_ids), scale, window)
 
 
 @document_attention.register_fake
@@ -243,7 +263,7 @@ def _autograd_cuda(query, key, value, position_ids, scale, window):
     which reads the forward's lse (an operator backward of our own could only run FlexAttention's
     forward again: NOTE: [Document attention]); float32 keeps the reference."""
     if _uses_flex(query):
-        return flex_attention(query, key, value, document_ids(position_ids), scale, window)
+        return flex_attention(query, key, value, batch_block_mask(position_ids, window), scale)
     return _Reference.apply(query, key, value, position_ids, scale, window)
 
 

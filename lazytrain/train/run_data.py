@@ -79,15 +79,20 @@ def run_data(args, source, model: torch.nn.Module, tokenizer, vocab: int | None,
     return RunData(train, held_out, layout, inputs)
 
 
+_ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # config names
+
+
 def document_attention(model: torch.nn.Module) -> bool:
     """Have a Hugging Face model whose attention goes through transformers' attention interface
     call the document attention operator, which reads the documents from position_ids (NOTE:
     [Document attention] in kernels/documents.py), in place of sdpa under a dense [S, S] mask
-    built from them. Whether it did; a model that cannot switch keeps its own attention."""
+    built from them. Whether it did; a model that cannot switch keeps its own attention, and so does
+    one with attention dropout, which the operator has not."""
     from lazytrain.kernels import documents
 
     can = getattr(model, "_can_set_attn_implementation", None)
-    if can is None or not can():
+    config = getattr(model, "config", None)
+    if can is None or not can() or any(getattr(config, name, 0) for name in _ATTENTION_DROPOUT):
         return False
     model.set_attn_implementation(documents.register())
     return model.config._attn_implementation == documents.IMPLEMENTATION
