@@ -256,6 +256,38 @@ def test_eight_bit_steps_equal_bitsandbytes_on_gpu(case):
         assert (ours - theirs).norm() <= 0.02 * theirs.norm() + 1e-7, name
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_document_attention_on_gpu_equals_the_masked_reference(dtype, window):
+    """lazytrain::document_attention on CUDA (FlexAttention in bf16, the reference in fp32; NOTE:
+    [Document attention]) against sdpa under the dense document mask in fp32: output and the
+    gradients of query, key and value, for rows of many documents, one long one, and padding."""
+    import torch.nn.functional as F
+
+    from lazytrain.kernels import documents
+
+    g = torch.Generator().manual_seed(0)
+    pos = torch.cat([torch.arange(300), torch.arange(50), torch.arange(150), torch.arange(12)]).repeat(2, 1)
+    pos[1] = torch.arange(512)
+    q = torch.randn(2, 512, 8, 64, generator=g).transpose(1, 2)  # the layout transformers hands over
+    k, v = (torch.randn(2, 2, 512, 64, generator=g) for _ in range(2))
+    grad = torch.randn(2, 8, 512, 64, generator=g)
+    ours = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    out, _ = torch.ops.lazytrain.document_attention(*ours, pos.cuda(), 0.125, window)
+    out.backward(grad.to("cuda", dtype))
+    ref = [t.cuda().requires_grad_() for t in (q, k, v)]
+    mask = documents.document_mask(pos.cuda(), window)[:, None]
+    want = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(4, 1), ref[2].repeat_interleave(4, 1),
+                                          attn_mask=mask, scale=0.125)
+    want.backward(grad.cuda())
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    assert out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out.float(), want, atol=tolerance, rtol=tolerance)
+    for mine, theirs in zip(ours, ref):
+        torch.testing.assert_close(mine.grad.float(), theirs.grad, atol=tolerance, rtol=tolerance)
+
+
 if __name__ == "__main__":  # prebuild schedules for a GPU machine without the solver
     PREBUILT.mkdir(exist_ok=True)
     for case in CASES:
