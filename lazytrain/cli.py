@@ -94,6 +94,11 @@ def _number(low: float, high: float = math.inf, low_open: bool = True):
     return parse
 
 
+_MLP_TILES = ("compute each gated MLP (Qwen2, Llama, Gemma3) in tiles of tokens whose intermediate takes at most "
+              "this (e.g. 256MiB), keeping only its input for backward, which recomputes each tile: for long "
+              "sequences (default 0 or 'off': never tile)")
+
+
 def _chunk_bytes(text: str) -> int:
     """--loss-chunk-bytes: a size with a unit, or 0 / off for no chunking. A bare number other than 0
     is refused, as for --budget."""
@@ -122,7 +127,7 @@ def compile_options(args):
                           dtype=getattr(torch, args.dtype) if args.dtype else None,
                           optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                           loss_chunk_bytes=LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes,
-                          world_size=args.world_size, shard_state=False if args.replicate_state else None,
+                          mlp_tile_bytes=args.mlp_tile_bytes, world_size=args.world_size, shard_state=False if args.replicate_state else None,
                           clipping=args.clipping, disk=args.disk)
 
 
@@ -134,7 +139,8 @@ def train_options(args):
 
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     return CompileOptions(budget=args.budget, time_limit=args.time_limit, optimizer_states=args.optimizer_states or "32bit",
-                          master_weights=args.master_weights or "fp32", clipping=clipping, disk=args.disk)
+                          master_weights=args.master_weights or "fp32", clipping=clipping, disk=args.disk,
+                          mlp_tile_bytes=args.mlp_tile_bytes)
 
 
 def cmd_compile(args) -> int:
@@ -215,6 +221,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
                    help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of rows or tokens, each at most "
                         "this working set (default 1GiB); 0 or 'off' never chunks")
+    c.add_argument("--mlp-tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE", help=_MLP_TILES)
     c.add_argument("--world-size", type=_at_least(1), default=1, metavar="N",
                    help="data-parallel ranks the schedule runs on (default 1); example_batch() is one rank's batch, "
                         "and every rank binds the same schedule (see README, Data parallel)")
@@ -274,6 +281,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--clipping", choices=["exact", "previous-norm"], default=None,
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
+    t.add_argument("--mlp-tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE",
+                   help=_MLP_TILES + "; when compiling on the fly")
     t.add_argument("--disk", action="store_true",
                    help="when compiling on the fly: let the plan keep optimizer states, and stage outputs between "
                         "forward and backward, on disk where host memory runs short")

@@ -29,6 +29,7 @@ from lazytrain.errors import LazytrainError, PlanError, one_line
 from lazytrain.hardware import Hardware
 from lazytrain.ir import dump
 from lazytrain.ir.capture import capture
+from lazytrain.kernels.tiled_mlp import tiled_mlps
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
@@ -100,7 +101,8 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook = hook or _Hook(None, False)
     if options.dtype is not None:
         model = model.to(options.dtype)
-    graph = hook.run("capture", capture, model, batch, source, hw.device)
+    with tiled_mlps(model, options.mlp_tile_bytes):  # NOTE: [Tiled MLP] in kernels/tiled_mlp.py
+        graph = hook.run("capture", capture, model, batch, source, hw.device)
     lint(graph)
     hook.dump(0, "capture", dump.text(graph))
     if hook.dir:

@@ -180,8 +180,8 @@ def test_swapped_models_train_as_before(family):
     names = [name for name, _ in model.named_parameters()]
 
     seen = []
-    assert swap_mlps(model, lambda x: seen.append(x.shape) or 3) == 2
-    assert swap_mlps(model, lambda x: 3) == 0  # already swapped
+    assert swap_mlps(model, lambda x, inter: seen.append(x.shape) or 3) == 2
+    assert swap_mlps(model, lambda x, inter: 3) == 0  # already swapped
     tiled_loss, tiled_grads = loss_and_grads(model, ids)
     assert seen == [(2, 9, 32)] * 2
     assert [name for name, _ in model.named_parameters()] == names
@@ -198,12 +198,41 @@ def test_swapped_models_train_as_before(family):
 
 def test_swap_leaves_what_it_cannot_identify():
     model = tiny("llama", hidden_act="gelu_new")  # an activation the operator does not have
-    assert swap_mlps(model, lambda x: 2) == 0
+    assert swap_mlps(model, lambda x, inter: 2) == 0
     model = tiny("llama", mlp_bias=True)
-    assert swap_mlps(model, lambda x: 2) == 0
+    assert swap_mlps(model, lambda x, inter: 2) == 0
     model = tiny("llama")
     from transformers.activations import ACT2FN
 
     model.model.layers[0].mlp.act_fn = ACT2FN["gelu_python"]  # GELUActivation with its Python formula
-    assert swap_mlps(model, lambda x: 2) == 1
+    assert swap_mlps(model, lambda x, inter: 2) == 1
     assert "forward" not in vars(model.model.layers[0].mlp) and "forward" in vars(model.model.layers[1].mlp)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
+@pytest.mark.parametrize("budget", ["max", "min"])
+def test_a_compiled_step_with_tiled_mlps_equals_eager(family, budget):
+    """CompileOptions.mlp_tile_bytes: the captured step calls lazytrain::gated_mlp in every layer,
+    in tiles, and the compiled step (every block resident, or at the smallest budget, streamed and
+    recomputed) gives eager PyTorch's loss and gradients (fp32, the suite's tolerance); the model
+    compiled is left as it was."""
+    import copy
+
+    from lazytrain.pipeline import compile_model
+    from models import assert_grads_match, bind_source, model_pair
+    from test_packing_grads import build
+
+    meta, real = model_pair(lambda: build(family))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (2, 32), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    text = compile_model(meta, batch, budget, "cpu", source="tests", time_limit=20, mlp_tile_bytes=1024).source_text
+    assert text.count("torch.ops.lazytrain.gated_mlp.default(") == 2  # one a layer
+    assert "'silu', 16)" in text or "'gelu_pytorch_tanh', 16)" in text  # 64 tokens x 64 x 4 bytes in tiles of 1 KiB
+    assert not any(vars(m).get("forward") for m in meta.modules())  # the swap is undone
+    trainer, model = bind_source(text, real)
+    loss = trainer.forward_backward(batch)
+    reference = copy.deepcopy(real)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    assert_grads_match(model, loss, ref_loss.detach(), {n: p.grad for n, p in reference.named_parameters()})

@@ -89,6 +89,29 @@ def _attention(node: Node, graph: Graph) -> int:
     return mask_bias_bytes(node, graph) + (4 * q.numel if q is not None else 0)
 
 
+def _mlp_tile(node: Node, graph: Graph) -> tuple[int, int, int, int]:
+    """(tile tokens, intermediate size, hidden size, itemsize) of a tiled gated MLP."""
+    x, gate = _spec(graph, node.args[0]), _spec(graph, node.args[1])
+    tokens = x.numel // x.shape[-1]
+    tiles = max(1, min(int(node.args[5]), tokens))
+    return -(-tokens // tiles), gate.shape[0], gate.shape[1], x.nbytes // max(1, x.numel)
+
+
+@rule("lazytrain.gated_mlp.default")
+def _gated_mlp(node: Node, graph: Graph) -> int:
+    """One tile's gate and up products, its activation and their product (NOTE: [Tiled MLP])."""
+    tile, inter, _, item = _mlp_tile(node, graph)
+    return 4 * tile * inter * item
+
+
+@rule_backward("lazytrain.gated_mlp.default")
+def _gated_mlp_backward(node: Node, graph: Graph) -> int:
+    """One tile recomputed (4 intermediates) and its gradients (4 more), and, for 16-bit weights, the
+    fp32 sums of the three weights' gradients over the tiles and one tile's product beside them."""
+    tile, inter, hidden, item = _mlp_tile(node, graph)
+    return 8 * tile * inter * item + (4 * 4 * inter * hidden if item < 4 else 0)
+
+
 def _none(node: Node, graph: Graph) -> int:
     return 0
 

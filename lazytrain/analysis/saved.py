@@ -21,7 +21,7 @@ from typing import Callable
 
 from lazytrain.analysis.memory import mask_bias_bytes
 from lazytrain.ir.graph import Graph, OpKind, Sym
-from lazytrain.passes.costs import DOCUMENT_ATTENTION, NodeCost
+from lazytrain.passes.costs import DOCUMENT_ATTENTION, GATED_MLP, NodeCost
 
 # target -> (positions of the tensor arguments saved, given which positions carry gradient;
 #            whether the result is saved)
@@ -71,6 +71,7 @@ SAVES: dict[str, Rule] = {
     # query, key, value and position_ids; its output is saved as the o-projection's input already
     # (the `contiguous` between them copies nothing), its lse below (`_document_attention_bytes`)
     DOCUMENT_ATTENTION: (lambda rg: {0, 1, 2, 3}, False),
+    GATED_MLP: (lambda rg: {0, 1, 2, 3}, False),  # its input (and weights): each tile is recomputed
     "aten.layer_norm.default": (_first, True),
     "aten.cross_entropy_loss.default": (lambda rg: {0, 1}, False),
 }

@@ -18,7 +18,9 @@ its backward, and `swap_mlps`, which makes a model's MLP modules call it."""
 # threshold_backward: those autograd records for F.silu, F.gelu, F.relu), since an operator's kernel
 # runs below autograd, where nothing is recorded even under torch.enable_grad().
 
+import contextlib
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -184,13 +186,15 @@ def _plain_linear(module) -> bool:
 
 def _tiled_forward(module, activation: str, tiles_of, x):
     return torch.ops.lazytrain.gated_mlp(x, module.gate_proj.weight, module.up_proj.weight,
-                                         module.down_proj.weight, activation, tiles_of(x))
+                                         module.down_proj.weight, activation,
+                                         tiles_of(x, module.gate_proj.weight.shape[0]))
 
 
 def swap_mlps(model: torch.nn.Module, tiles_of) -> int:
     """Make every gated MLP of model (a submodule whose class name ends in "MLP", with gate_proj,
     up_proj and down_proj plain nn.Linear children without bias and an act_fn `activation_name`
-    knows) compute through `lazytrain::gated_mlp`, with tiles_of(x) tiles for its input x: its
+    knows, and whose forward is the gated MLP's line, `_GATED`) compute through `lazytrain::gated_mlp`,
+    with tiles_of(x, intermediate size) tiles for its input x: its
     forward, set on the instance, calls the operator with its own weights (parameters and their names
     are unchanged). Others are left alone. Returns how many were swapped; `restore_mlps` undoes it."""
     swapped = 0
@@ -201,11 +205,40 @@ def swap_mlps(model: torch.nn.Module, tiles_of) -> int:
         if not all(_plain_linear(p) for p in projections):
             continue
         name = activation_name(getattr(module, "act_fn", None))
-        if name is None:
+        if name is None or not _computes_gated_mlp(type(module)):
             continue
         module.forward = functools.partial(_tiled_forward, module, name, tiles_of)
         swapped += 1
     return swapped
+
+
+# the forwards of transformers' gated MLPs (Qwen2, Llama, Gemma3, Mistral, ...), whitespace removed:
+# a class named like one but computing something else is left alone
+_PRODUCT = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
+_GATED = (f"down_proj={_PRODUCT}returndown_proj", f"return{_PRODUCT}")
+
+
+def _computes_gated_mlp(cls) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source to read: not known to be one
+        return False
+    body = "".join(source.split(":", 1)[1].split()) if ":" in source else ""
+    return body in _GATED
+
+
+@contextlib.contextmanager
+def tiled_mlps(model: torch.nn.Module, tile_bytes: int):
+    """While it is held, `model`'s gated MLPs compute in tiles whose intermediate takes at most
+    `tile_bytes` (`swap_mlps`; 0: nothing changes): what a compile captures (CompileOptions.mlp_tile_bytes)."""
+    if not tile_bytes:
+        yield 0
+        return
+    swapped = swap_mlps(model, lambda x, inter: tiles_for(x.numel() // x.shape[-1], inter, x.element_size(), tile_bytes))
+    try:
+        yield swapped
+    finally:
+        restore_mlps(model)
 
 
 def _swapped(module) -> bool:

@@ -101,6 +101,17 @@ def _grouped_mm(node, graph):
     return 2.0 * node.spec.numel * _in(node, graph, 0).shape[-1]
 
 
+GATED_MLP = "lazytrain.gated_mlp.default"  # NOTE: [Tiled MLP] in kernels/tiled_mlp.py
+
+
+# A tiled gated MLP (NOTE: [Tiled MLP] in kernels/tiled_mlp.py): three [tokens, H] x [H, I]
+# products forward; backward recomputes two of them and runs six: (2 + 6) / 3 of the forward.
+@rule(GATED_MLP, bwd_factor=8 / 3)
+def _gated_mlp(node, graph):
+    x, gate = _in(node, graph, 0), _in(node, graph, 1)
+    return 6.0 * (x.numel // x.shape[-1]) * gate.shape[0] * gate.shape[1]
+
+
 DOCUMENT_ATTENTION = "lazytrain.document_attention.default"  # NOTE: [Document attention] in kernels/documents.py
 ATTENTION = ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
              "aten._scaled_dot_product_efficient_attention.default", DOCUMENT_ATTENTION)
