@@ -288,6 +288,32 @@ def test_document_attention_on_gpu_equals_the_masked_reference(dtype, window):
         torch.testing.assert_close(mine.grad.float(), theirs.grad, atol=tolerance, rtol=tolerance)
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tiled_mlp_on_gpu_equals_eager(dtype):
+    """lazytrain::gated_mlp on CUDA (NOTE: [Tiled MLP]) in 5 uneven tiles against the eager gated
+    MLP in fp32: output and the gradients of the input and the three weights."""
+    import torch.nn.functional as F
+
+    import lazytrain.kernels.tiled_mlp  # noqa: F401  (registers the operator)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 333, 128, generator=g)
+    weights = [torch.randn(256, 128, generator=g) / 16, torch.randn(256, 128, generator=g) / 16,
+               torch.randn(128, 256, generator=g) / 16]
+    grad = torch.randn(2, 333, 128, generator=g)
+    ours = [t.to("cuda", dtype).requires_grad_() for t in (x, *weights)]
+    out = torch.ops.lazytrain.gated_mlp(*ours, "silu", 5)
+    out.backward(grad.to("cuda", dtype))
+    ref = [t.cuda().requires_grad_() for t in (x, *weights)]
+    want = F.linear(F.silu(F.linear(ref[0], ref[1])) * F.linear(ref[0], ref[2]), ref[3])
+    want.backward(grad.cuda())
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), want, atol=tolerance, rtol=tolerance)
+    for mine, theirs in zip(ours, ref):
+        torch.testing.assert_close(mine.grad.float(), theirs.grad, atol=tolerance * 4, rtol=tolerance)
+
+
 if __name__ == "__main__":  # prebuild schedules for a GPU machine without the solver
     PREBUILT.mkdir(exist_ok=True)
     for case in CASES:
