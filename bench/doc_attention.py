@@ -19,6 +19,7 @@ against the bool-mask reference first.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 import sys
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package `bench`, not bench/bench.py
-from bench.sdpa_mask import timed  # noqa: E402
+from bench.sdpa_mask import layer_arguments, timed  # noqa: E402
 from lazytrain.train.packing import best_fit_decreasing  # noqa: E402
 
 
@@ -53,12 +54,7 @@ def packed_positions(batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor,
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
+    p = layer_arguments(argparse.ArgumentParser())
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -71,6 +67,7 @@ def main():
     q = torch.randn(b, h, s, d, device="cuda", dtype=dt, requires_grad=True)
     k, v = (torch.randn(b, kv, s, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(2))
     grad = torch.randn(b, h, s, d, device="cuda", dtype=dt)
+    doc = documents.document_ids(pos)
     mask = documents.document_mask(pos, None)[:, None]  # [B, 1, S, S]
     scale = d ** -0.5
 
@@ -84,19 +81,16 @@ def main():
         return torch.ops.lazytrain.document_attention(q, k, v, pos, scale, None)[0]
 
     cases = {"causal": causal, "sdpa bool mask": sdpa_mask, "lazytrain op": operator,
-             "block mask only": lambda: documents.block_mask(documents.document_ids(pos), None).kv_num_blocks}
+             "block mask only": lambda: documents.block_mask(documents.document_ids(pos), None).kv_num_blocks}  # as made
     try:  # flash attention over cu_seqlens, the exact document count known in advance (a host sync)
         from torch.nn.attention.varlen import varlen_attn
 
-        starts = (documents.document_ids(pos) != torch.nn.functional.pad(documents.document_ids(pos), (1, -1), value=-1))
+        starts = doc != F.pad(doc, (1, -1), value=-1)
         flat = torch.nonzero(starts.flatten()).flatten()
-        lens = torch.diff(torch.cat([flat, flat.new_tensor([b * s])]))
-        cu = torch.cat([flat, flat.new_tensor([b * s])]).to(torch.int32)
-        longest = int(lens.max())
+        cu = torch.cat([flat, flat.new_tensor([b * s])])
+        longest = int(torch.diff(cu).max())
+        cu = cu.to(torch.int32)
         rep = h // kv
-
-        import inspect
-
         causal_kw = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
                      else {"window_size": (-1, 0)})
 
@@ -113,7 +107,6 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         flex = torch.compile(flex_attention)
-        doc = documents.document_ids(pos)
 
         def mask_mod(bi, hi, qi, ki):
             return (doc[bi, qi] == doc[bi, ki]) & (ki <= qi)

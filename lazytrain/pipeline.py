@@ -29,12 +29,12 @@ from lazytrain.errors import LazytrainError, PlanError, one_line
 from lazytrain.hardware import Hardware
 from lazytrain.ir import dump
 from lazytrain.ir.capture import capture
-from lazytrain.kernels.tiled_mlp import tiled_mlps
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
 from lazytrain.ir.stages import Stages
+from lazytrain.kernels.tiled_mlp import tiled_mlps
 from lazytrain.options import CompileOptions, apply_options, from_settings
 from lazytrain.passes.blocks import blocks
 from lazytrain.passes.causal import causal

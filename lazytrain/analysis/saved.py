@@ -21,6 +21,7 @@ from typing import Callable
 
 from lazytrain.analysis.memory import mask_bias_bytes
 from lazytrain.ir.graph import Graph, OpKind, Sym
+from lazytrain.kernels.documents import FLEX_BLOCK
 from lazytrain.passes.costs import DOCUMENT_ATTENTION, GATED_MLP, NodeCost
 
 # target -> (positions of the tensor arguments saved, given which positions carry gradient;
@@ -92,7 +93,7 @@ def _document_attention_bytes(node, graph: Graph) -> int:
     two int32 [B, S/128, S/128] block tables, each with its row counts, forward and transposed."""
     q = graph[node.args[0].value].spec
     B, H, S = q.shape[0], q.shape[1], q.shape[2]
-    blocks = -(-S // 128)
+    blocks = -(-S // FLEX_BLOCK)
     return 4 * B * H * S + 4 * 4 * B * blocks * (blocks + 1)
 
 

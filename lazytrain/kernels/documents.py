@@ -4,20 +4,21 @@ backward, and the Hugging Face attention function that calls it."""
 # NOTE: [Document attention]
 # A packed training row holds several examples; attention must stay inside each one. Hugging Face
 # builds that as a dense [B, 1, S, S] mask for sdpa, which costs O(S^2) memory, keeps sdpa off its
-# flash kernel and computes every masked score. This operator takes the position_ids instead and is exact: a query sees
-# a key iff both are in the same document, key <= query, and, with a sliding window W,
-# query - key < W (Hugging Face's semantics). A document starts where the row starts and wherever
+# flash kernel and computes every masked score. This operator takes the position_ids instead and is
+# exact: a query sees a key iff both are in the same document, key <= query, and, with a sliding
+# window W, query - key < W (Hugging Face's semantics). A document starts where the row starts and wherever
 # position_ids[t] != position_ids[t-1] + 1 (transformers' find_packed_sequence_indices), so a
 # row's trailing padding, restarting at 0, is a document of its own and no query is fully masked.
 # Kernels: on CUDA in bf16/fp16, FlexAttention (compiled once), registered at the operator's
 # AutogradCUDA key so that FlexAttention's own backward is recorded. Its block mask is made from
 # each 128-token block's first and last document (`block_mask`: small ops, no [S, S] evaluation),
 # once a batch (`batch_block_mask`), so blocks of other documents are skipped, blocks inside one
-# document run unmasked, and memory stays O(S). Everywhere else (CPU, other devices, CUDA in float32) an exact float32
-# reference takes BLOCK query rows at a time, so its scores are [B, H, BLOCK, S], never [B, H, S, S];
-# its backward is a second operator applying the standard formulas with the saved lse. The
-# operator returns (out, lse), lse being the natural log-sum-exp of each query's scaled scores on
-# every device (FlexAttention's public function converts its base-2 statistic).
+# document run unmasked, and memory stays O(S). Everywhere else (CPU, other devices, CUDA in
+# float32) an exact float32 reference takes BLOCK query rows at a time, so its scores are
+# [B, H, BLOCK, S], never [B, H, S, S]; its backward is a second operator applying the standard
+# formulas with the saved lse. The operator returns (out, lse), lse being the natural log-sum-exp
+# of each query's scaled scores on every device (FlexAttention's public function converts its
+# base-2 statistic).
 # Measured on the H200 (bench/doc_attention.py, 2026-12-03, torch 2.11, a Qwen2.5-7B layer's
 # attention, 32 x 1024 tokens packed from examples of mean 162, bf16, forward + backward): full
 # causal flash 2.65 ms; sdpa under the dense document mask 6.13 ms; this operator, when it made its
@@ -35,6 +36,7 @@ IMPLEMENTATION = "lazytrain_documents"
 BLOCK = 1024  # query rows per float32 score block of the reference kernels
 
 _FLEX = None  # torch.compile(flex_attention), made on first use
+_RETURN_AUX = None  # whether flex_attention returns the lse through return_aux, read on first use
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -179,15 +181,17 @@ def batch_block_mask(position_ids: torch.Tensor, window: int | None):
 def flex_attention(query, key, value, mask, scale):
     """FlexAttention (compiled once) under the block mask `mask`: (out laid out as [B, S, H, D],
     lse in natural log). Differentiable through FlexAttention's own backward where autograd records."""
-    global _FLEX
+    global _FLEX, _RETURN_AUX
     from torch.nn.attention import flex_attention as fa
 
     if _FLEX is None:
         _FLEX = torch.compile(fa.flex_attention, dynamic=False)
+    if _RETURN_AUX is None:
+        # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there); both
+        # return it in natural log: the kernels' base-2 statistic is scaled by ln 2 before it leaves.
+        _RETURN_AUX = "return_aux" in inspect.signature(fa.flex_attention).parameters
     kwargs = dict(block_mask=mask, scale=scale, enable_gqa=True)
-    # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there); both
-    # return it in natural log: the kernels' base-2 statistic is scaled by ln 2 before it leaves.
-    if "return_aux" in inspect.signature(fa.flex_attention).parameters:
+    if _RETURN_AUX:
         out, aux = _FLEX(query, key, value, return_aux=fa.AuxRequest(lse=True), **kwargs)
         lse = aux.lse
     else:

@@ -234,7 +234,10 @@ def tiled_mlps(model: torch.nn.Module, tile_bytes: int):
     if not tile_bytes:
         yield 0
         return
-    swapped = swap_mlps(model, lambda x, inter: tiles_for(x.numel() // x.shape[-1], inter, x.element_size(), tile_bytes))
+    def tiles_of(x: torch.Tensor, intermediate: int) -> int:
+        return tiles_for(x.numel() // x.shape[-1], intermediate, x.element_size(), tile_bytes)
+
+    swapped = swap_mlps(model, tiles_of)
     try:
         yield swapped
     finally:
