@@ -15,7 +15,7 @@ batch. So packed rows of short examples add little and one long document a lot (
 1 x 262,144 tokens: about 4 x 6N). Otherwise these are model FLOPs, the usual MFU convention:
 recomputed activations (a plan's recompute), masked scores and padding add nothing.
 
-The sequences (``Batch.documents``, ``RowFile.documents``) are the runs its ``position_ids`` restart
+The sequences (``Batch.documents``, ``rows.sequence_lengths``) are the runs its ``position_ids`` restart
 at 0, where an example or document starts (NOTE: [Packing] in packing.py), less each row's padding,
 the side table's count that ``tokens`` subtracts: padding is no sequence, and they sum to
 ``tokens``. A row with no start marked in it (``--cross-document-attention``, ``--packing off``, a

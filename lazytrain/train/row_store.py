@@ -17,7 +17,7 @@ import torch
 from lazytrain.errors import DataError
 from lazytrain.train import records, tokens
 from lazytrain.train.packing import Layout
-from lazytrain.train.rows import IGNORE, RowFile, row_digest, runs
+from lazytrain.train.rows import IGNORE, RowFile, row_digest, runs, sequence_lengths
 from lazytrain.train.tokenizers import check_vocab, eos_id, id_bound
 
 
@@ -84,17 +84,22 @@ class RowStore:
     def batch(self, rows: np.ndarray, mine: slice) -> Batch:
         """The batch of global ``rows`` (indices; -1: an empty row, all padding, nothing learnt), of
         which this rank reads ``mine``."""
-        parts = []
+        real = rows[rows >= 0]
+        # every rank's rows, read once: the global batch's sequences, as the counts, and this rank's inputs
+        raw, pads = self.file.words(real), self.file.pads(real)
+        documents = sequence_lengths(raw, pads)
+        documents.flags.writeable = False
+        at = np.cumsum(rows >= 0) - 1  # each real row's place in raw
+        parts, position = [], range(len(rows))[mine].start
         for first, count in runs(rows[mine]):
             if first < 0:
                 empty = np.full((count, self.seq_len), self.pad, dtype=np.int64)
                 parts.append((empty, np.full_like(empty, IGNORE), np.tile(np.arange(self.seq_len), (count, 1))))
             else:
-                parts.append(self.file.read(first, count))
-        real = rows[rows >= 0]
+                i = at[position]
+                parts.append(self.file.decode(raw[i : i + count], pads[i : i + count]))
+            position += count
         padding, learnt = self.file.counts(real)
-        documents = self.file.documents(real)  # every rank's rows, as the counts: the global batch's
-        documents.flags.writeable = False
         slots = rows.size * self.seq_len
         inputs = {name: torch.from_numpy(np.concatenate([p[i] for p in parts]))
                   for i, name in enumerate(("input_ids", "labels", "position_ids"))}

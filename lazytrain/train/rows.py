@@ -216,30 +216,29 @@ class RowFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def read(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``count`` consecutive rows from row ``first``: ``(input_ids, labels, position_ids)``, int64."""
-        raw = self._words(first, count)
+    def words(self, rows: np.ndarray) -> np.ndarray:
+        """These rows' words, [len(rows), seq_len] uint32, in order (runs of consecutive rows read
+        together)."""
+        size = 4 * self.seq_len
+        words = [np.frombuffer(os.pread(self.fd, size * count, size * first), dtype=np.uint32)
+                 for first, count in runs(rows)]
+        return np.concatenate([np.zeros(0, dtype=np.uint32), *words]).reshape(-1, self.seq_len)
+
+    def pads(self, rows: np.ndarray) -> np.ndarray:
+        """The padding at the end of each of these rows."""
+        return self._meta[rows, 0]
+
+    def decode(self, raw: np.ndarray, pads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows' words (``words``) and their ``pads``: ``(input_ids, labels, position_ids)``, int64."""
         ids = (raw & _ID).astype(np.int64)
         labels = np.where(raw & MASKED, IGNORE, ids)
         starts = (raw & START) != 0
         starts[:, 0] = True
-        pads = self._meta[first : first + count, 0].astype(np.int64)
+        pads = pads.astype(np.int64)
         padded = np.flatnonzero(pads)
         starts[padded, self.seq_len - pads[padded]] = True  # the padding is a run of its own
         begun = np.maximum.accumulate(np.where(starts, self._arange, 0), axis=1)
         return ids, labels, self._arange - begun
-
-    def documents(self, rows: np.ndarray) -> np.ndarray:
-        """The lengths, in order, of the sequences these rows hold (examples, documents, or a row's
-        tokens whole where nothing marks a start in it): the runs ``read``'s ``position_ids``
-        restart at 0, less each row's padding, so they sum to the rows' tokens that are no padding."""
-        words = [np.zeros((0, self.seq_len), dtype=np.uint32)] + [self._words(f, n) for f, n in runs(rows)]
-        return sequence_lengths(np.concatenate(words), self._meta[rows, 0])
-
-    def _words(self, first: int, count: int) -> np.ndarray:
-        size = 4 * self.seq_len
-        raw = np.frombuffer(os.pread(self.fd, size * count, size * first), dtype=np.uint32)
-        return raw.reshape(count, self.seq_len)
 
     def counts(self, rows: np.ndarray) -> tuple[int, int]:
         """``(padding, learnt tokens)`` of these rows."""
@@ -250,7 +249,9 @@ class RowFile:
 def sequence_lengths(raw: np.ndarray, pads: np.ndarray) -> np.ndarray:
     """The lengths, row by row, of the sequences of ``raw`` rows (row file words) whose padding is
     ``pads``: each starts at its row's start or a ``START`` mark and ends at the next one or where
-    the row's padding begins."""
+    the row's padding begins (examples, documents, or a row's tokens whole where nothing marks a
+    start in it: the runs ``decode``'s ``position_ids`` restart at 0, less the padding), so they
+    sum to the rows' tokens that are no padding."""
     starts = (raw & START) != 0
     starts[:, 0] = True
     ends = raw.shape[1] - pads.astype(np.int64)
