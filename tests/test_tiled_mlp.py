@@ -236,3 +236,26 @@ def test_a_compiled_step_with_tiled_mlps_equals_eager(family, budget):
     ref_loss = reference(**batch).loss
     ref_loss.backward()
     assert_grads_match(model, loss, ref_loss.detach(), {n: p.grad for n, p in reference.named_parameters()})
+
+
+def test_a_schedule_with_tiled_mlps_runs_in_a_fresh_process(tmp_path):
+    """A schedule that calls lazytrain::gated_mlp registers it itself: a process that imports only
+    the schedule (as `lazytrain train` and the GPU machine do) finds the operator."""
+    import subprocess
+    import sys
+
+    from lazytrain.examples import tiny_qwen
+    from lazytrain.pipeline import compile_model
+
+    batch = tiny_qwen.example_batch()
+    text = compile_model(tiny_qwen.build_model(), batch, "max", "cpu", source="tests", mlp_tile_bytes=4096).source_text
+    assert "torch.ops.lazytrain.gated_mlp.default(" in text
+    path = tmp_path / "schedule.py"
+    path.write_text(text)
+    code = ("import sys, torch\nfrom lazytrain.runtime.schedule import load_schedule\n"
+            f"m = load_schedule({str(path)!r})\nassert 'lazytrain.kernels.tiled_mlp' in sys.modules\n"
+            "from lazytrain.examples import tiny_qwen\nt = m.bind(tiny_qwen.build_model(), device='cpu')\n"
+            "print(float(t.forward_backward(tiny_qwen.example_batch())))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) > 0
