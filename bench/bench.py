@@ -128,8 +128,9 @@ def cmd_run_one(args):
         build_s = time.perf_counter() - t_build  # the model ready; binding (pinning, device copies) is timed apart
         path = CASES / f"{case_name(args)}{'.fixed' if args.system == 'fixed' else ''}.py"
         module = load_schedule(path)
+        # "fused": lazytrain's plan with its stage bodies compiled (NOTE: [Fused stages] in runtime/fused.py)
         trainer = module.bind(model, device="cuda", lr=1e-5, serial_optimizer=args.system == "fixed",
-                              cap_memory=not args.no_cap)
+                              cap_memory=not args.no_cap, fuse_stages=args.system == "fused")
         predicted = {"predicted_step_s": module.PREDICTED_STEP_S, "predicted_peak_gib": module.PREDICTED_PEAK / 2**30}
 
         def step():
@@ -163,15 +164,17 @@ def cmd_run_one(args):
                 end = b
         exposed = max(0.0, end - covered)
     result = {
-        "system": {"resident": "pytorch-resident", "fixed": "fixed-policy", "lazytrain": "lazytrain"}[args.system]
-        + ("-8bit" if args.states == "8bit" and args.system == "lazytrain" else "")
-        + ("-bf16master" if args.master == "bf16" and args.system == "lazytrain" else ""),
+        "system": {"resident": "pytorch-resident", "fixed": "fixed-policy", "lazytrain": "lazytrain",
+                   "fused": "lazytrain-fused"}[args.system]
+        + ("-8bit" if args.states == "8bit" and args.system in ("lazytrain", "fused") else "")
+        + ("-bf16master" if args.master == "bf16" and args.system in ("lazytrain", "fused") else ""),
         "model": args.model, "batch": args.batch, "seq": args.seq,
         "budget_gib": None if args.budget == "max" or args.system == "resident" else float(args.budget.removesuffix("GiB")),
         "tflops": 6 * params * tokens / step_s / 1e12, "tokens_per_s": tokens / step_s,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "reserved_gpu_gib": torch.cuda.max_memory_reserved() / 2**30,
         "peak_host_gib": _vm_hwm_gib(), "step_s": step_s, "step_times_s": measured, "losses": losses,
         "exposed_s": exposed, "build_s": build_s, "bind_s": bind_s, "params": params,
+        **({"stage_compile_s": _compile_seconds()} if args.system == "fused" else {}),
         **({"slot_gib": trainer.memory_report()["slot_bytes"] / 2**30,
             "pinned_host_gib": trainer.memory_report()["pinned_bytes"] / 2**30} if args.system != "resident" else {}),
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "commit": _commit(),
@@ -186,6 +189,12 @@ def cmd_run_one(args):
 
         save_measured(out / f"{case_name(args)}_{args.system}.timeline.json", trainer.timeline, module)
     print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "losses")}))
+
+
+def _compile_seconds() -> float:
+    from lazytrain.runtime.fused import compile_seconds
+
+    return compile_seconds()
 
 
 def cmd_run(args):
@@ -258,7 +267,7 @@ def main(argv=None):
             s.add_argument("--systems", default="resident,fixed,lazytrain")
             s.add_argument("--timeout", type=float, default=400)
         if name == "run-one":
-            s.add_argument("--system", choices=["resident", "fixed", "lazytrain"], required=True)
+            s.add_argument("--system", choices=["resident", "fixed", "lazytrain", "fused"], required=True)
     args = p.parse_args(argv)
     args.fn(args)
 

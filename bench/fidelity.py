@@ -53,12 +53,14 @@ class Case:
     budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
     clipping: str = "off"  # the run clips at norm 1.0 unless "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
     host: str = ""  # compiled for the profile with this much host memory, with the disk tier (`--disk`)
+    tile: str = ""  # --mlp-tile-bytes: gated MLPs in tiles of tokens (NOTE: [Tiled MLP] in kernels/tiled_mlp.py)
 
     @property
     def name(self) -> str:
         clip = "" if self.clipping == "off" else f"_clip-{self.clipping}"
         host = f"_host{self.host}_disk" if self.host else ""
-        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}{clip}{host}"
+        tile = f"_tile{self.tile}" if self.tile else ""
+        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}{clip}{host}{tile}"
 
 
 def _cases() -> list[Case]:
@@ -84,6 +86,11 @@ def _cases() -> list[Case]:
             Case("qwen2.5-72b", 8, 1024, "8bit", "bf16", "max", host="128GB"),
             Case("qwen2.5-72b", 16, 1024, "8bit", "bf16", "max", host="128GB"),
             Case("qwen2.5-72b", 32, 1024, "8bit", "bf16", "max", host="128GB")]
+    # long rows with tiled MLPs (issue targets: 131,072 inside 24 GiB; 262,144's TFLOPS; 524,288 trains)
+    out += [Case("qwen2.5-7b", 1, 131072, "8bit", "bf16", "24GiB", tile="256MiB"),
+            Case("qwen2.5-7b", 1, 262144, "8bit", "bf16", "64GiB", tile="256MiB"),
+            Case("qwen2.5-7b", 1, 262144, "8bit", "bf16", "max", tile="256MiB"),
+            Case("qwen2.5-7b", 1, 524288, "8bit", "bf16", "max", host="128GB", tile="256MiB")]
     return out
 
 
@@ -121,7 +128,7 @@ def cmd_compile(args) -> None:
             budget = minimum_budget(meta, b, hw_case, options=precision) if case.budget == "min" else (
                 "max" if case.budget == "max" else parse_size(case.budget))
             options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
-                                          disk=bool(case.host))
+                                          disk=bool(case.host), mlp_tile_bytes=parse_size(case.tile) if case.tile else 0)
             compiled = compile_model(meta, b, hardware=hw_case, options=options, source=f"bench:{case.model}")
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
@@ -207,7 +214,7 @@ def _run_schedule(case: Case, path: Path, model, data, args, masters=None) -> di
     cleared = _clear_host_peak()
     t0 = time.perf_counter()
     trainer = module.bind(model, device="cuda", lr=1e-5, max_grad_norm=None if module.CLIPPING == "off" else 1.0,
-                          disk_masters=masters)
+                          disk_masters=masters, fuse_stages=args.fuse_stages)
     bind_s = time.perf_counter() - t0
     issue = trainer.streams.run
 
@@ -299,6 +306,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     trainer.sync_model()
     step_s = statistics.median(times[args.warmup:])
     from lazytrain.hardware import HOST_RESERVE
+    from lazytrain.runtime.fused import compile_seconds
 
     return {
         "case": asdict(case), "budget_bytes": module.BUDGET, "predicted_peak_bytes": module.PREDICTED_PEAK,
@@ -310,6 +318,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "predicted_disk_bytes": module.PREDICTED.get("disk_bytes", 0),
         "disk_read_bytes_per_step": disk_io[0] if disk_io else None,
         "disk_written_bytes_per_step": disk_io[1] if disk_io else None,
+        "fused_stages": args.fuse_stages, "stage_compile_s": compile_seconds(),
         "windows": windows, **({"events": events} if events is not None else {}),
         **({"disk_jobs": jobs} if jobs else {}), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "commit": _commit(),
@@ -352,10 +361,15 @@ def cmd_run(args) -> None:
         del model, masters
         gc.collect()  # the trainer (and, after a failure, the frames that held it) is gone
         torch.cuda.empty_cache()
-        (out / f"{case.name}.json").write_text(json.dumps(row, indent=1) + "\n")
+        (out / f"{_row_name(case, args)}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
         print(f"[fidelity] {_line(row)}", flush=True)
     print("\n".join(_table(rows)))
+
+
+def _row_name(case: Case, args) -> str:
+    """A row's file: the case's name, and `_fused` when its stage bodies ran compiled."""
+    return case.name + ("_fused" if args.fuse_stages else "")
 
 
 def _one_per_process(cases, args, out: Path) -> list[dict]:
@@ -365,9 +379,10 @@ def _one_per_process(cases, args, out: Path) -> list[dict]:
     rows = []
     for case in cases:
         argv = [sys.executable, __file__, "run", "--in-process", "--only", case.name, "--steps", str(args.steps),
-                "--warmup", str(args.warmup), "--out", str(out)] + ["--events"] * args.events + ["--trace"] * args.trace
+                "--warmup", str(args.warmup), "--out", str(out)] + ["--events"] * args.events + ["--trace"] * args.trace \
+            + ["--fuse-stages"] * args.fuse_stages
         done = subprocess.run(argv)
-        row = out / f"{case.name}.json"
+        row = out / f"{_row_name(case, args)}.json"
         if done.returncode == 0 and row.is_file():
             rows.append(json.loads(row.read_text()))
         else:
@@ -379,7 +394,8 @@ def _one_per_process(cases, args, out: Path) -> list[dict]:
 
 def _line(r: dict) -> str:
     c = r["case"]
-    head = f"{c['model']} {c['batch']}x{c['seq']} {c['states']}/{c['master']} {c['budget']}"
+    head = f"{c['model']} {c['batch']}x{c['seq']} {c['states']}/{c['master']} {c['budget']}" + (
+        " fused" if r.get("fused_stages") else "")
     if "failed" in r:
         return f"{head}: FAILED {r['failed'][:160]}"
     if "refused" in r:
@@ -415,7 +431,8 @@ def _table(rows: list[dict]) -> list[str]:
         c = r["case"]
         stamp = f"{r.get('date', '')}, {r.get('device', '')}, {r.get('commit', '')}"
         clip = f", clipped ({c['clipping']})" if c.get("clipping", "off") != "off" else ""
-        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']}{clip} | "
+        extra = (f", MLP tiles {c['tile']}" if c.get("tile") else "") + (", fused stages" if r.get("fused_stages") else "")
+        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']}{clip}{extra} | "
         if "failed" in r or "refused" in r:
             why = r.get("refused", r.get("failed", ""))[:120].replace("|", "/")
             lines.append(head + f"{c['budget']} | - | - | - | - | {_checks(r)}: {why} | {stamp} |")
@@ -464,6 +481,8 @@ def main(argv=None):
                            "the optimizer's too) in the row")
             s.add_argument("--trace", action="store_true", help="also write <case>.trace.json: per-event memory and "
                            "times, and what is live at the peak (bench/trace.py)")
+            s.add_argument("--fuse-stages", action="store_true", help="run the stage bodies compiled by torch.compile "
+                           "(NOTE: [Fused stages] in lazytrain/runtime/fused.py); rows are <case>_fused.json")
             s.add_argument("--in-process", action="store_true", help="run every case in this process (default: "
                            "each in a process of its own, so that no case's host peak carries an earlier one's)")
     args = p.parse_args(argv)

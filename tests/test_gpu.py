@@ -103,16 +103,22 @@ def exact_fp32():
 
 
 @needs_gpu
+@pytest.mark.parametrize("fuse", [False, True], ids=["eager", "fused"])
 @pytest.mark.parametrize("case", ["fp32_max", "fp32_min", "fp32_min_chunked"])
-def test_gradients_match_eager_on_gpu(case):
+def test_gradients_match_eager_on_gpu(case, fuse):
+    """fused: the stage bodies compiled by Inductor (NOTE: [Fused stages] in runtime/fused.py)."""
+    from lazytrain.runtime import fused
+
     torch.manual_seed(0)
     model = tiny_qwen()
     ref = copy.deepcopy(model).cuda()
     batch = tiny_batch() if "chunked" not in case else ragged_batch()
     loss_ref = ref(**{k: v.cuda() for k, v in batch.items()}).loss
     loss_ref.backward()
-    trainer = bind(case, model)
+    trainer = bind(case, model, fuse_stages=fuse)
     loss = trainer.forward_backward(batch)
+    assert not any(getattr(s.fn, "failed", False) for s in trainer.stages)  # no fused body fell back to eager
+    assert fused.bodies(trainer.stages) == (0 if not fuse else len({s.kind for s in trainer.stages if fused.fusable(s)}))
     assert torch.allclose(loss.cpu(), loss_ref.detach().cpu(), atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad.cpu(), q.grad.cpu(), atol=1e-5, rtol=1e-4), name  # resident: on the GPU
@@ -214,15 +220,17 @@ def test_gpu_stepped_streamed_stages_match_torch_adamw():
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", ["bf16_min", "bf16_min_chunked", "bf16master_max_8bit", "bf16master_min_8bit"])
+@pytest.mark.parametrize("case", ["bf16_min", "bf16_min_chunked", "bf16master_max_8bit", "bf16master_min_8bit",
+                                  "bf16master_min_8bit-fused"])
 def test_bf16_losses_track_eager_over_20_steps(case):
+    case, fuse = case.removesuffix("-fused"), case.endswith("-fused")
     if case.endswith("8bit"):
         pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     model = tiny_qwen()
     ref = copy.deepcopy(model).cuda()
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    trainer = bind(case, model, lr=3e-3)
+    trainer = bind(case, model, lr=3e-3, fuse_stages=fuse)
     ours, theirs = [], []
     for i in range(20):
         batch = tiny_batch(i % 4)

@@ -36,10 +36,10 @@ class Replay:
     too); gradients go to `gradients` (gradients.py), the events of the optimizer to `stepping`, and
     those of sharded state to `sharding` (None without it)."""
 
-    def __init__(self, schedule, store: ParamStore, streams, stepper: GpuStepper, gradients: Gradients,
+    def __init__(self, schedule, stages, store: ParamStore, streams, stepper: GpuStepper, gradients: Gradients,
                  stepping: Stepping, sharding, dp, act_disk, ring, pinned, device: torch.device):
         self.m = schedule
-        self.stages, self.events = schedule.STAGES, schedule.EVENTS
+        self.stages, self.events = stages, schedule.EVENTS  # the schedule's, or fused (NOTE: [Fused stages])
         self.store, self.streams, self.stepper, self.gradients = store, streams, stepper, gradients
         self.stepping, self.sharding, self.dp = stepping, sharding, dp
         self.act_disk = act_disk  # NOTE: [Activations on disk] in solver/disk_model.py

@@ -39,6 +39,7 @@ from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_states import DiskStates
+from lazytrain.runtime.fused import fuse
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.gradients import Gradients
 from lazytrain.runtime.groups import Groups
@@ -69,15 +70,18 @@ class Trainer:
     torch.distributed's default group), which must have N ranks: gradients are averaged over them
     and the loss returned is the global batch's (NOTE: [Data parallel] in data_parallel.py); with sharded
     state each rank keeps 1/N of it (NOTE: [Sharded state] in sharding.py), and `sharded_state_dict()`
-    / `load_sharded_state_dict()` give it to torch.distributed.checkpoint (NOTE: [Sharded checkpoints])."""
+    / `load_sharded_state_dict()` give it to torch.distributed.checkpoint (NOTE: [Sharded checkpoints]).
+    `fuse_stages=True` runs each block kind's stage body compiled by torch.compile (NOTE: [Fused stages]
+    in fused.py); the first steps then compile."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
                  serial_optimizer: bool = False, cap_memory: bool = True, process_group=None,
-                 offload_dir: str | None = None, disk_masters: DiskMasters | None = None):
+                 offload_dir: str | None = None, disk_masters: DiskMasters | None = None, fuse_stages: bool = False):
         self.m = module
         self.model = model
-        self.stages = module.STAGES
+        # NOTE: [Fused stages] in fused.py: the same stages, their bodies compiled
+        self.stages = fuse(module.STAGES) if fuse_stages else module.STAGES
         self.events: tuple[Event, ...] = module.EVENTS
         model_sync.land_previous(model)  # a trainer bound to it before: start from its updated weights
         tensors = bind_tensors(module, model)
@@ -161,7 +165,7 @@ class Trainer:
                                  self.sharding, self.dp, self.stepper, self.disk_stepper, self.disk_states, disk_slot,
                                  self.device, max_grad_norm=max_grad_norm, clipping=module.CLIPPING,
                                  serial=serial_optimizer)
-        self.replay = Replay(module, self.store, self.streams, self.stepper, self.gradients, self.stepping, self.sharding,
+        self.replay = Replay(module, self.stages, self.store, self.streams, self.stepper, self.gradients, self.stepping, self.sharding,
                              self.dp, self.act_disk, self.disk_states.ring if self.disk_states is not None else None,
                              self.pinned, self.device)
         self.checkpoint = ShardedCheckpoint(self.groups, module.PLACEHOLDERS, self.store, self.optimizer, self.dp,

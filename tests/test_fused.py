@@ -1,0 +1,85 @@
+"""Fused stage bodies (NOTE: [Fused stages] in lazytrain/runtime/fused.py): stages of one block kind
+share one compiled body, random and chunked stages stay eager, and a step with fused stages equals
+eager PyTorch (Inductor's C++ backend on the CPU, fp32), with internals saved and recomputed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lazytrain.examples import tiny_qwen
+from lazytrain.pipeline import compile_model
+from lazytrain.runtime import fused
+from lazytrain.runtime.schedule import load_source
+from models import assert_grads_match, decisions
+
+
+def _schedule(budget="max", **kw):
+    batch = tiny_qwen.example_batch()
+    return load_source(compile_model(tiny_qwen.build_model(), batch, budget, "cpu", source="tests", **kw).source_text,
+                       "fused_test"), batch
+
+
+def test_stages_of_a_kind_share_one_body():
+    module, _ = _schedule()
+    stages = fused.fuse(module.STAGES)
+    kinds = {}
+    for s in stages:
+        if fused.fusable(s):
+            kinds.setdefault(s.kind, set()).add(id(s.fn))
+    assert kinds["B"] and all(len(ids) == 1 for ids in kinds.values())  # one compiled body a kind
+    assert fused.bodies(stages) == len(kinds)
+    assert all(a.fn is b.fn for a, b in zip(module.STAGES, stages) if not fused.fusable(a))
+
+
+def test_bodies_that_differ_are_not_shared():
+    def f(device, x):
+        """stage one"""
+        return (x + 1,)
+
+    def g(device, y):
+        """stage two"""
+        return (y + 1,)
+
+    def h(device, x):
+        """stage three"""
+        return (x + 2,)
+
+    assert fused._body(f.__code__, f.__doc__) == fused._body(g.__code__, g.__doc__)
+    assert fused._body(f.__code__, f.__doc__) != fused._body(h.__code__, h.__doc__)
+
+
+@pytest.mark.parametrize("plan", ["saved", "recomputed"])
+def test_a_fused_step_equals_eager(plan):
+    """Every layer's body compiled: the loss and gradients equal eager PyTorch's, with the layers'
+    internals saved (autograd over the compiled forward) and recomputed (compiled forward without
+    autograd, then again with it before backward)."""
+    torch.manual_seed(0)
+    batch = tiny_qwen.example_batch()
+    model = tiny_qwen.build_model()
+    reference = copy.deepcopy(model)
+    if plan == "saved":
+        module, _ = _schedule()
+    else:
+        from lazytrain import hardware
+        from lazytrain.codegen.render import render
+        from lazytrain.passes.lower import lower
+        from lazytrain.pipeline import analyse
+        from lazytrain.solver.solve import evaluate
+
+        hw = hardware.load("cpu")
+        graph, stages = analyse(tiny_qwen.build_model(), batch, hw)
+        spec = ["-Rk" if s.kind == "B" else "-rk" for s in stages]
+        p = evaluate(stages, hw, 1 << 40, decisions(spec))
+        module = load_source(render(graph, stages, p, lower(stages, p, hw), batch, hw.name, "32bit", "fp32"), "fused_r")
+        assert any(s.placement.recomputed for s in module.STAGES)
+    trainer = module.bind(model, device="cpu", fuse_stages=True)
+    assert fused.bodies(trainer.stages) >= 1
+    loss = trainer.forward_backward(batch)
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    assert_grads_match(model, loss, ref_loss.detach(), {n: p.grad for n, p in reference.named_parameters()})
+    assert fused.compile_seconds() > 0
+    assert not any(s.fn.failed for s in trainer.stages if isinstance(s.fn, fused._Timed))  # none fell back to eager
