@@ -300,7 +300,10 @@ def test_document_attention_on_gpu_equals_the_masked_reference(dtype, window):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_tiled_mlp_on_gpu_equals_eager(dtype):
     """lazytrain::gated_mlp on CUDA (NOTE: [Tiled MLP]) in 5 uneven tiles against the eager gated
-    MLP in fp32: output and the gradients of the input and the three weights."""
+    MLP in fp32: output and the gradients of the input and the three weights. fp32 agrees to 1e-4;
+    in bf16 each result's error (relative, in norm) is at most twice eager bf16's own: bf16's
+    rounding, not the tiles. (An elementwise bound failed on 6 of 32,768 weight-gradient elements,
+    0.15 from fp32, on the H200, 2026-12-03.)"""
     import torch.nn.functional as F
 
     import lazytrain.kernels.tiled_mlp  # noqa: F401  (registers the operator)
@@ -310,16 +313,28 @@ def test_tiled_mlp_on_gpu_equals_eager(dtype):
     weights = [torch.randn(256, 128, generator=g) / 16, torch.randn(256, 128, generator=g) / 16,
                torch.randn(128, 256, generator=g) / 16]
     grad = torch.randn(2, 333, 128, generator=g)
-    ours = [t.to("cuda", dtype).requires_grad_() for t in (x, *weights)]
+
+    def eager(tensors, dy):
+        out = F.linear(F.silu(F.linear(tensors[0], tensors[1])) * F.linear(tensors[0], tensors[2]), tensors[3])
+        out.backward(dy)
+        return [out.float()] + [t.grad.float() for t in tensors]
+
+    def leaves(dt):
+        return [t.detach().to("cuda", dt, copy=True).requires_grad_() for t in (x, *weights)]
+
+    ours = leaves(dtype)
     out = torch.ops.lazytrain.gated_mlp(*ours, "silu", 5)
     out.backward(grad.to("cuda", dtype))
-    ref = [t.cuda().requires_grad_() for t in (x, *weights)]
-    want = F.linear(F.silu(F.linear(ref[0], ref[1])) * F.linear(ref[0], ref[2]), ref[3])
-    want.backward(grad.cuda())
-    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(out.float(), want, atol=tolerance, rtol=tolerance)
-    for mine, theirs in zip(ours, ref):
-        torch.testing.assert_close(mine.grad.float(), theirs.grad, atol=tolerance * 4, rtol=tolerance)
+    mine = [out.float()] + [t.grad.float() for t in ours]
+    want = eager(leaves(torch.float32), grad.cuda())
+    if dtype == torch.float32:
+        for a, b in zip(mine, want):
+            torch.testing.assert_close(a, b, atol=4e-4, rtol=1e-4)
+        return
+    theirs = eager(leaves(dtype), grad.to("cuda", dtype))
+    for name, a, b, ref in zip(("out", "x", "gate", "up", "down"), mine, theirs, want):
+        ours_err, eager_err = ((t - ref).norm() / ref.norm() for t in (a, b))
+        assert ours_err <= 2 * eager_err + 1e-4, (name, float(ours_err), float(eager_err))
 
 
 if __name__ == "__main__":  # prebuild schedules for a GPU machine without the solver
