@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lazytrain.runtime.optim import PER_PARAMETER
+
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -67,7 +69,7 @@ class ShardedCheckpoint:
             entry.update({k: self._dtensor(own[k], numel, mesh) for k in _MOMENTS if k in own})
             entry["step"] = own["step"] if torch.is_tensor(own["step"]) else torch.tensor(float(own["step"]))
             state[name] = entry
-        groups = [{k: v for k, v in g.items() if k not in ("params", "offsets")} for g in self.optimizer.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "params" and k not in PER_PARAMETER} for g in self.optimizer.param_groups]
         return {"state": state, "param_groups": groups}
 
     def _dtensor(self, t: torch.Tensor, numel: int, mesh):
@@ -97,7 +99,7 @@ class ShardedCheckpoint:
                 else:
                     own["step"] = float(entry["step"])
         for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k not in ("params", "offsets")})
+            g.update({k: v for k, v in saved.items() if k != "params" and k not in PER_PARAMETER})
         self.optimizer._sr_steps = {}  # bf16 masters' noise counters: read again from the loaded steps
 
     def _piece(self, p: str, t: torch.Tensor, home: torch.Tensor) -> torch.Tensor:

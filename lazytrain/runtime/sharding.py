@@ -45,12 +45,13 @@ from lazytrain.ir.events import Event, Stream
 
 
 class ShardLayout:
-    """The cut of one stage's parameters (names -> numel) over `world` ranks, seen from `rank`."""
+    """The cut of one stage's parameters (names -> numel) over `world` ranks, seen from `rank`: pieces
+    of whole `align`-element blocks (1: torch.chunk's cut; `QUANT_BLOCK` with 8-bit states)."""
 
-    def __init__(self, numels: dict[str, int], world: int, rank: int):
-        self.world, self.rank = world, rank
+    def __init__(self, numels: dict[str, int], world: int, rank: int, align: int = 1):
+        self.world, self.rank, self.align = world, rank, align
         self.numel = dict(numels)
-        self.chunk = {p: math.ceil(n / world) for p, n in numels.items()}
+        self.chunk = {p: math.ceil(math.ceil(n / world) / align) * align for p, n in numels.items()}
         self.offset: dict[str, int] = {}
         off = 0
         for p, c in self.chunk.items():
@@ -63,6 +64,11 @@ class ShardLayout:
         r = self.rank if rank is None else rank
         c, n = self.chunk[p], self.numel[p]
         return min(n, r * c), min(n, (r + 1) * c)
+
+    def is_chunk(self, p: str) -> bool:
+        """Whether `p`'s cut is torch.chunk's (a `Shard(0)` DTensor's), which the block cut is where
+        ceil(numel / world) is whole blocks (NOTE: [Sharded checkpoints] in sharded_state.py)."""
+        return self.chunk[p] == math.ceil(self.numel[p] / self.world)
 
     def own(self, p: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of `full` (a whole parameter, or its gradient), a flat view."""
