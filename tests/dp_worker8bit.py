@@ -89,3 +89,21 @@ def check_sharded_8bit(rank, world, name, sharded_source, replicated_source):
         mine, theirs = got.detach() - p0, eager.detach() - p0
         assert (mine - theirs).norm() <= 0.02 * theirs.norm() + 1e-7, f"{pname} differs from eager AdamW8bit"
     return weights_digest(model), kinds
+
+
+def check_checkpoint_refused(rank, world, name, source):
+    """A distributed checkpoint of sharded 8-bit states is refused, saving and loading, with the fix."""
+    from lazytrain.errors import CheckpointError
+
+    _, real, _ = pair(name)
+    trainer, _ = bind(source, real, **HP)
+    trainer.step(rows_of(global_batch(name, world, seed=7), rank, world))
+    messages = []
+    for call in (trainer.sharded_state_dict, lambda: trainer.load_sharded_state_dict({"state": {}, "param_groups": []})):
+        try:
+            call()
+        except CheckpointError as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError("a checkpoint of sharded 8-bit states was not refused")
+    return messages
