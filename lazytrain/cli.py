@@ -227,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
                         "and every rank binds the same schedule (see README, Data parallel)")
     c.add_argument("--replicate-state", action="store_true",
                    help="with --world-size > 1: every rank keeps the whole optimizer state and master weights (default: "
-                        "each keeps 1/N of them, sharded; 8-bit optimizer states are always replicated)")
+                        "each keeps 1/N of them, sharded)")
     c.add_argument("--clipping", choices=["exact", "previous-norm", "off"], default="exact",
                    help="the gradient clipping planned for (bind's max_grad_norm): exact (default; optimizer steps on "
                         "the host wait for the end of backward), previous-norm (clip by the previous step's norm; "

@@ -39,7 +39,7 @@ class CompileOptions:
     many bytes, recomputed in backward (NOTE: [Tiled MLP] in kernels/tiled_mlp.py; 0: never tile).
     `world_size` is the number of data-parallel ranks the schedule runs on; the batch compiled is one
     rank's (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
-    sharded for several ranks with 32-bit states) shards master weights and optimizer states over
+    sharded for several ranks) shards master weights and optimizer states over
     the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank.
     `clipping` is the gradient clipping the schedule runs with (NOTE: [Gradient clipping] in
     runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
@@ -87,22 +87,17 @@ class CompileOptions:
                             "process)")
         if not isinstance(self.shard_state, (bool, type(None))):
             raise PlanError(f"shard_state {self.shard_state!r} is not a choice; pass True (shard over the ranks), "
-                            "False (replicate on every rank) or None (sharded for several ranks with 32-bit states)")
+                            "False (replicate on every rank) or None (sharded for several ranks)")
         if self.clipping not in CLIPPING_MODES:
             raise PlanError(f"clipping {self.clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
         if not isinstance(self.disk, bool):
             raise PlanError(f"disk {self.disk!r} is not a choice; pass True (the plan may use the disk tier) or False")
-        if self.sharded and self.optimizer_states == "8bit":
-            raise PlanError(
-                "sharded optimizer state (the default with --world-size > 1) keeps 32-bit states only: bitsandbytes' 8-bit "
-                "states are quantised in blocks of whole tensors, which a shard would cut. Use --optimizer-states 32bit, "
-                "or replicate the state on every rank (--replicate-state; shard_state=False)")
 
     @property
     def sharded(self) -> bool:
         """Each rank keeps 1/N of the master weights and optimizer states (NOTE: [Sharded state] in
-        runtime/sharding.py): by default with several ranks and 32-bit states."""
-        return self.world_size > 1 and (self.shard_state if self.shard_state is not None else self.optimizer_states == "32bit")
+        runtime/sharding.py): by default with several ranks, 32-bit or 8-bit states alike."""
+        return self.world_size > 1 and (self.shard_state if self.shard_state is not None else True)
 
 
 def _whole(value) -> bool:

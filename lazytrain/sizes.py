@@ -7,6 +7,13 @@ from __future__ import annotations
 
 ALIGN = 256  # where tensors cut out of a byte buffer start (runtime/carve.py: slots, pinned chunks)
 DISK_ALIGN = 4096  # the offload file's regions and direct transfers (NOTE: [Offload files] in runtime/disk.py)
+# The elements bitsandbytes' blockwise 8-bit optimizers quantise together, each block with its own
+# fp32 absmax: `blocksize = 256` in `Optimizer2State.init_state` (bitsandbytes/optim/optimizer.py,
+# which sizes the absmax vectors by it) and in `optimizer_update_8bit_blockwise`'s CPU kernel
+# (backends/cpu/ops.py), in bitsandbytes 0.50.2 (the CUDA kernel, compiled, takes the absmax
+# vectors as sized there). A data-parallel rank's piece of a parameter with 8-bit states is whole
+# blocks (NOTE: [Sharded state] in runtime/sharding.py).
+QUANT_BLOCK = 256
 
 
 def aligned(n: int, align: int = ALIGN) -> int:

@@ -86,20 +86,29 @@ def launch(fn, *args, world: int = 2, timeout_s: float = 60.0, deadline_s: float
 # ---- models and batches --------------------------------------------------------------------------
 
 def pair(name: str):
-    """(meta, real, one rank's batch) of a test model. "qwen2_tied": tie_word_embeddings, so the
-    embedding is a shared parameter and the prologue (the embedding alone) has none of its own."""
+    """(meta, real, one rank's batch) of a test model. "qwen2_tied": tied embeddings (`_qwen2_tied`);
+    "qwen2_tied8" the same with a vocabulary of 145: an embedding of 4640 elements, which 8-bit states
+    quantise in 18 blocks of 256 and a 32-element tail, and whose halves (2320) are not whole blocks."""
     if name == "tiny_gpt":
         return tiny_gpt_pair()
     if name == "qwen2":
         return hf_pair("qwen2", layers=2)
     if name == "qwen2_tied":
-        from transformers import Qwen2ForCausalLM
-
-        cfg = hf_config("qwen2", layers=2)
-        cfg.tie_word_embeddings = True
-        meta, real = model_pair(lambda: Qwen2ForCausalLM(cfg))
-        return meta, real, token_batch(2, 8, cfg.vocab_size)
+        return _qwen2_tied()
+    if name == "qwen2_tied8":
+        return _qwen2_tied(vocab=145)
     raise ValueError(name)
+
+
+def _qwen2_tied(vocab: int = 128):
+    """A tiny Qwen2 with tie_word_embeddings: the embedding is a shared parameter and the prologue (the
+    embedding alone) has none of its own."""
+    from transformers import Qwen2ForCausalLM
+
+    cfg = hf_config("qwen2", layers=2, vocab=vocab)
+    cfg.tie_word_embeddings = True
+    meta, real = model_pair(lambda: Qwen2ForCausalLM(cfg))
+    return meta, real, token_batch(2, 8, cfg.vocab_size)
 
 
 def global_batch(name: str, world: int, seed: int, ragged: bool = False) -> dict[str, torch.Tensor]:
@@ -108,7 +117,7 @@ def global_batch(name: str, world: int, seed: int, ragged: bool = False) -> dict
     the first rank's rows keep a target or two (none at all when `seed` is odd), the last rank's all."""
     _, _, batch = pair(name)
     rows, seq = batch["input_ids"].shape
-    vocab = {"tiny_gpt": 96, "qwen2": 128, "qwen2_tied": 128}[name]
+    vocab = {"tiny_gpt": 96, "qwen2": 128, "qwen2_tied": 128, "qwen2_tied8": 145}[name]
     glob = token_batch(world * rows, seq, vocab, seed=seed)
     if ragged:
         labels = glob["labels"]
@@ -208,12 +217,12 @@ def weights_digest(model) -> str:
 
 
 def run_cases(rank, world, cases):
-    """Every (check, name, source, *args) in turn; {case id: ("ok", its result) or the failure's text}. A failing
+    """Every (check (a function, or its name here), name, source, *args) in turn; {case id: ("ok", its result) or the failure's text}. A failing
     case does not stop the others (they pair their collectives in the same order on every rank)."""
     out = {}
     for case_id, check, *args in cases:
         try:
-            out[case_id] = ("ok", globals()[check](rank, world, *args))
+            out[case_id] = ("ok", (check if callable(check) else globals()[check])(rank, world, *args))
         except AssertionError as exc:
             out[case_id] = f"rank {rank}: {exc}"
         except Exception:

@@ -113,8 +113,6 @@ def test_host_memory_per_rank_counts_shards():
 
 def test_refusals():
     meta, _, batch = tiny_gpt_pair()
-    with pytest.raises(PlanError, match="8-bit states are quantised in blocks"):
-        compile_model(meta, batch, GiB, "cpu", world_size=2, optimizer_states="8bit", shard_state=True)
     hw = dataclasses.replace(hardware.load("cpu"), link_bandwidth=0.0)
     with pytest.raises(PlanError, match="has no link_bandwidth.*lazytrain profile.*torchrun"):
         compile_model(meta, batch, GiB, hw, world_size=2)
@@ -122,10 +120,42 @@ def test_refusals():
     assert not compile_model(meta, batch, GiB, hw, world_size=2, shard_state=False).stages.sharded
 
 
-def test_8bit_states_default_to_replicated():
+def test_8bit_states_default_to_sharded():
+    """8-bit states shard by default (in whole quantisation blocks); --replicate-state replicates them."""
     pytest.importorskip("bitsandbytes")
     meta, _, batch = tiny_gpt_pair()
-    assert not compile_model(meta, batch, GiB, "cpu", world_size=2, optimizer_states="8bit").stages.sharded
+    assert compile_model(meta, batch, GiB, "cpu", world_size=2, optimizer_states="8bit").stages.sharded
+    assert not compile_model(meta, batch, GiB, "cpu", world_size=2, optimizer_states="8bit",
+                             shard_state=False).stages.sharded
+
+
+@pytest.mark.parametrize("states", ["32bit", "8bit"])
+def test_a_ranks_share_of_sharded_state(states):
+    """A resident stage's state on a rank: its 1/N of the state bytes (8-bit: a byte per moment and
+    the absmax vectors' fp32 per block), rounded up by a piece's rounding per tensor: an element with
+    32-bit states, a quantisation block with 8-bit ones, whose pieces are whole blocks. Never less
+    than the runtime's largest piece of every tensor, the cut the runtime makes."""
+    from lazytrain.ir.stages import STATE_BYTES
+    from lazytrain.runtime.sharding import ShardLayout
+    from lazytrain.sizes import QUANT_BLOCK
+    from lazytrain.solver.shards import piece, resident_sharded_bytes, sharding
+
+    meta, _, batch = tiny_gpt_pair()
+    for world in (2, 4):
+        graph, stages = analyse(meta, batch, hardware.load("cpu"), optimizer_states=states, world_size=world)
+        n = sharding(stages)
+        assert n == world and n.align == (QUANT_BLOCK if states == "8bit" else 1)
+        for g in stages:
+            if not g.params:
+                continue
+            numels = {p: graph[p].spec.numel for p in g.params}
+            P, per = len(g.params), STATE_BYTES[states]
+            home = resident_sharded_bytes(g.param_bytes, g.param_numel, P, per, 4, n)
+            assert home - g.param_bytes == piece(per * g.param_numel, g.param_numel, P, n)
+            assert home - g.param_bytes <= per * (g.param_numel / world + P * n.align) + 1
+            largest = sum(max(hi - lo for lo, hi in (ShardLayout(numels, world, r, n.align).span(p) for r in range(world)))
+                          for p in numels)
+            assert home - g.param_bytes >= per * largest, g.name
 
 
 @pytest.mark.parametrize("world", [2, 3])

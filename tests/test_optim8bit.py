@@ -163,7 +163,7 @@ def test_state_dict_round_trips_quantised_states_exactly(gpt, master, monkeypatc
 
 
 def test_fresh_states_leave_the_shared_quantisation_maps_where_they_are(gpt):
-    """NOTE: [Shared quantisation maps] in runtime/optim.py: making a parameter's first states on
+    """NOTE: [Shared quantisation maps] in runtime/optim8bit.py: making a parameter's first states on
     another device (here `meta`, a disk job's host master on a GPU box) must not move the maps
     every other parameter's first step reads."""
     from lazytrain.runtime.optim import staged_optimizer

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazytrain.sizes import QUANT_BLOCK
+
 MASTER_BYTES = {"fp32": 4, "bf16": 2}  # master weights per parameter (`--master-weights`)
-STATE_BYTES = {"32bit": 8.0, "8bit": 2.0 + 8.0 / 256}  # 8-bit: a byte per moment, fp32 absmax per 256
+STATE_BYTES = {"32bit": 8.0, "8bit": 2.0 + 8.0 / QUANT_BLOCK}  # 8-bit: a byte per moment, fp32 absmax per block
 
 
 @dataclass(frozen=True, slots=True)

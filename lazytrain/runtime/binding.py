@@ -10,6 +10,7 @@ from lazytrain.runtime.disk_masters import masters_on_disk
 from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.sharding import ShardLayout
 from lazytrain.runtime.store import streamed_params
+from lazytrain.sizes import QUANT_BLOCK
 
 
 def indexed(device: torch.device) -> torch.device:
@@ -78,7 +79,10 @@ def shard(module, tensors: dict[str, torch.Tensor], dp) -> tuple[dict, dict]:
     groups = [(s.index, s.params) for s in module.STAGES] + [(-1, module.SHARED)]
     # every stage has one, empty where all its parameters are shared (a prologue holding only a
     # tied embedding): its REDUCE and GATHER events then move nothing, on every rank alike
-    layouts = {i: ShardLayout({p: tensors[p].numel() for p in names}, dp.world, dp.rank)
+    # 8-bit states: pieces of whole quantisation blocks, so each rank quantises its blocks as one
+    # process would (every parameter alike: a 32-bit state is elementwise, cut anywhere)
+    align = QUANT_BLOCK if getattr(module, "OPTIMIZER_STATES", "32bit") == "8bit" else 1
+    layouts = {i: ShardLayout({p: tensors[p].numel() for p in names}, dp.world, dp.rank, align)
                for i, names in groups}
     pieces = {}
     for lay in layouts.values():

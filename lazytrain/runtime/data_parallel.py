@@ -20,11 +20,11 @@ The collectives of a rank come in the schedule's event order, the same on every 
 up without extra synchronisation; none is issued from the host optimizer's thread.
 
 Two modes, fixed at compile time (`SHARDED`):
-  - sharded (the default for N > 1 with 32-bit states): ZeRO-2, NOTE: [Sharded state] in
+  - sharded (the default for N > 1, 32-bit or 8-bit states): ZeRO-2, NOTE: [Sharded state] in
     sharding.py. The schedule's REDUCE events reduce-scatter each stage's gradients on a COMM
     stream while the next stage's backward runs, each rank steps its 1/N of the state, and GATHER
     events all-gather the new weights; the plan counts their memory and their time on the link.
-  - replicated (`--replicate-state`, and 8-bit states): the schedule has no REDUCE events; each
+  - replicated (`--replicate-state`): the schedule has no REDUCE events; each
     stage's gradients are all-reduced in place in `_grads_done` (replay.py) as its backward ends, on
     the compute stream (the plan counts their time there: NOTE: [Replicated all-reduce] in
     solver/step_model.py), tensor by tensor in the compute

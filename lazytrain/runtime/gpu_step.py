@@ -106,7 +106,7 @@ class GpuStepper:
                 fp32 = u.master.get(p)  # the twin's shape, dtype and device, where it has no twin of its own:
                 if fp32 is None:  # a view of one element of the twins (bitsandbytes reads the device)
                     fp32 = u.grad_twin.as_strided(master.shape, (0,) * master.dim())
-                u.state[p] = self.optimizer.fresh_state(stage, fp32, carve.take)
+                u.state[p] = self.optimizer.fresh_state(stage, fp32, carve.take, position=self.params[stage].index(p))
         self.live[stage] = u
 
     def step(self, stage: int, group: int, into: dict[str, torch.Tensor] | None = None,
@@ -151,7 +151,7 @@ class GpuStepper:
                     twin.grad.mul_(u.coef)
             piece = whole if len(pieces) == 1 else state_piece(whole, lo, hi, numel)
             state = defaultdict(dict, {twin: piece})
-            self.optimizer.step_on(group, [twin], state, u.hyper)
+            self.optimizer.step_on(group, [twin], state, u.hyper, positions=[i])
             stepped = state[twin]
             twin.grad = None
             seed = self.optimizer.sr_seed(group, i, stepped) if seed is None else seed
@@ -181,7 +181,8 @@ class GpuStepper:
                     g.mul_(u.coef)
                 u.master[p].grad = g
         state = defaultdict(dict, {u.master[p]: u.state[p] for p in names})
-        self.optimizer.step_on(group, [u.master[p] for p in names], state, u.hyper)
+        self.optimizer.step_on(group, [u.master[p] for p in names], state, u.hyper,
+                               positions=[self.params[stage].index(p) for p in names])
         with torch.no_grad():
             for p in names:
                 i = self.params[stage].index(p)  # its place in the stage: the rounding seed's

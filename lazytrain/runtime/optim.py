@@ -8,7 +8,7 @@ and the state dict (so `state_dict()` sees everything), and never mutates shared
 of different groups may run concurrently.
 
 Two precisions of state: "32bit" wraps `torch.optim.AdamW`; "8bit" wraps bitsandbytes'
-`AdamW8bit` (blockwise-quantised moments; imported only when asked for). An 8-bit optimizer steps
+`AdamW8bit` (blockwise-quantised moments; optim8bit.py, imported only when asked for). An 8-bit optimizer steps
 the groups marked `"states": "32bit"` (host-stepped stages, NOTE: [State precision per stage] in
 solver/solve.py) with `torch.optim.AdamW`'s arithmetic; all groups share one state dict, so
 `state_dict()` holds both kinds.
@@ -172,15 +172,18 @@ class _Staged:
             view = _view(type(view), view.__dict__, [{**view.param_groups[0], **hyper}], view.state)
         self._run_view(view, index)
 
-    def step_on(self, index: int, params: list, state: dict, hyper: dict) -> None:
+    def step_on(self, index: int, params: list, state: dict, hyper: dict, positions: list[int] | None = None) -> None:
         """Group `index`'s step applied to stand-ins: `params` (with `.grad`) and `state` (param ->
-        its state) replace the group's own, e.g. device twins of host masters."""
+        its state) replace the group's own, e.g. device twins of host masters; `positions`: theirs
+        in the group (default: all of them, in order)."""
         self._opt_called = True
         view = self._views[index]
-        self._run_view(_view(type(view), view.__dict__, [{**view.param_groups[0], **hyper, "params": params}], state), index)
+        group = narrowed({**view.param_groups[0], **hyper}, params, positions)
+        self._run_view(_view(type(view), view.__dict__, [group], state), index)
 
-    def fresh_state(self, index: int, param: torch.Tensor, take) -> dict:
-        """The state group `index`'s first step would create for `param`, with its tensors cut by
+    def fresh_state(self, index: int, param: torch.Tensor, take, position: int | None = None) -> dict:
+        """The state group `index`'s first step would create for `param` (a stand-in for the group's
+        parameter at `position`, default: `param` itself), with its tensors cut by
         `take(shape, dtype)` (zeroed here), so a first step on a device twin allocates nothing of its
         own (NOTE: [First step's states] in gpu_step.py)."""
         return _adamw_fresh_state(self.param_groups[index], param, take)
@@ -198,6 +201,12 @@ class _Staged:
             if p.grad is not None:
                 self._step_twin(view, index, i, p, offsets[i])
 
+    def _position(self, index: int, param: torch.Tensor, position: int | None) -> int:
+        """Where `param` (or the stand-in for the parameter at `position`) sits in group `index`."""
+        if position is not None:
+            return position
+        return next((i for i, q in enumerate(self.param_groups[index]["params"]) if q is param), 0)
+
     def _step_twin(self, view, index: int, i: int, p: torch.Tensor, offset: int) -> None:
         """Parameter `p` (bf16) stepped through an fp32 twin, then rounded back, `TWIN_CHUNK`
         elements at a time (NOTE: [Twin chunks] in sizes.py). A function of its own so the twins and their
@@ -212,7 +221,7 @@ class _Staged:
         if not view.state[p]:  # the first step: the whole state, as a one-piece step makes it
             widen = lambda shape, dtype: torch.zeros(shape, dtype=torch.float32 if dtype.is_floating_point else dtype,
                                                      device=p.device)
-            view.state[p] = self.fresh_state(index, p.detach(), widen)
+            view.state[p] = self.fresh_state(index, p.detach(), widen, position=i)
         whole, flat, grad, seed = view.state[p], p.detach().view(-1), p.grad.view(-1), None
         for lo, hi in pieces:
             stepped, seed = self._step_piece(view, index, i, flat[lo:hi], grad[lo:hi], state_piece(whole, lo, hi, numel),
@@ -227,7 +236,7 @@ class _Staged:
         twin = _fp32(weights, "master")
         twin.grad = _fp32(grad, "grad")
         states = defaultdict(dict, {twin: state})
-        self._step(_view(type(view), view.__dict__, [{**view.param_groups[0], "params": [twin]}], states))
+        self._step(_view(type(view), view.__dict__, [narrowed(view.param_groups[0], [twin], [i])], states))
         seed = self.sr_seed(index, i, states[twin]) if seed is None else seed
         with torch.no_grad():
             round_stochastic_(weights, twin, seed, offset=offset)
@@ -312,6 +321,22 @@ def _adamw_fresh_state(group: dict, param: torch.Tensor, take) -> dict:
     return state
 
 
+# per parameter of a group, in its order: where a sharded rank's pieces sit in their parameters, and
+# those parameters' sizes (NOTE: [Sharded state] in sharding.py)
+PER_PARAMETER = ("offsets", "numels")
+
+
+def narrowed(group: dict, params: list, positions: list[int] | None = None) -> dict:
+    """`group` over `params`, stand-ins for its parameters at `positions` (default: all of them, in
+    order): its lists per parameter follow them."""
+    out = {**group, "params": params}
+    if positions is not None:
+        for key in PER_PARAMETER:
+            if key in group:
+                out[key] = [group[key][i] for i in positions]
+    return out
+
+
 def _view(cls, attrs: dict, groups: list, state: dict):
     view = cls.__new__(cls)
     view.__dict__.update(attrs)
@@ -328,68 +353,7 @@ def staged_optimizer(states: str, groups: list[dict], **kwargs) -> torch.optim.O
     if states == "32bit":
         return StagedAdamW(groups, **kwargs)
     if states == "8bit":
-        import bitsandbytes as bnb
+        from lazytrain.runtime.optim8bit import staged_adamw8bit  # bitsandbytes, imported only when asked for
 
-        # fp32 groups step through views of this AdamW (its hooks and defaults; never its params)
-        fp32 = torch.optim.AdamW([torch.zeros(1)], **kwargs)
-        fp32_attrs = {k: v for k, v in fp32.__dict__.items() if k not in ("param_groups", "state", "step")}
-
-        class StagedAdamW8bit(_Staged, bnb.optim.AdamW8bit):
-            def _step(self, view) -> None:
-                group = view.param_groups[0]
-                if group.get("states") == "32bit":
-                    _view(torch.optim.AdamW, fp32_attrs, [{**fp32.defaults, **group}], view.state).step()
-                    return
-                # bitsandbytes' own step synchronises the whole device after every parameter, which
-                # stalls the copy streams the runtime overlaps with it; this is that step without it.
-                _ready(view)
-                with torch.no_grad():
-                    for gindex, group in enumerate(view.param_groups):
-                        for pindex, p in enumerate(group["params"]):
-                            if p.grad is None:
-                                continue
-                            if len(view.state[p]) == 0:
-                                view.init_state(group, p, gindex, pindex)
-                            view.prefetch_state(p)
-                            view.update_step(group, p, gindex, pindex)
-
-            # NOTE: [Shared quantisation maps] bitsandbytes' `init_state` moves the optimizer's shared
-            # quantisation maps to the device of the parameter it initialises, then puts them in that
-            # parameter's state: the maps follow whichever parameter was initialised last. A disk job
-            # (NOTE: [Disk-stepped stages] in solver/disk_model.py) makes a stage's first states for its
-            # host master on the host worker while the main thread makes a GPU-stepped stage's on the
-            # device; on the H200 the 32B plan with disk-stepped blocks stopped in its first steps with
-            # a host map in a device step's state. `fresh_state` initialises on its own copy of the maps.
-            def fresh_state(self, index: int, param: torch.Tensor, take) -> dict:
-                group = self.param_groups[index]
-                if group.get("states") == "32bit":
-                    return _adamw_fresh_state({**fp32.defaults, **group}, param, take)
-                # bitsandbytes' own initialisation, its full-size buffers cut by `take`; the
-                # absmax vectors (a 64th of the moments) are moved in after it. It runs on a copy
-                # of the shared quantisation maps (NOTE: [Shared quantisation maps]).
-                view = self._views[index]
-                _ready(view)
-                state: dict = {}
-                init = _view(type(view), {**view.__dict__, "name2qmap": dict(view.name2qmap),
-                                          "get_state_buffer": lambda p, dtype=torch.float32:
-                                          take(p.shape, dtype).zero_()},
-                             [{**group, "params": [param]}], defaultdict(dict, {param: state}))
-                init.init_state(init.param_groups[0], param, 0, 0)
-                for key in ("absmax1", "absmax2"):
-                    if key in state:
-                        state[key] = take(state[key].shape, state[key].dtype).copy_(state[key])
-                return state
-
-        def _ready(view) -> None:
-            """bitsandbytes' once-per-optimizer set-up before a first step."""
-            if not view.initialized:
-                view.check_overrides()
-                view.to_gpu()
-                view.initialized = True
-
-        kwargs.pop("foreach", None)
-        for group in groups:
-            if group.get("states") != "32bit":
-                group.pop("fused", None)
-        return StagedAdamW8bit(groups, **kwargs)
+        return staged_adamw8bit(groups, **kwargs)
     raise ValueError(f"optimizer states {states!r}: use '32bit' or '8bit'")

@@ -16,12 +16,19 @@ An entry may also be loaded whole (a plain tensor of the full flattened paramete
 saves it, or read whole from any checkpoint): each rank takes its own piece of it.
 `whole_state(optimizer_state, model_state)` turns torch.optim's format (one process's
 `state_dict()`, by parameter index) into these entries, whole, for a trainer on any number of ranks.
+Sharded 8-bit states are refused, saving and loading (`_refuse_blocks`): their pieces are whole
+quantisation blocks, not torch.chunk's cut (a rank's piece of a 4640-element embedding at 2 ranks:
+2560 elements, where `Shard(0)` says 2320), and their moments are bitsandbytes' quantised bytes and
+absmax vectors, which these entries do not hold. Replicated 8-bit states checkpoint as before.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from lazytrain.errors import CheckpointError
+from lazytrain.runtime.optim import PER_PARAMETER
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -56,8 +63,20 @@ class ShardedCheckpoint:
             self.optimizer.state[home] = state
         return state
 
+    def _refuse_blocks(self) -> None:
+        """Sharded 8-bit states are cut on quantisation blocks, not torch.chunk's cut (NOTE: [Sharded
+        state] in sharding.py): a `Shard(0)` DTensor would place each rank's piece at the wrong
+        offset, and the entries here hold no quantised moments. Refused rather than saved wrong."""
+        if self.sharded and any(lay.align > 1 for lay in self.store.layouts.values()):
+            raise CheckpointError(
+                "this schedule shards 8-bit optimizer states over the ranks, in pieces of whole quantisation blocks, "
+                "which lazytrain's distributed checkpoints cannot save or load yet (they hold AdamW's 32-bit moments "
+                "in torch.chunk's cut). To checkpoint, recompile with --replicate-state (shard_state=False) to keep "
+                "the 8-bit states whole on every rank, or with --optimizer-states 32bit to shard 32-bit states")
+
     def state_dict(self) -> dict:
         """NOTE: [Sharded checkpoints]. The trainer has finished every optimizer step first."""
+        self._refuse_blocks()
         mesh = self._mesh()
         state = {}
         for name, p, group, home in self._entries():
@@ -67,7 +86,7 @@ class ShardedCheckpoint:
             entry.update({k: self._dtensor(own[k], numel, mesh) for k in _MOMENTS if k in own})
             entry["step"] = own["step"] if torch.is_tensor(own["step"]) else torch.tensor(float(own["step"]))
             state[name] = entry
-        groups = [{k: v for k, v in g.items() if k not in ("params", "offsets")} for g in self.optimizer.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "params" and k not in PER_PARAMETER} for g in self.optimizer.param_groups]
         return {"state": state, "param_groups": groups}
 
     def _dtensor(self, t: torch.Tensor, numel: int, mesh):
@@ -83,6 +102,7 @@ class ShardedCheckpoint:
         """Load what `state_dict()` gave (here, or filled by torch.distributed.checkpoint from a save on
         any number of ranks) into the masters and states. The trainer has finished every optimizer
         step first, and rebuilds the weights from the masters after."""
+        self._refuse_blocks()
         with torch.no_grad():
             for name, p, group, home in self._entries():
                 entry = sd["state"][name]
@@ -97,7 +117,7 @@ class ShardedCheckpoint:
                 else:
                     own["step"] = float(entry["step"])
         for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k not in ("params", "offsets")})
+            g.update({k: v for k, v in saved.items() if k != "params" and k not in PER_PARAMETER})
         self.optimizer._sr_steps = {}  # bf16 masters' noise counters: read again from the loaded steps
 
     def _piece(self, p: str, t: torch.Tensor, home: torch.Tensor) -> torch.Tensor:

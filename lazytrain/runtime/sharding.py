@@ -3,10 +3,20 @@
 GATHER events.
 
 NOTE: [Sharded state]
-A schedule compiled with `--world-size N` (N > 1) and `SHARDED = True` (the default with 32-bit
-optimizer states) runs ZeRO-2 style. Every parameter is cut along its flattened elements into N
-pieces of c = ceil(numel / N) elements, rank r owning [r*c, min((r+1)*c, numel)) (torch.chunk's
-cut, the last pieces shorter or empty: the cut of a `Shard(0)` DTensor, so checkpoints reshard).
+A schedule compiled with `--world-size N` (N > 1) and `SHARDED = True` (the default) runs ZeRO-2
+style. Every parameter is cut along its flattened elements into N pieces of c = ceil(numel / N)
+elements, rank r owning [r*c, min((r+1)*c, numel)) (torch.chunk's cut, the last pieces shorter or
+empty: the cut of a `Shard(0)` DTensor, so checkpoints reshard). With 8-bit states (bitsandbytes'
+blockwise AdamW8bit, which quantises each block of `QUANT_BLOCK` = 256 elements with its own absmax)
+c is rounded up to whole blocks, c = ceil(ceil(numel / N) / 256) * 256: every block lies on one rank,
+so quantising a piece is quantising that part of the whole tensor, and the whole tensor's last,
+shorter block is the last piece's. bitsandbytes keeps 32-bit states below `min_8bit_size` (4096)
+elements, judged here by the whole parameter, not the piece (optim8bit.py). So sharded 8-bit states
+step every weight bit for bit as replicated ones (the whole tensor on every rank, as one process)
+on the same averaged gradients (tests/test_data_parallel_8bit.py). The cost: a rank's piece may be
+up to a block per parameter longer than its 1/N (the plan counts it, solver/shards.py), and the
+ranks past a small parameter's last block hold none of it (a bias of 32 elements: rank 0 alone).
+Distributed checkpoints do not hold this cut yet (NOTE: [Sharded checkpoints] in sharded_state.py).
 Per stage (and for the shared parameters, after stage 0):
   - REDUCE (comm stream, during the next stage's backward): the stage's full gradients are packed
     into a flat buffer of N equal regions (region r: every parameter's piece r, padded to c) and
@@ -27,8 +37,6 @@ norm, as one process would clip. AdamW is elementwise, so stepping pieces equals
 tensors; bf16 masters draw their rounding noise by each element's index in its whole parameter
 (NOTE: [bf16 master weights] in optim.py), so weights do not depend on the number of ranks. Every
 rank then holds the same weights, those of single-process AdamW on the global batch.
-8-bit states (bitsandbytes) are quantised in blocks along whole tensors: they are not sharded (the
-compiler refuses it; such schedules replicate, NOTE: [Data parallel] in data_parallel.py).
 `forward_backward` (no step) all-reduces instead, leaving the full averaged gradients in `.grad`.
 Updates still to gather (streamed stages, whose gather waits for their next forward) are gathered
 by `synchronize()`, so `synchronize`, `sync_model`, `state_dict` and the model's own `state_dict()`
@@ -45,12 +53,13 @@ from lazytrain.ir.events import Event, Stream
 
 
 class ShardLayout:
-    """The cut of one stage's parameters (names -> numel) over `world` ranks, seen from `rank`."""
+    """The cut of one stage's parameters (names -> numel) over `world` ranks, seen from `rank`: pieces
+    of whole `align`-element blocks (1: torch.chunk's cut; `QUANT_BLOCK` with 8-bit states)."""
 
-    def __init__(self, numels: dict[str, int], world: int, rank: int):
-        self.world, self.rank = world, rank
+    def __init__(self, numels: dict[str, int], world: int, rank: int, align: int = 1):
+        self.world, self.rank, self.align = world, rank, align
         self.numel = dict(numels)
-        self.chunk = {p: math.ceil(n / world) for p, n in numels.items()}
+        self.chunk = {p: math.ceil(math.ceil(n / world) / align) * align for p, n in numels.items()}
         self.offset: dict[str, int] = {}
         off = 0
         for p, c in self.chunk.items():

@@ -126,8 +126,9 @@ class Trainer:
         param_groups = []
         for names, states in [(s.params, s.states) for s in self.stages] + [(module.SHARED, chosen)]:
             group = {"params": [self.store.home[p] for p in names], "states": states}
-            if self.sharded:  # the pieces' places in their parameters: the bf16 rounding noise follows them
-                group["offsets"] = [self.store.offset(p) for p in names]
+            if self.sharded:  # the pieces' places in their parameters: the bf16 rounding noise follows them;
+                group["offsets"] = [self.store.offset(p) for p in names]  # and their whole sizes: 8-bit or
+                group["numels"] = [self.store.master[p].numel() for p in names]  # 32-bit states follow them
             if fused is not None or self.cuda:
                 group["fused"] = fused if fused is not None else True
             param_groups.append(group)

@@ -5,6 +5,10 @@ With `Stages.sharded`, each of the `world_size` ranks keeps 1/N of every stage's
 optimizer states and reduced gradients. Every parameter is cut along its flattened elements into N
 pieces of ceil(numel / N) (torch.chunk's cut, the last ones shorter or empty), so a rank's share of
 a stage is at most its numel / N plus one element per parameter; the counts below round up by that.
+With 8-bit states the pieces are whole quantisation blocks (ceil(numel / N) rounded up to
+`QUANT_BLOCK`), so a rank's share is at most numel / N plus a block per parameter: `sharding` says
+so, and the counts round up by that instead. (The 8-bit states' bytes per parameter, `STATE_BYTES`,
+hold the absmax vectors, one fp32 per block: a rank's share of them is its blocks'.)
 Collectives run over flat buffers of N equal regions (each rank's pieces, padded): the
 reduce-scatter's input and the all-gather's output hold the whole stage in the compute dtype.
 Their time is the buffer's bytes over the link's algorithm bandwidth (`Hardware.link_bandwidth`).
@@ -15,20 +19,37 @@ from __future__ import annotations
 import math
 
 from lazytrain.hardware import Hardware
+from lazytrain.ir.stages import STATE_BYTES
+from lazytrain.sizes import QUANT_BLOCK
 from lazytrain.solver.footprint import fixed_bytes, resident_bytes, resident_grad_bytes, shared_step_bytes, step_bytes
 
 
-def sharding(stages) -> int:
+class Shards(int):
+    """The number of ranks state is sharded over, which also knows the elements a rank's piece of a
+    parameter is whole blocks of (`align`: 1, or `QUANT_BLOCK` with 8-bit states)."""
+
+    align: int
+
+    def __new__(cls, n: int, align: int = 1):
+        out = super().__new__(cls, n)
+        out.align = align
+        return out
+
+
+def sharding(stages) -> Shards:
     """The ranks state is sharded over: N with sharded state, else 1 (replicated or one process)."""
-    return stages.world_size if stages.sharded and stages.world_size > 1 else 1
+    if not (stages.sharded and stages.world_size > 1):
+        return Shards(1)
+    return Shards(stages.world_size, QUANT_BLOCK if stages.state_bytes == STATE_BYTES["8bit"] else 1)
 
 
 def piece(nbytes: float, numel: int, params: int, n: int) -> int:
-    """A rank's share of `nbytes` spread evenly over `numel` elements of `params` tensors."""
+    """A rank's share of `nbytes` spread evenly over `numel` elements of `params` tensors: its 1/n,
+    and a piece's rounding up (an element, or a block: `Shards.align`) per tensor."""
     if n == 1:
         return int(math.ceil(nbytes))
     per = nbytes / max(1, numel)
-    return int(math.ceil(per * (numel / n + params)))
+    return int(math.ceil(per * (numel / n + params * getattr(n, "align", 1))))
 
 
 def flat_bytes(param_bytes: int, numel: int, params: int, n: int) -> int:

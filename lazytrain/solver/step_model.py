@@ -372,7 +372,7 @@ class StepModel:
 # 94.8 GiB of host on masters the device also held.) On a CPU the device is host memory: every
 # master counts. Sharded state keeps the full weights in the model's parameters (its own branch).
 # NOTE: [Replicated all-reduce]
-# Without sharded state (8-bit states, `--replicate-state`) each stage's gradients are all-reduced
+# Without sharded state (`--replicate-state`) each stage's gradients are all-reduced
 # in place as its backward ends, on the compute stream (NOTE: [Data parallel] in
 # runtime/data_parallel.py; the shared weights' with stage 0's): the window B(s) runs that long
 # longer, in series with compute, and counts it as compute. An all-reduce is a reduce-scatter and

@@ -64,13 +64,18 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
             if value is not None and value != compiled:
                 raise DataError(f"{args.schedule} was compiled with {flag} {compiled}, not {value}; recompile it "
                                 f"with `lazytrain compile ... {flag} {value}`, or drop {flag}")
+        if getattr(module, "SHARDED", False) and getattr(module, "OPTIMIZER_STATES", "32bit") == "8bit":
+            raise DataError(f"{args.schedule} shards 8-bit optimizer states over the ranks, whose checkpoints lazytrain "
+                            "train cannot write yet (NOTE: [State in train]); recompile it with `lazytrain compile ... "
+                            "--replicate-state`, or with --optimizer-states 32bit")
         return Path(args.schedule).read_text(), False
     from lazytrain.pipeline import compile_model  # the solver: only to compile here
 
     hw = hardware(args)
     batch = prep.batch(prep.rank_batch)
+    shard = hw.link_bandwidth > 0 and options.optimizer_states == "32bit"  # NOTE: [State in train]
     options = replace(options, master_weights=args.master_weights or default_masters(prep.meta_model),
-                      world_size=prep.world, shard_state=None if hw.link_bandwidth > 0 else False)  # NOTE: [State in train]
+                      world_size=prep.world, shard_state=None if shard else False)
     if prep.world > 1 and not hw.link_bandwidth > 0:
         print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
               "rank; `torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json` measures it", flush=True)
@@ -82,10 +87,12 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
 
 
 # NOTE: [State in train]
-# `lazytrain train` on several ranks shards the master weights and optimizer states where the
-# compiler does by default (32-bit states; NOTE: [Sharded state] in runtime/sharding.py) and
-# replicates them otherwise (8-bit states, a --schedule compiled with --replicate-state, or a
-# hardware profile without the ranks' link bandwidth, which a sharded plan needs). Its
+# `lazytrain train` on several ranks shards the master weights and 32-bit optimizer states (NOTE:
+# [Sharded state] in runtime/sharding.py) and replicates them otherwise (a --schedule compiled with
+# --replicate-state, or a hardware profile without the ranks' link bandwidth, which a sharded plan
+# needs). 8-bit states stay replicated here though the compiler shards them by default: sharded,
+# they are cut on quantisation blocks, which the checkpoints below do not hold yet (the
+# checkpoint refuses them, `ShardedCheckpoint`), and a --schedule that shards them is refused. The run's
 # checkpoints (NOTE: [Distributed checkpoints]) hold either layout, and a resumed run reads either,
 # at any world size.
 

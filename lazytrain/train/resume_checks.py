@@ -130,7 +130,7 @@ def _check_adamw(found: Checkpoint, entry: dict, name: str, shape: tuple, where:
 
 
 def _check_8bit(found: Checkpoint, entry: dict, name: str, shape: tuple, where: str, back: str) -> None:
-    """bitsandbytes' AdamW8bit state of one parameter (NOTE: [Shared quantisation maps] in runtime/optim.py)."""
+    """bitsandbytes' AdamW8bit state of one parameter (NOTE: [Shared quantisation maps] in runtime/optim8bit.py)."""
     nested = entry.get(_BNB_NESTED, {})
     flat = {**{k: v for k, v in entry.items() if k != _BNB_NESTED}, **(nested if isinstance(nested, dict) else {})}
     numel = math.prod(shape)
