@@ -63,6 +63,14 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
     def live() -> int:
         return sum(sizes[k] for k in set(grads.values()))
 
+    def narrowed(name: str, b: str) -> bool:
+        """`name` is a slice of `b`, through views: its gradient is padded to `b`'s size."""
+        while name != b and name in costs and costs[name].alias:
+            if graph[name].target == "aten.slice.Tensor":
+                return True
+            name = next(graph[name].inputs(), b)
+        return False
+
     ours = {base(n) for n in names} - {base(o) for o in outputs}
     peak = held
     for n in reversed(names):
@@ -85,9 +93,11 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
                 made += sizes[new[b]]
                 continue
             # a second gradient for `b`, summed into the first: in place where the first is its
-            # own, else into a tensor of its own (the first is another value's too)
+            # own, else into a tensor of its own (the first is another value's too); through a
+            # slice, the part is the whole base's (slice_backward pads it), summed out of place
+            # beside it (NOTE: [Backward temporaries] in memory.py)
             part = value_bytes(graph[b].value)
-            made += part
+            made += part * (2 if narrowed(i, b) else 1)
             if sum(1 for k in grads.values() if k == grads[b]) > 1 or sizes[grads[b]] == 0:
                 new[b] = tensor(part)
         # a parameter whose gradient exists already (a tied weight a later stage read) gets this

@@ -112,6 +112,42 @@ def _gated_mlp_backward(node: Node, graph: Graph) -> int:
     return 8 * tile * inter * item + (4 * 4 * inter * hidden if item < 4 else 0)
 
 
+# NOTE: [Backward temporaries]
+# Some derivative formulas make a tensor as large as the node's output before the gradient they
+# return, and the gradients alone do not show it. On the H200 the 7B at 1 x 131072 (tiled MLPs,
+# a 24 GiB plan) ran out of memory in its first layer backward: bench/stage_memory.py measured 7.41
+# GiB held above what its forward left, the plan 3.83 (2026-12-03); the peak grew at a `mul`. The
+# formulas (derivatives.yaml), measured on the CPU by the tensors made during one op's backward,
+# in units of its output (fp32, 4096 x 1024):
+#   mul, an input broadcast (RMSNorm's x * rsqrt(var), weight * x): its gradient is
+#     sum_to_size(grad * other): the product, output-sized, beside the other input's gradient (2.0
+#     where the gradients alone are 1.0);
+#   pow(x, 2) (RMSNorm's variance): grad * (2 * x.pow(1)): two output-sized temporaries beside the
+#     gradient (3.0 where the gradient alone is 1.0).
+# A Qwen2 RMSNorm's backward in bf16 holds 5 fp32 [S, H] at its peak.
+
+
+@rule_backward("aten.mul.Tensor")
+def _mul_backward(node: Node, graph: Graph) -> int:
+    """The output-sized product a broadcast input's gradient is summed from (NOTE: [Backward temporaries])."""
+    out = node.value if isinstance(node.value, TensorSpec) else None
+    if out is None:
+        return 0
+    ins = [_spec(graph, a) for a in node.args[:2]]
+    broadcast = any(t is not None and t.numel < out.numel for t in ins)
+    return out.nbytes if broadcast else 0
+
+
+@rule_backward("aten.pow.Tensor_Scalar")
+def _pow_backward(node: Node, graph: Graph) -> int:
+    """x.pow(e - 1) and its product with e, each output-sized (NOTE: [Backward temporaries])."""
+    out = node.value if isinstance(node.value, TensorSpec) else None
+    exponent = node.args[1] if len(node.args) > 1 else None
+    if out is None or exponent in (0, 1, 0.0, 1.0):
+        return 0
+    return 2 * out.nbytes
+
+
 def _none(node: Node, graph: Graph) -> int:
     return 0
 
