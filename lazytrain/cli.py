@@ -283,6 +283,10 @@ def parser() -> argparse.ArgumentParser:
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
     t.add_argument("--mlp-tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE",
                    help=_MLP_TILES + "; when compiling on the fly")
+    t.add_argument("--fuse-stages", choices=["auto", "on", "off"], default="auto",
+                   help="run each block kind's stage body compiled by torch.compile (Inductor), fusing its "
+                        "element-wise work: auto (default) on a GPU, off on the CPU; the first steps compile, and "
+                        "that time is printed and not counted in their tok/s")
     t.add_argument("--disk", action="store_true",
                    help="when compiling on the fly: let the plan keep optimizer states, and stage outputs between "
                         "forward and backward, on disk where host memory runs short")

@@ -29,6 +29,7 @@ from lazytrain.files import write_atomic
 from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.options import CompileOptions, check_budget
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
+from lazytrain.runtime.fused import compile_seconds
 from lazytrain.runtime.optim import master_dtype
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.runtime.store import resident_targets
@@ -218,7 +219,9 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
         check_loaded(model, source.weights.origin)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                             device=schedule.DEVICE,  # where its stages were captured for; over the default group
-                            offload_dir=offload_dir, disk_masters=masters)
+                            offload_dir=offload_dir, disk_masters=masters,
+                            # NOTE: [Fused stages] in runtime/fused.py
+                            fuse_stages=args.fuse_stages == "on" or (args.fuse_stages == "auto" and schedule.DEVICE == "cuda"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(lr.warmup_steps, lr.steps, lr.min_lr_ratio))
     start = 0
     if found is not None:
@@ -247,14 +250,18 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     for step in bar:
         batch = data.next_batch()
         trainer.record_timeline = run_dir is not None and step + 1 == lr.steps  # time the last step's events
-        t0 = time.perf_counter()
+        t0, compiling = time.perf_counter(), compile_seconds()
         loss = trainer.step(feed(batch)).item()  # on several ranks, the mean of their losses (the global batch's)
+        compiling = compile_seconds() - compiling  # fused stage bodies compiled in this step: not its time
         if not math.isfinite(loss):
             error = DataError if main else PeerFailed  # the same loss on every rank: rank 0 says it
             raise error(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
         scheduler.step()
-        record = report.step_record(step + 1, loss, scheduler.get_last_lr()[0], time.perf_counter() - t0, batch,
-                                    n_params, layers)  # NOTE: [Honest throughput] in report.py
+        record = report.step_record(step + 1, loss, scheduler.get_last_lr()[0], time.perf_counter() - t0 - compiling,
+                                    batch, n_params, layers)  # NOTE: [Honest throughput] in report.py
+        if compiling > 0:
+            record["compile_s"] = compiling
+            bar.write(f"step {step + 1}: compiled fused stage bodies in {compiling:.1f} s (not counted in its time)")
         bar.set_postfix(**report.postfix(record))
         if (step + 1) % args.print_every == 0 or step + 1 == lr.steps or step == start:
             bar.write(report.line(record))
