@@ -39,7 +39,7 @@ def case_name(args) -> str:
     states = "" if getattr(args, "states", "32bit") == "32bit" else f"_{args.states}"
     master = "" if getattr(args, "master", "fp32") == "fp32" else f"_{args.master}master"
     disk = "_disk" if getattr(args, "disk", False) else ""
-    tile = f"_tile{args.mlp_tile_bytes}" if getattr(args, "mlp_tile_bytes", "0") != "0" else ""
+    tile = f"_tile{args.tile_bytes}" if getattr(args, "tile_bytes", "0") != "0" else ""
     return f"{args.model}_b{args.batch}_s{args.seq}_{args.budget}{states}{master}{disk}{tile}"
 
 
@@ -62,7 +62,7 @@ def cmd_compile(args):
     b = batch(args.model, args.batch, args.seq)
     options = CompileOptions(budget="max" if args.budget == "max" else parse_size(args.budget), time_limit=args.time_limit,
                              optimizer_states=args.states, master_weights=args.master, clipping="off",  # runs do not clip
-                             disk=args.disk, mlp_tile_bytes=0 if args.mlp_tile_bytes == "0" else parse_size(args.mlp_tile_bytes))
+                             disk=args.disk, tile_bytes=0 if args.tile_bytes == "0" else parse_size(args.tile_bytes))
     CASES.mkdir(exist_ok=True)
     compiled = compile_model(meta, b, hardware=hw, options=options, source=f"bench:{args.model}")
     budget = compiled.plan.budget
@@ -204,7 +204,7 @@ def cmd_run(args):
         cmd = [sys.executable, str(HERE / "bench.py"), "run-one", "--system", system, "--model", args.model,
                "--batch", str(args.batch), "--seq", str(args.seq), "--budget", args.budget, "--states", args.states,
                "--master", args.master, *(["--no-cap"] if args.no_cap else []), *(["--disk"] if args.disk else []),
-               "--mlp-tile-bytes", args.mlp_tile_bytes,
+               "--tile-bytes", args.tile_bytes,
                "--steps", str(args.steps),
                "--warmup", str(args.warmup)] + (["--out", args.out] if args.out else [])
         start = time.perf_counter()
@@ -257,7 +257,7 @@ def main(argv=None):
         s.add_argument("--states", choices=["32bit", "8bit"], default="32bit", help="lazytrain's optimizer states")
         s.add_argument("--master", choices=["fp32", "bf16"], default="fp32", help="lazytrain's master weights")
         s.add_argument("--disk", action="store_true", help="lazytrain may keep host-stepped states on disk (in the temp directory)")
-        s.add_argument("--mlp-tile-bytes", default="0", help="lazytrain's gated MLPs in tiles of this size (0: untiled)")
+        s.add_argument("--tile-bytes", default="0", help="lazytrain's gated MLPs in tiles of this size (0: untiled)")
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)

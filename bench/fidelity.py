@@ -53,7 +53,7 @@ class Case:
     budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
     clipping: str = "off"  # the run clips at norm 1.0 unless "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
     host: str = ""  # compiled for the profile with this much host memory, with the disk tier (`--disk`)
-    tile: str = ""  # --mlp-tile-bytes: gated MLPs in tiles of tokens (NOTE: [Tiled MLP] in kernels/tiled_mlp.py)
+    tile: str = ""  # --tile-bytes: gated MLPs in tiles of tokens (NOTE: [Tiled MLP] in kernels/tiled_mlp.py)
 
     @property
     def name(self) -> str:
@@ -128,7 +128,7 @@ def cmd_compile(args) -> None:
             budget = minimum_budget(meta, b, hw_case, options=precision) if case.budget == "min" else (
                 "max" if case.budget == "max" else parse_size(case.budget))
             options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
-                                          disk=bool(case.host), mlp_tile_bytes=parse_size(case.tile) if case.tile else 0)
+                                          disk=bool(case.host), tile_bytes=parse_size(case.tile) if case.tile else 0)
             compiled = compile_model(meta, b, hardware=hw_case, options=options, source=f"bench:{case.model}")
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")

@@ -28,7 +28,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--seq", type=int, nargs="+", default=[131072])
-    p.add_argument("--tile", nargs="+", default=["0", "256MiB"], help="--mlp-tile-bytes values (0: untiled)")
+    p.add_argument("--tile", nargs="+", default=["0", "256MiB"], help="--tile-bytes values (0: untiled)")
     p.add_argument("--budget", default=None, help="also compile at this budget, e.g. 24GiB")
     p.add_argument("--disk", action="store_true")
     a = p.parse_args()
@@ -39,7 +39,7 @@ def main():
             model = shapes.meta_model(a.model, seq).to(torch.bfloat16)
             ids = torch.zeros(1, seq, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids.clone()}
-            opts = dict(optimizer_states="8bit", master_weights="bf16", mlp_tile_bytes=tile_bytes, disk=a.disk)
+            opts = dict(optimizer_states="8bit", master_weights="bf16", tile_bytes=tile_bytes, disk=a.disk)
             start = time.perf_counter()
             least = minimum_budget(model, batch, "h200", options=CompileOptions(**opts))
             step = peak = "-"

@@ -94,9 +94,9 @@ def _number(low: float, high: float = math.inf, low_open: bool = True):
     return parse
 
 
-_MLP_TILES = ("compute each gated MLP (Qwen2, Llama, Gemma3) in tiles of tokens whose intermediate takes at most "
-              "this (e.g. 256MiB), keeping only its input for backward, which recomputes each tile: for long "
-              "sequences (default 0 or 'off': never tile)")
+_TILES = ("compute each gated MLP and RMSNorm (Qwen2, Llama, Gemma3) in tiles of tokens whose widest intermediate "
+          "takes at most this (e.g. 256MiB), keeping only its input for backward, which recomputes each tile: for "
+          "long sequences (default 0 or 'off': never tile)")
 
 
 def _chunk_bytes(text: str) -> int:
@@ -127,7 +127,7 @@ def compile_options(args):
                           dtype=getattr(torch, args.dtype) if args.dtype else None,
                           optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                           loss_chunk_bytes=LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes,
-                          mlp_tile_bytes=args.mlp_tile_bytes, world_size=args.world_size, shard_state=False if args.replicate_state else None,
+                          tile_bytes=args.tile_bytes, world_size=args.world_size, shard_state=False if args.replicate_state else None,
                           clipping=args.clipping, disk=args.disk)
 
 
@@ -140,7 +140,7 @@ def train_options(args):
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     return CompileOptions(budget=args.budget, time_limit=args.time_limit, optimizer_states=args.optimizer_states or "32bit",
                           master_weights=args.master_weights or "fp32", clipping=clipping, disk=args.disk,
-                          mlp_tile_bytes=args.mlp_tile_bytes)
+                          tile_bytes=args.tile_bytes)
 
 
 def cmd_compile(args) -> int:
@@ -221,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
                    help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of rows or tokens, each at most "
                         "this working set (default 1GiB); 0 or 'off' never chunks")
-    c.add_argument("--mlp-tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE", help=_MLP_TILES)
+    c.add_argument("--tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE", help=_TILES)
     c.add_argument("--world-size", type=_at_least(1), default=1, metavar="N",
                    help="data-parallel ranks the schedule runs on (default 1); example_batch() is one rank's batch, "
                         "and every rank binds the same schedule (see README, Data parallel)")
@@ -281,8 +281,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--clipping", choices=["exact", "previous-norm"], default=None,
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
-    t.add_argument("--mlp-tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE",
-                   help=_MLP_TILES + "; when compiling on the fly")
+    t.add_argument("--tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE",
+                   help=_TILES + "; when compiling on the fly")
     t.add_argument("--fuse-stages", choices=["auto", "on", "off"], default="auto",
                    help="run each block kind's stage body compiled by torch.compile (Inductor), fusing its "
                         "element-wise work: auto (default) on a GPU, off on the CPU; the first steps compile, and "

@@ -35,8 +35,9 @@ class CompileOptions:
     `optimizer_states` is "32bit" (torch AdamW) or "8bit" (bitsandbytes' blockwise 8-bit AdamW);
     `master_weights` "fp32" or "bf16" (updated with stochastic rounding).
     `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk).
-    `mlp_tile_bytes` computes each gated MLP in tiles of tokens whose intermediate takes at most that
-    many bytes, recomputed in backward (NOTE: [Tiled MLP] in kernels/tiled_mlp.py; 0: never tile).
+    `tile_bytes` computes each gated MLP and RMSNorm in tiles of tokens whose widest intermediate takes
+    at most that many bytes, recomputed in backward (NOTE: [Tiled MLP] in kernels/tiled_mlp.py,
+    [Tiled RMSNorm] in kernels/tiled_norm.py; 0: never tile).
     `world_size` is the number of data-parallel ranks the schedule runs on; the batch compiled is one
     rank's (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
     sharded for several ranks) shards master weights and optimizer states over
@@ -53,7 +54,7 @@ class CompileOptions:
     optimizer_states: str = "32bit"
     master_weights: str = "fp32"
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
-    mlp_tile_bytes: int = 0
+    tile_bytes: int = 0
     world_size: int = 1
     shard_state: bool | None = None
     clipping: str = "exact"
@@ -79,8 +80,8 @@ class CompileOptions:
         if not (_whole(self.loss_chunk_bytes) and self.loss_chunk_bytes >= 0):
             raise PlanError(f"loss_chunk_bytes {self.loss_chunk_bytes!r} is not a working set; pass bytes (an "
                             "integer >= 0; 0 never chunks)")
-        if not (_whole(self.mlp_tile_bytes) and self.mlp_tile_bytes >= 0):
-            raise PlanError(f"mlp_tile_bytes {self.mlp_tile_bytes!r} is not a working set; pass bytes (an "
+        if not (_whole(self.tile_bytes) and self.tile_bytes >= 0):
+            raise PlanError(f"tile_bytes {self.tile_bytes!r} is not a working set; pass bytes (an "
                             "integer >= 0; 0 never tiles)")
         if not (_whole(self.world_size) and self.world_size >= 1):
             raise PlanError(f"world_size {self.world_size!r} is not a number of ranks; pass an integer >= 1 (1: one "

@@ -34,7 +34,7 @@ from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
 from lazytrain.ir.stages import Stages
-from lazytrain.kernels.tiled_mlp import tiled_mlps
+from lazytrain.kernels.tiled import tiled
 from lazytrain.options import CompileOptions, apply_options, from_settings
 from lazytrain.passes.blocks import blocks
 from lazytrain.passes.causal import causal
@@ -101,7 +101,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook = hook or _Hook(None, False)
     if options.dtype is not None:
         model = model.to(options.dtype)
-    with tiled_mlps(model, options.mlp_tile_bytes):  # NOTE: [Tiled MLP] in kernels/tiled_mlp.py
+    with tiled(model, options.tile_bytes):  # NOTE: [Tiled MLP], [Tiled RMSNorm] in kernels/
         graph = hook.run("capture", capture, model, batch, source, hw.device)
     lint(graph)
     hook.dump(0, "capture", dump.text(graph))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lazytrain.kernels.tiled_mlp import ACTIVATIONS, activation_name, restore_mlps, swap_mlps, tiles_for
+from lazytrain.kernels.tiled_mlp import ACTIVATIONS, activation_name, restore_mlps, swap_mlps
+from lazytrain.kernels.tiling import tiles_for
 
 ATOL = 1e-5
 H, I = 8, 12
@@ -39,12 +40,15 @@ def leaves(tensors, frozen=()):
 def test_op_equals_the_eager_formula(activation, tiles, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     mine, ref = leaves([x, *weights()]), leaves([x, *weights()])
-    out = torch.ops.lazytrain.gated_mlp(*mine, activation, tiles)
-    expected = eager(*ref, activation)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert_same(torch.ops.lazytrain.gated_mlp(*mine, activation, tiles), eager(*ref, activation), mine, ref)
 
-    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+
+def assert_same(out, expected, mine, ref):
+    """An operator's output (contiguous, shaped and typed as the eager one) and the gradients it
+    gives its leaves `mine` equal eager's and those of `ref` (ATOL), for one random output gradient."""
+    assert out.shape == expected.shape and out.dtype == expected.dtype and out.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     out.backward(grad)
     expected.backward(grad)
     for a, b in zip(mine, ref):
@@ -156,7 +160,7 @@ def tiny(family: str, **extra):
     import transformers as tf
 
     classes = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}
+               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
     config_cls, model_cls = classes[family]
     config = config_cls(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
@@ -180,8 +184,8 @@ def test_swapped_models_train_as_before(family):
     names = [name for name, _ in model.named_parameters()]
 
     seen = []
-    assert swap_mlps(model, lambda x, inter: seen.append(x.shape) or 3) == 2
-    assert swap_mlps(model, lambda x, inter: 3) == 0  # already swapped
+    assert swap_mlps(model, lambda x, inter, item: seen.append(x.shape) or 3) == 2
+    assert swap_mlps(model, lambda x, inter, item: 3) == 0  # already swapped
     tiled_loss, tiled_grads = loss_and_grads(model, ids)
     assert seen == [(2, 9, 32)] * 2
     assert [name for name, _ in model.named_parameters()] == names
@@ -198,24 +202,24 @@ def test_swapped_models_train_as_before(family):
 
 def test_swap_leaves_what_it_cannot_identify():
     model = tiny("llama", hidden_act="gelu_new")  # an activation the operator does not have
-    assert swap_mlps(model, lambda x, inter: 2) == 0
+    assert swap_mlps(model, lambda x, inter, item: 2) == 0
     model = tiny("llama", mlp_bias=True)
-    assert swap_mlps(model, lambda x, inter: 2) == 0
+    assert swap_mlps(model, lambda x, inter, item: 2) == 0
     model = tiny("llama")
     from transformers.activations import ACT2FN
 
     model.model.layers[0].mlp.act_fn = ACT2FN["gelu_python"]  # GELUActivation with its Python formula
-    assert swap_mlps(model, lambda x, inter: 2) == 1
+    assert swap_mlps(model, lambda x, inter, item: 2) == 1
     assert "forward" not in vars(model.model.layers[0].mlp) and "forward" in vars(model.model.layers[1].mlp)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
 @pytest.mark.parametrize("budget", ["max", "min"])
-def test_a_compiled_step_with_tiled_mlps_equals_eager(family, budget):
-    """CompileOptions.mlp_tile_bytes: the captured step calls lazytrain::gated_mlp in every layer,
-    in tiles, and the compiled step (every block resident, or at the smallest budget, streamed and
-    recomputed) gives eager PyTorch's loss and gradients (fp32, the suite's tolerance); the model
-    compiled is left as it was."""
+def test_a_compiled_step_with_tiled_mlps_and_norms_equals_eager(family, budget):
+    """CompileOptions.tile_bytes: the captured step calls lazytrain::gated_mlp in every layer and
+    lazytrain::rms_norm for every norm, in tiles, and the compiled step (every block resident, or
+    at the smallest budget, streamed and recomputed) gives eager PyTorch's loss and gradients (fp32,
+    the suite's tolerance); the model compiled is left as it was."""
     import copy
 
     from lazytrain.pipeline import compile_model
@@ -226,8 +230,12 @@ def test_a_compiled_step_with_tiled_mlps_equals_eager(family, budget):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (2, 32), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    text = compile_model(meta, batch, budget, "cpu", source="tests", time_limit=20, mlp_tile_bytes=1024).source_text
+    compiled = compile_model(meta, batch, budget, "cpu", source="tests", time_limit=20, tile_bytes=1024,
+                             loss_chunk_bytes=4096)
+    text = compiled.source_text
+    assert compiled.stages[-1].chunks > 1  # the final norm is row-wise: the loss stage still chunks
     assert text.count("torch.ops.lazytrain.gated_mlp.default(") == 2  # one a layer
+    assert text.count("torch.ops.lazytrain.rms_norm.default(") >= 5  # two a layer at least, and the final one
     assert "'silu', 16)" in text or "'gelu_pytorch_tanh', 16)" in text  # 64 tokens x 64 x 4 bytes in tiles of 1 KiB
     assert not any(vars(m).get("forward") for m in meta.modules())  # the swap is undone
     trainer, model = bind_source(text, real)
@@ -239,8 +247,8 @@ def test_a_compiled_step_with_tiled_mlps_equals_eager(family, budget):
 
 
 def test_a_schedule_with_tiled_mlps_runs_in_a_fresh_process(tmp_path):
-    """A schedule that calls lazytrain::gated_mlp registers it itself: a process that imports only
-    the schedule (as `lazytrain train` and the GPU machine do) finds the operator."""
+    """A schedule that calls lazytrain::gated_mlp and lazytrain::rms_norm registers them itself: a
+    process that imports only the schedule (as `lazytrain train` and the GPU machine do) finds them."""
     import subprocess
     import sys
 
@@ -248,12 +256,13 @@ def test_a_schedule_with_tiled_mlps_runs_in_a_fresh_process(tmp_path):
     from lazytrain.pipeline import compile_model
 
     batch = tiny_qwen.example_batch()
-    text = compile_model(tiny_qwen.build_model(), batch, "max", "cpu", source="tests", mlp_tile_bytes=4096).source_text
-    assert "torch.ops.lazytrain.gated_mlp.default(" in text
+    text = compile_model(tiny_qwen.build_model(), batch, "max", "cpu", source="tests", tile_bytes=4096).source_text
+    assert "torch.ops.lazytrain.gated_mlp.default(" in text and "torch.ops.lazytrain.rms_norm.default(" in text
     path = tmp_path / "schedule.py"
     path.write_text(text)
     code = ("import sys, torch\nfrom lazytrain.runtime.schedule import load_schedule\n"
             f"m = load_schedule({str(path)!r})\nassert 'lazytrain.kernels.tiled_mlp' in sys.modules\n"
+            "assert 'lazytrain.kernels.tiled_norm' in sys.modules\n"
             "from lazytrain.examples import tiny_qwen\nt = m.bind(tiny_qwen.build_model(), device='cpu')\n"
             "print(float(t.forward_backward(tiny_qwen.example_batch())))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

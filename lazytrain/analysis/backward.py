@@ -71,6 +71,19 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
             name = next(graph[name].inputs(), b)
         return False
 
+    def widened(name: str, b: str) -> int:
+        """Bytes of the widest `expand` on the views from `name` to `b` that grows its input: the
+        gradient arrives at that size and is summed down to `b`'s after (NOTE: [Backward
+        temporaries] in memory.py); 0 if there is none."""
+        most = 0
+        while name != b and name in costs and costs[name].alias:
+            node = graph[name]
+            src = next(node.inputs(), b)
+            if node.target == "aten.expand.default" and node.spec.numel > graph[src].spec.numel:
+                most = max(most, node.spec.nbytes)
+            name = src
+        return most
+
     ours = {base(n) for n in names} - {base(o) for o in outputs}
     peak = held
     for n in reversed(names):
@@ -88,6 +101,7 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
             if b not in grads and i in through:  # the output's gradient itself
                 new[b] = out if out is not None else tensor(0)
                 continue
+            made += widened(i, b)
             if b not in grads:
                 new[b] = tensor(value_bytes(graph[b].value))
                 made += sizes[new[b]]

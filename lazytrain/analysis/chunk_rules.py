@@ -167,6 +167,19 @@ def _norm(node: Node, ctx: Ctx) -> str | None:
     return _weights_only(node, ctx, skip=1)
 
 
+def _tiled_norm(node: Node, ctx: Ctx) -> str | None:
+    """lazytrain::rms_norm (NOTE: [Tiled RMSNorm]) normalises each row over its last dimension alone."""
+    if not ctx.is_batched(node.args[0]):
+        return "the batch operand is not the normalised one"
+    x = ctx.spec(node.args[0])
+    if len(x.shape) - 1 < ctx.split.lead(x):
+        return "normalises over the batch dimension"
+    return _weights_only(node, ctx, skip=1)
+
+
+RULES["lazytrain.rms_norm.default"] = _tiled_norm
+
+
 def _weights_only(node: Node, ctx: Ctx, skip: int) -> str | None:
     """Operands after the first `skip` must not depend on the batch (weights, biases)."""
     rest = (*node.args[skip:], *(v for _, v in node.kwargs))

@@ -112,6 +112,30 @@ def _gated_mlp_backward(node: Node, graph: Graph) -> int:
     return 8 * tile * inter * item + (4 * 4 * inter * hidden if item < 4 else 0)
 
 
+def _norm_tile(node: Node, graph: Graph) -> int:
+    """Elements of one tile of a tiled RMSNorm's rows (NOTE: [Tiled RMSNorm])."""
+    x = _spec(graph, node.args[0])
+    rows = x.numel // max(1, x.shape[-1])
+    tiles = max(1, min(int(node.args[4]), rows))
+    return -(-rows // tiles) * x.shape[-1]
+
+
+@rule("lazytrain.rms_norm.default")
+def _rms_norm(node: Node, graph: Graph) -> int:
+    """One tile's float32 rows, their square and the normed rows, and the cast back (4 bytes each,
+    counted as 4 float32 tiles: NOTE: [Tiled RMSNorm])."""
+    return 4 * 4 * _norm_tile(node, graph)
+
+
+@rule_backward("lazytrain.rms_norm.default")
+def _rms_norm_backward(node: Node, graph: Graph) -> int:
+    """One tile recomputed (the float32 rows and the normed rows), the gradient's product with the
+    weight and its float32 cast, the weight's product, and the chain rule's two terms: 8 float32
+    tiles, and the float32 sum of the weight's gradient."""
+    w = _spec(graph, node.args[1])
+    return 4 * 8 * _norm_tile(node, graph) + 4 * (w.numel if w is not None else 0)
+
+
 # NOTE: [Backward temporaries]
 # Some derivative formulas make a tensor as large as the node's output before the gradient they
 # return, and the gradients alone do not show it. On the H200 the 7B at 1 x 131072 (tiled MLPs,
@@ -124,6 +148,11 @@ def _gated_mlp_backward(node: Node, graph: Graph) -> int:
 #     where the gradients alone are 1.0);
 #   pow(x, 2) (RMSNorm's variance): grad * (2 * x.pow(1)): two output-sized temporaries beside the
 #     gradient (3.0 where the gradient alone is 1.0).
+#   a gradient reaching a value through an `expand` that grows it (a key or value head repeated for
+#     grouped queries, where the repeat is a view: one key-value head) arrives at the expanded size
+#     and is summed down after: attention's backward made three query-sized gradients beside each
+#     other where the plan counted one and two key-sized (tests/test_backward_memory.py, 0.79 MB
+#     over of 6.8 once tiled norms no longer held the peak; analysis/backward.py, `widened`).
 # A Qwen2 RMSNorm's backward in bf16 holds 5 fp32 [S, H] at its peak.
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 from lazytrain.analysis.memory import mask_bias_bytes
 from lazytrain.ir.graph import Graph, OpKind, Sym
 from lazytrain.kernels.documents import FLEX_BLOCK
-from lazytrain.passes.costs import DOCUMENT_ATTENTION, GATED_MLP, NodeCost
+from lazytrain.passes.costs import DOCUMENT_ATTENTION, GATED_MLP, RMS_NORM, NodeCost
 
 # target -> (positions of the tensor arguments saved, given which positions carry gradient;
 #            whether the result is saved)
@@ -73,6 +73,7 @@ SAVES: dict[str, Rule] = {
     # (the `contiguous` between them copies nothing), its lse below (`_document_attention_bytes`)
     DOCUMENT_ATTENTION: (lambda rg: {0, 1, 2, 3}, False),
     GATED_MLP: (lambda rg: {0, 1, 2, 3}, False),  # its input (and weights): each tile is recomputed
+    RMS_NORM: (lambda rg: {0, 1}, False),  # its input and weight (NOTE: [Tiled RMSNorm])
     "aten.layer_norm.default": (_first, True),
     "aten.cross_entropy_loss.default": (lambda rg: {0, 1}, False),
 }

@@ -18,12 +18,12 @@ its backward, and `swap_mlps`, which makes a model's MLP modules call it."""
 # threshold_backward: those autograd records for F.silu, F.gelu, F.relu), since an operator's kernel
 # runs below autograd, where nothing is recorded even under torch.enable_grad().
 
-import contextlib
 import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
+
+from lazytrain.kernels.tiling import body_of, restore, split, swap_forward, swapped
 
 aten = torch.ops.aten
 
@@ -36,7 +36,6 @@ ACTIVATIONS = {
     "gelu": (F.gelu, aten.gelu_backward),
     "relu": (F.relu, functools.partial(aten.threshold_backward, threshold=0)),
 }
-BUDGET = 256 << 20  # bytes of one tile's [tokens, intermediate] intermediate (`tiles_for`)
 
 
 def _checked(activation: str, tiles: int):
@@ -45,19 +44,6 @@ def _checked(activation: str, tiles: int):
     if tiles < 1:
         raise ValueError(f"gated_mlp: tiles must be at least 1 (got {tiles})")
     return ACTIVATIONS[activation]
-
-
-def tiles_for(tokens: int, intermediate: int, itemsize: int, budget_bytes: int = BUDGET) -> int:
-    """The fewest tiles whose largest, ceil(tokens / tiles) rows of [.., intermediate] itemsize-byte
-    elements, fits in budget_bytes: at least 1, at most tokens (one row a tile, even over budget)."""
-    rows = budget_bytes // max(1, intermediate * itemsize)  # rows a tile may have
-    if rows < 1:
-        return max(1, tokens)
-    return max(1, min(tokens, -(-tokens // rows)))
-
-
-def _split(t: torch.Tensor, tiles: int):
-    return torch.tensor_split(t, tiles) if tiles > 1 else (t,)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -78,7 +64,7 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
     gate, up, down = (w.to(x.dtype) for w in (gate, up, down))
     x2 = x.reshape(-1, x.shape[-1])
     out = x.new_empty(x2.shape)
-    for xt, ot in zip(_split(x2, tiles), _split(out, tiles)):
+    for xt, ot in zip(split(x2, tiles), split(out, tiles)):
         if xt.shape[0]:
             h = act(xt @ gate.t())
             h.mul_(xt @ up.t())
@@ -107,8 +93,8 @@ def gated_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, gate: torch.Tens
     x2 = x.reshape(-1, x.shape[-1])
     grad2 = grad_out.reshape(x2.shape).to(x.dtype)
     dx = torch.empty_like(x2) if need_dx else x.new_empty(0)
-    dx_tiles = _split(dx, tiles) if need_dx else (None,) * len(_split(x2, tiles))
-    for xt, gt, dxt in zip(_split(x2, tiles), _split(grad2, tiles), dx_tiles):
+    dx_tiles = split(dx, tiles) if need_dx else (None,) * len(split(x2, tiles))
+    for xt, gt, dxt in zip(split(x2, tiles), split(grad2, tiles), dx_tiles):
         if not xt.shape[0]:
             continue
         g, u = xt @ w_gate.t(), xt @ w_up.t()  # recomputed: forward kept only x
@@ -187,19 +173,19 @@ def _plain_linear(module) -> bool:
 def _tiled_forward(module, activation: str, tiles_of, x):
     return torch.ops.lazytrain.gated_mlp(x, module.gate_proj.weight, module.up_proj.weight,
                                          module.down_proj.weight, activation,
-                                         tiles_of(x, module.gate_proj.weight.shape[0]))
+                                         tiles_of(x, module.gate_proj.weight.shape[0], x.element_size()))
 
 
 def swap_mlps(model: torch.nn.Module, tiles_of) -> int:
     """Make every gated MLP of model (a submodule whose class name ends in "MLP", with gate_proj,
     up_proj and down_proj plain nn.Linear children without bias and an act_fn `activation_name`
     knows, and whose forward is the gated MLP's line, `_GATED`) compute through `lazytrain::gated_mlp`,
-    with tiles_of(x, intermediate size) tiles for its input x: its
+    with tiles_of(x, intermediate size, x's itemsize) tiles for its input x: its
     forward, set on the instance, calls the operator with its own weights (parameters and their names
     are unchanged). Others are left alone. Returns how many were swapped; `restore_mlps` undoes it."""
-    swapped = 0
+    count = 0
     for module in model.modules():
-        if not type(module).__name__.endswith("MLP") or _swapped(module):
+        if not type(module).__name__.endswith("MLP") or swapped(module, _tiled_forward):
             continue
         projections = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
         if not all(_plain_linear(p) for p in projections):
@@ -207,53 +193,21 @@ def swap_mlps(model: torch.nn.Module, tiles_of) -> int:
         name = activation_name(getattr(module, "act_fn", None))
         if name is None or not _computes_gated_mlp(type(module)):
             continue
-        module.forward = functools.partial(_tiled_forward, module, name, tiles_of)
-        swapped += 1
-    return swapped
+        swap_forward(module, _tiled_forward, name, tiles_of)
+        count += 1
+    return count
 
 
-# the forwards of transformers' gated MLPs (Qwen2, Llama, Gemma3, Mistral, ...), whitespace removed:
+# the forwards of transformers' gated MLPs (Qwen2, Llama, Gemma3, Mistral, ...) as `body_of` reads them:
 # a class named like one but computing something else is left alone
 _PRODUCT = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
 _GATED = (f"down_proj={_PRODUCT}returndown_proj", f"return{_PRODUCT}")
 
 
 def _computes_gated_mlp(cls) -> bool:
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # no source to read: not known to be one
-        return False
-    body = "".join(source.split(":", 1)[1].split()) if ":" in source else ""
-    return body in _GATED
-
-
-@contextlib.contextmanager
-def tiled_mlps(model: torch.nn.Module, tile_bytes: int):
-    """While it is held, `model`'s gated MLPs compute in tiles whose intermediate takes at most
-    `tile_bytes` (`swap_mlps`; 0: nothing changes): what a compile captures (CompileOptions.mlp_tile_bytes)."""
-    if not tile_bytes:
-        yield 0
-        return
-    def tiles_of(x: torch.Tensor, intermediate: int) -> int:
-        return tiles_for(x.numel() // x.shape[-1], intermediate, x.element_size(), tile_bytes)
-
-    swapped = swap_mlps(model, tiles_of)
-    try:
-        yield swapped
-    finally:
-        restore_mlps(model)
-
-
-def _swapped(module) -> bool:
-    forward = vars(module).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _tiled_forward
+    return body_of(cls.forward) in _GATED
 
 
 def restore_mlps(model: torch.nn.Module) -> int:
     """Give the MLPs `swap_mlps` changed their class's forward back; returns how many."""
-    restored = 0
-    for module in model.modules():
-        if _swapped(module):
-            del module.forward
-            restored += 1
-    return restored
+    return restore(model, _tiled_forward)

@@ -112,6 +112,16 @@ def _gated_mlp(node, graph):
     return 6.0 * (x.numel // x.shape[-1]) * gate.shape[0] * gate.shape[1]
 
 
+RMS_NORM = "lazytrain.rms_norm.default"  # NOTE: [Tiled RMSNorm] in kernels/tiled_norm.py
+
+
+# A tiled RMSNorm runs the eager norm's kernels a tile at a time: priced as they are. Their passes
+# over its input and output (x + y, 4 bytes an element in bf16): the float32 cast 6, the square 8,
+# the mean 4, x * rsqrt 8, the cast back 6, the weight's product 4: 36 bytes, 9 passes; backward
+# recomputes those and runs the eager backward's 48: (36 + 48) / 36 of the forward.
+rule(RMS_NORM, bwd_factor=7 / 3, passes=9.0)(lambda node, graph: 0.0)
+
+
 DOCUMENT_ATTENTION = "lazytrain.document_attention.default"  # NOTE: [Document attention] in kernels/documents.py
 ATTENTION = ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention.default",
              "aten._scaled_dot_product_efficient_attention.default", DOCUMENT_ATTENTION)
