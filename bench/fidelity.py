@@ -53,7 +53,7 @@ class Case:
     budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
     clipping: str = "off"  # the run clips at norm 1.0 unless "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
     host: str = ""  # compiled for the profile with this much host memory, with the disk tier (`--disk`)
-    tile: str = ""  # --tile-bytes: gated MLPs in tiles of tokens (NOTE: [Tiled MLP] in kernels/tiled_mlp.py)
+    tile: str = ""  # --tile-bytes: gated MLPs and RMSNorms in tiles of tokens (NOTE: [Tiled MLP], [Tiled RMSNorm])
 
     @property
     def name(self) -> str:
