@@ -120,7 +120,7 @@ def compile_options(args):
     """The CompileOptions of `lazytrain compile`'s flags."""
     import torch
 
-    from lazytrain.options import CompileOptions
+    from lazytrain.options import FUSE_STAGES, CompileOptions
     from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 
     return CompileOptions(budget=args.budget, time_limit=args.time_limit,
@@ -128,19 +128,19 @@ def compile_options(args):
                           optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                           loss_chunk_bytes=LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes,
                           tile_bytes=args.tile_bytes, world_size=args.world_size, shard_state=False if args.replicate_state else None,
-                          clipping=args.clipping, disk=args.disk)
+                          clipping=args.clipping, disk=args.disk, fuse_stages=FUSE_STAGES[args.fuse_stages])
 
 
 def train_options(args):
     """The CompileOptions of `lazytrain train`'s flags, for compiling on the fly: the master weights
     (when not given: the model's dtype's), the ranks and their sharding are the run's to fill in
     (`train/loop.py`)."""
-    from lazytrain.options import CompileOptions
+    from lazytrain.options import FUSE_STAGES, CompileOptions
 
     clipping = args.clipping if args.max_grad_norm is not None else "off"  # NOTE: [Gradient clipping] in runtime/stepping.py
     return CompileOptions(budget=args.budget, time_limit=args.time_limit, optimizer_states=args.optimizer_states or "32bit",
                           master_weights=args.master_weights or "fp32", clipping=clipping, disk=args.disk,
-                          tile_bytes=args.tile_bytes)
+                          tile_bytes=args.tile_bytes, fuse_stages=FUSE_STAGES[args.fuse_stages])
 
 
 def cmd_compile(args) -> int:
@@ -236,6 +236,10 @@ def parser() -> argparse.ArgumentParser:
                    help="let the plan keep optimizer states, and stage outputs between forward and backward, on disk "
                         "where host memory runs short (the profile's disk_bytes and disk rates; bind's offload_dir "
                         "holds them)")
+    c.add_argument("--fuse-stages", choices=["auto", "on", "off"], default="auto",
+                   help="plan for stage bodies compiled by Inductor, their element-wise work priced at the profile's "
+                        "fused_elementwise_factor (the schedule's FUSED, which `lazytrain train` follows on a GPU): "
+                        "auto (default) for a CUDA hardware profile, off for the CPU's")
     c.set_defaults(fn=cmd_compile)
 
     i = sub.add_parser("inspect", help="summarise a compiled schedule")
@@ -285,7 +289,8 @@ def parser() -> argparse.ArgumentParser:
                    help=_TILES + "; when compiling on the fly")
     t.add_argument("--fuse-stages", choices=["auto", "on", "off"], default="auto",
                    help="run each block kind's stage body compiled by torch.compile (Inductor), fusing its "
-                        "element-wise work: auto (default) on a GPU, off on the CPU; the first steps compile, and "
+                        "element-wise work: auto (default) as the schedule was planned (its FUSED) on a GPU, off on "
+                        "the CPU; on or off also plans so when compiling on the fly; the first steps compile, and "
                         "that time is printed and not counted in their tok/s")
     t.add_argument("--disk", action="store_true",
                    help="when compiling on the fly: let the plan keep optimizer states, and stage outputs between "

@@ -29,6 +29,18 @@ _FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _FULL_TEXTS = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
 
 
+def caching() -> bool:
+    """Whether lazytrain's on-disk caches (plans, compiled stage bodies) are used: not under
+    `LAZYTRAIN_NO_CACHE=1`."""
+    return os.environ.get("LAZYTRAIN_NO_CACHE", "") in ("", "0")
+
+
+def cache_dir(name: str) -> Path:
+    """`$XDG_CACHE_HOME/lazytrain/NAME` (else `~/.cache/lazytrain/NAME`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lazytrain" / name
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it was raised from) reports a full disk or quota."""
     seen = set()

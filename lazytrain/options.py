@@ -23,6 +23,8 @@ from lazytrain.ir.stages import CLIPPING_MODES, MASTER_BYTES, STATE_BYTES, Stage
 from lazytrain.passes.chunk import LOSS_CHUNK_BYTES
 
 BUDGET_WORDS = ("min", "max")  # the smallest feasible budget; the device's memory (as None)
+# --fuse-stages: auto follows the hardware profile (compile) or, on a GPU, the schedule's FUSED (train)
+FUSE_STAGES = {"auto": None, "on": True, "off": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +48,10 @@ class CompileOptions:
     runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
     previous step's) or "off" (bind then refuses `max_grad_norm`). `disk` lets the plan keep host-stepped
     stages' optimizer states on disk where host memory runs short (NOTE: [Disk-resident states] in
-    solver/disk_model.py); the runtime keeps them under bind's `offload_dir`."""
+    solver/disk_model.py); the runtime keeps them under bind's `offload_dir`.
+    `fuse_stages` prices the stages whose bodies the runtime compiles with Inductor at their fused
+    time, and records `FUSED = True` in the schedule (NOTE: [Fused stage prices] in passes/fusion.py):
+    None (the default) for a CUDA hardware profile and not for the CPU's, True or False to choose."""
 
     budget: int | str | None = None
     time_limit: float = 60.0
@@ -59,6 +64,7 @@ class CompileOptions:
     shard_state: bool | None = None
     clipping: str = "exact"
     disk: bool = False
+    fuse_stages: bool | None = None
 
     def __post_init__(self):
         b = self.budget
@@ -93,6 +99,14 @@ class CompileOptions:
             raise PlanError(f"clipping {self.clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
         if not isinstance(self.disk, bool):
             raise PlanError(f"disk {self.disk!r} is not a choice; pass True (the plan may use the disk tier) or False")
+        if not isinstance(self.fuse_stages, (bool, type(None))):
+            raise PlanError(f"fuse_stages {self.fuse_stages!r} is not a choice; pass True (stage bodies compiled by "
+                            "Inductor), False (eager) or None (compiled for a CUDA hardware profile)")
+
+    def fused(self, hw: Hardware) -> bool:
+        """Whether the plan is for fused stage bodies: as asked, else on a CUDA hardware profile (where
+        `lazytrain train --fuse-stages auto` compiles them)."""
+        return self.fuse_stages if self.fuse_stages is not None else hw.device == "cuda"
 
     @property
     def sharded(self) -> bool:
@@ -119,7 +133,7 @@ def from_settings(options: CompileOptions | None, budget, settings: dict) -> Com
 
 def apply_options(stages: Stages, options: CompileOptions, hw: Hardware) -> Stages:
     """The stages with the fields the options decide: state and master bytes per parameter, the
-    ranks and whether their state is sharded, the clipping mode and the disk tier."""
+    ranks and whether their state is sharded, the clipping mode, the disk tier and fused bodies."""
     if options.sharded and not hw.link_bandwidth > 0:
         raise PlanError(
             f"hardware profile '{hw.name}' has no link_bandwidth (the data-parallel ranks' all-gather bandwidth), which "
@@ -127,7 +141,8 @@ def apply_options(stages: Stages, options: CompileOptions, hw: Hardware) -> Stag
             "machine, or add \"link_bandwidth\" (bytes/s) to the profile, or replicate the state (--replicate-state)")
     return dataclasses.replace(stages, state_bytes=STATE_BYTES[options.optimizer_states],
                                master_bytes=MASTER_BYTES[options.master_weights], world_size=options.world_size,
-                               sharded=options.sharded, clipping=options.clipping, disk=options.disk)
+                               sharded=options.sharded, clipping=options.clipping, disk=options.disk,
+                               fused=options.fused(hw))
 
 
 def check_budget(options: CompileOptions, hw: Hardware) -> None:

@@ -1,6 +1,6 @@
 """The compiler pipeline: one straight-line function of named stages.
 
-    capture -> causal -> costs -> liveness -> blocks -> chunk -> solve -> lower -> verify -> codegen
+    capture -> causal -> costs -> liveness -> blocks -> chunk -> fusion -> solve -> lower -> verify -> codegen
 
 `limits` (the decisions a stage can never take, and why) is a side table of the chunked stages:
 `solve` closes those decisions, codegen prints the reasons, and `--dump-ir` writes it with `chunk`.
@@ -40,6 +40,7 @@ from lazytrain.passes.blocks import blocks
 from lazytrain.passes.causal import causal
 from lazytrain.passes.chunk import chunk, decide
 from lazytrain.passes.costs import costs
+from lazytrain.passes.fusion import fusion
 from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import lower
@@ -95,7 +96,7 @@ class _Hook:
 
 def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "", hook: _Hook | None = None, *,
             options: CompileOptions | None = None, **settings):
-    """The stages before the solver: capture, costs, liveness, blocks, chunk; the model cast to the
+    """The stages before the solver: capture, costs, liveness, blocks, chunk, fusion; the model cast to the
     options' dtype first, the stages given the fields the options decide (`apply_options`)."""
     options = from_settings(options, None, settings)
     hook = hook or _Hook(None, False)
@@ -118,6 +119,8 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     hook.dump(4, "blocks", stages_text(stages))
     decision = hook.run("chunk", decide, graph, stages, options.loss_chunk_bytes)
     chunked = chunk(stages, decision, hw.bytes_per_s)
+    # NOTE: [Fused stage prices] in passes/fusion.py: after chunk, which decides what cannot fuse
+    chunked = hook.run("fusion", fusion, chunked, hw.fused_elementwise_factor)
     hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + limits_text(chunked, limits(chunked)) + stages_text(chunked))
     return graph, chunked
 
@@ -157,7 +160,7 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
     trace = hook.run("verify", verify, schedule)
     hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
     text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, options.optimizer_states,
-                    options.master_weights, options.world_size)
+                    options.master_weights, options.world_size, fused_factor=hw.fused_elementwise_factor)
     return Compiled(graph, stages, plan, schedule, trace, text, hw, options)
 
 

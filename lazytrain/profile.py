@@ -8,6 +8,7 @@ ranks' link (NOTE: [Link bandwidth] in hardware/__init__.py); rank 0 writes the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -135,11 +136,50 @@ def profile(output: str | Path, quick: bool = False, offload_dir: str | Path | N
         # NOTE: [Device steps of bf16 masters]: the H200's ratios (bench/gpu_step.py measures them)
         gpu_round_params_per_s=0.64 * gpu_adamw if cuda else 0.0, gpu_round_tensor_s=1.4e-4 if cuda else 0.0,
     )
+    if cuda:  # NOTE: [Fused stage prices] in passes/fusion.py
+        hw = dataclasses.replace(hw, fused_elementwise_factor=fused_factor(hw, quick))
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(output).write_text(json.dumps(asdict(hw), indent=1) + "\n")
     return hw
+
+
+# A Qwen2.5-1.5B decoder layer (hidden, intermediate, heads, kv heads) with a small vocabulary, so
+# the loss stage (which never fuses when chunked) is a small part of the step measured
+FUSED_LAYER = (1536, 8960, 12, 2)
+
+
+def fused_factor(hw: Hardware, quick: bool) -> float:
+    """The profile's `fused_elementwise_factor` (NOTE: [Fused stage prices] in passes/fusion.py): a
+    one-layer bf16 model's forward and backward on this GPU eager and compiled by Inductor, with the
+    element-wise share of its eager time that the cost model gives it on `hw`; 1.0 (not known) where
+    the compile fails."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lazytrain.passes.fusion import elementwise_share, factor_from_times
+    from lazytrain.pipeline import analyse
+
+    hidden, inter, heads, kv = FUSED_LAYER
+    rows, seq = (4 if quick else 8), 1024
+    config = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=heads,
+                         num_key_value_heads=kv, vocab_size=512, max_position_embeddings=seq, use_cache=False,
+                         attn_implementation="sdpa")
+    with torch.device("meta"):
+        meta = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    _, stages = analyse(meta, {"input_ids": ids, "labels": ids}, hw, fuse_stages=False)
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (rows, seq), device="cuda")
+    step = lambda m: m(input_ids=ids, labels=ids).loss.backward()  # noqa: E731
+    eager = _median_time(lambda: step(model), sync=torch.cuda.synchronize)
+    try:
+        compiled = torch.compile(model, dynamic=False)
+        fused = _median_time(lambda: step(compiled), sync=torch.cuda.synchronize)
+    except Exception as exc:  # noqa: BLE001  (any compile failure: the factor stays unknown)
+        print(f"profile: fused stage bodies not measured, the compile failed: {type(exc).__name__}")
+        return 1.0
+    return factor_from_times(eager, fused, elementwise_share(stages))
 
 
 def _link_bandwidth(quick: bool) -> float:

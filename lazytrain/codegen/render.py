@@ -17,7 +17,7 @@ from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec
 from lazytrain.ir.placement import Outputs, Placement
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
-from lazytrain.ir.stages import Stages
+from lazytrain.ir.stages import Stages, eager_reason, fusable
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.limits import limits
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
@@ -174,8 +174,40 @@ def _stage_line(graph: Graph, s, p: Placement, lim, from_master: bool, optimizer
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),")
 
 
+def _runs(indices: list[int]) -> str:
+    """Stage indices as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def fused_lines(stages: Stages, factor: float) -> list[str]:
+    """The header's account of the fused regions (NOTE: [Fused stages] in runtime/fused.py): which
+    stages run compiled by Inductor and which stay eager, and why."""
+    if not stages.fused:
+        return ["no: every stage runs its ATen calls below, eager (the plan priced them so)"]
+    compiled = [s for s in stages if fusable(s)]
+    price = (f"their element-wise time priced at {factor:.2f} of eager" if factor < 1
+             else "priced as eager (the hardware profile has no fused rate)")
+    lines = ["yes: on a GPU the stage bodies below run compiled by Inductor (torch.compile), one compile per "
+             "kind; the ATen calls are what they compute"]
+    if compiled:
+        kinds = ", ".join(dict.fromkeys(s.kind for s in compiled))
+        lines.append(f"  compiled: stage{'s' if len(compiled) > 1 else ''} {_runs([s.index for s in compiled])} "
+                     f"(kind{'s' if ',' in kinds else ''} {kinds}), {price}")
+    for s in stages:
+        if not fusable(s):
+            lines.append(f"  eager:    stage {s.index} {s.name} ({eager_reason(s)})")
+    return lines
+
+
 def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: dict, hardware: str,
-           optimizer_states: str = "32bit", master_weights: str = "fp32", world_size: int = 1) -> str:
+           optimizer_states: str = "32bit", master_weights: str = "fp32", world_size: int = 1,
+           fused_factor: float = 1.0) -> str:
     buffers = {b.name: b for b in schedule.buffers}
     names = [s.name for s in stages]
     closed = limits(stages)
@@ -213,5 +245,6 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
         world_size=world_size, ranks_text=_ranks_text(world_size, stages.sharded and world_size > 1),
         sharded=stages.sharded and world_size > 1, clipping=stages.clipping, clipping_text=CLIPPING_TEXT[stages.clipping],
+        fused=stages.fused, fused_lines=fused_lines(stages, fused_factor),
     )
     return text.replace('CHECKSUM = "@CHECKSUM@"', f'CHECKSUM = "{checksum(text)}"')

@@ -100,6 +100,10 @@ class Hardware:
     # (1.0, 0.0) every step runs alone after backward, in series with compute.
     gpu_step_lost: float = 1.0
     gpu_step_pace: float = 0.0
+    # The time of a fused stage's element-wise work over its eager time, where the runtime compiles
+    # stage bodies with Inductor (NOTE: [Fused stage prices] in passes/fusion.py); 1.0: not known,
+    # fused stages are priced eager.
+    fused_elementwise_factor: float = 1.0
 
     @property
     def max_budget(self) -> int:
@@ -172,8 +176,10 @@ def load(name_or_path: str | Path | None = None) -> Hardware:
 # The rest are counts, shares and measured extras, where zero means "none" or "not measured".
 _POSITIVE = {"gpu_memory_bytes", "host_memory_bytes", "achieved_fraction", "mem_bandwidth", "h2d_bandwidth",
              "d2h_bandwidth", "duplex_bandwidth", "pageable_h2d_bandwidth", "host_memcpy_bandwidth",
-             "cpu_adamw_params_per_s", "gpu_adamw_params_per_s", "attention_fraction", "host_fraction"}
-_SHARES = {"achieved_fraction", "attention_fraction", "host_fraction"}  # of a measured alone rate: at most 1
+             "cpu_adamw_params_per_s", "gpu_adamw_params_per_s", "attention_fraction", "host_fraction",
+             "fused_elementwise_factor"}
+# of a measured alone rate (or time): at most 1
+_SHARES = {"achieved_fraction", "attention_fraction", "host_fraction", "fused_elementwise_factor"}
 
 
 def _check_values(path: Path, data: dict, fix: str) -> None:

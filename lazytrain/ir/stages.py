@@ -45,11 +45,29 @@ class Stage:
     skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
     backward_bytes: int = 0  # most of its saved values and internal gradients live in its backward (NOTE: [Backward memory])
     saving_peak_bytes: int = 0  # its forward's peak with autograd keeping what it saves (a saving forward)
+    # the share of `fwd_s` and `bwd_s` its element-wise operators take when run eager (NOTE: [Fused
+    # stage prices] in passes/fusion.py); its recompute runs them all (skips are linears)
+    elementwise_s: float = 0.0
+    elementwise_bwd_s: float = 0.0
 
     @property
     def chain(self) -> bool:
         """Its outputs are read by the next stage alone (a candidate for drop-and-recompute)."""
         return self.consumers == (self.index + 1,)
+
+
+def fusable(stage) -> bool:
+    """Whether a stage's body runs compiled when stage bodies are fused (NOTE: [Fused stages] in
+    runtime/fused.py): not a chunked loss (its slices run in runtime/chunked.py), nor a stage that
+    draws random numbers (its recompute replays the forward's generator state). One predicate for
+    the planner, which prices these stages fused, and the runtime, which compiles them: any object
+    with `chunks` and `random` (the IR's `Stage`, the schedule's)."""
+    return stage.chunks == 1 and not stage.random
+
+
+def eager_reason(stage) -> str:
+    """Why a stage that is not `fusable` stays eager."""
+    return "chunked loss" if stage.chunks != 1 else "draws random numbers"
 
 
 CLIPPING_MODES = ("exact", "previous-norm", "off")  # NOTE: [Gradient clipping] in runtime/stepping.py
@@ -71,6 +89,7 @@ class Stages:
     sharded: bool = False  # with world_size > 1: each rank keeps 1/N of the optimizer state (solver/shards.py)
     disk: bool = False  # the plan may keep host-stepped stages' optimizer states on disk (NOTE: [Disk-resident states] in solver/disk_model.py)
     clipping: str = "exact"  # gradient clipping the plan runs with: "exact", "previous-norm" or "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
+    fused: bool = False  # fusable stages run compiled by Inductor, and are priced so (NOTE: [Fused stage prices] in passes/fusion.py)
 
     def __iter__(self):
         return iter(self.stages)

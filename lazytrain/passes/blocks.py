@@ -149,6 +149,8 @@ def blocks(graph: Graph, costs: dict[str, NodeCost], last_use: dict[str, int], o
             fwd_s=sum(costs[n].time_s for n in names),
             bwd_s=sum(costs[n].bwd_time_s for n in names),
             remat_s=sum(costs[n].time_s for n in names if n not in skipped),
+            elementwise_s=sum(costs[n].time_s for n in names if costs[n].elementwise),
+            elementwise_bwd_s=sum(costs[n].bwd_time_s for n in names if costs[n].elementwise),
             random=any(draws_random(graph[n]) for n in names),
             largest_numel=max((graph[p].spec.numel for p in params), default=0),
             skips=skipped,

@@ -25,6 +25,7 @@ class NodeCost:
     time_s: float  # forward
     bwd_time_s: float
     alias: bool  # the output is a view of an input: it owns no memory
+    elementwise: bool = False  # neither a matmul, attention nor a view: work Inductor fuses (NOTE: [Fused stage prices])
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,18 @@ def rule(*targets: str, bwd_factor: float = 1.0, alias: bool = False, passes: fl
 
 def _in(node: Node, graph: Graph, i: int) -> TensorSpec:
     return graph[node.args[i].value].spec
+
+
+def _fuses(node: Node, alias: bool) -> bool:
+    """Element-wise work Inductor fuses (NOTE: [Fused stage prices] in passes/fusion.py): neither a
+    view, a matmul, attention, nor one of lazytrain's own operators, which it calls as they are
+    (kernels/: a tiled norm runs the same kernels compiled or not)."""
+    return not alias and node.target not in MATMULS and node.target not in ATTENTION \
+        and not str(node.target).startswith("lazytrain.")
+
+
+MATMULS = ("aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.addmm.default",
+           "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "lazytrain.gated_mlp.default")
 
 
 @rule("aten.linear.default", bwd_factor=2.0)
@@ -278,5 +291,6 @@ def costs(graph: Graph, hw: Hardware) -> dict[str, NodeCost]:
         rate = hw.flops_for(dtype) * (hw.attention_share(_keys(node, graph)) if node.target in ATTENTION else 1.0)
         t = 0.0 if alias else max(flops / rate, r.passes * nbytes / hw.bytes_per_s) + hw.op_overhead_s
         bwd = t * (r.bwd_factor if r.alias == alias else 1.0)
-        table[node.name] = NodeCost(flops, nbytes, t, bwd + _gradient_sums_s(node, users[node.name], rg, hw), alias)
+        table[node.name] = NodeCost(flops, nbytes, t, bwd + _gradient_sums_s(node, users[node.name], rg, hw), alias,
+                                    _fuses(node, alias))
     return table

@@ -26,18 +26,37 @@ place of `fn`; the schedule's text, the readable reference, is unchanged.
 Compiled kernels are cached on disk by Inductor (its FX graph and AOTAutograd caches, keyed by the
 graph), so a second run of the same schedule compiles in seconds; `compile_seconds()` reports the
 time spent compiling so far, which `lazytrain train` prints and keeps out of the step's figure.
+Whether a schedule's stages fuse is the plan's choice (`FUSED`, NOTE: [Fused stage prices] in
+passes/fusion.py: fused stages are priced at their fused time); `choose` follows it on a GPU.
+
+NOTE: [Compile cache]
+Inductor's caches (FX graphs, AOTAutograd, Triton kernels) go under the plan cache's folder, keyed
+as plans are by what the stages compute: `$XDG_CACHE_HOME/lazytrain/inductor/<FINGERPRINT[:16]>`
+(else `~/.cache/lazytrain/...`), one folder per traced graph, so schedules of one model and batch
+at any budget share their kernels, and removing `~/.cache/lazytrain` removes both caches. `fuse`
+points Inductor there (its `TORCHINDUCTOR_CACHE_DIR`, which it reads at each compile) for the whole
+process, the folder of the last schedule bound. Inductor still keys each entry by its graph, so a
+folder shared or reused never gives a stage another's kernels. A `TORCHINDUCTOR_CACHE_DIR` set
+before the runtime is imported is left as it is, and so is Inductor's default under
+`LAZYTRAIN_NO_CACHE=1`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
+from pathlib import Path
 from types import CodeType
 from typing import Callable
 
 import torch
 
+from lazytrain.files import cache_dir, caching
+from lazytrain.ir.stages import fusable
+
+_ASKED_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # NOTE: [Compile cache]: the user's, if any
 
 def _body(code: CodeType, doc: str | None = None) -> tuple:
     """What a function computes, without its names or docstring (which names its stage): equal
@@ -47,9 +66,28 @@ def _body(code: CodeType, doc: str | None = None) -> tuple:
             tuple(_body(c) if isinstance(c, CodeType) else c for c in consts))
 
 
-def fusable(stage) -> bool:
-    """Whether a stage's body is compiled (NOTE: [Fused stages]): not a chunked loss, nor random."""
-    return stage.chunks == 1 and not stage.random
+def choose(module, device: torch.device, fuse_stages: bool | None) -> bool:
+    """Whether a trainer on `device` runs `module`'s stage bodies compiled: None follows the plan
+    (`FUSED`) on a GPU and stays eager on the CPU; True or False as asked, with a warning where
+    that differs from the plan, whose predicted step times were priced the other way."""
+    planned = bool(getattr(module, "FUSED", False))
+    if fuse_stages is None:
+        return planned and device.type == "cuda"
+    if fuse_stages != planned:
+        warnings.warn(f"fuse_stages={fuse_stages}: this schedule was planned with stage bodies "
+                      f"{'compiled' if planned else 'eager'} (FUSED = {planned}), so its predicted step times price "
+                      f"them {'fused' if planned else 'eager'}; recompile with --fuse-stages "
+                      f"{'on' if fuse_stages else 'off'} to plan for {'fused' if fuse_stages else 'eager'} bodies",
+                      stacklevel=3)
+    return fuse_stages
+
+
+def compile_cache(fingerprint: str) -> Path | None:
+    """Where Inductor caches the compiled bodies of a schedule of this graph (NOTE: [Compile cache]):
+    None where the user chose the folder, or caching is off."""
+    if _ASKED_DIR is not None or not caching():
+        return None
+    return cache_dir("inductor") / fingerprint[:16]
 
 
 class _Timed:
@@ -65,7 +103,7 @@ class _Timed:
         if self.failed:
             return self.fallback(*args, **kwargs)
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
+        start, backward = time.perf_counter(), _backward_compiles()
         try:
             out = self.compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001  (any compile failure: the eager body is the same step)
@@ -73,13 +111,27 @@ class _Timed:
             warnings.warn(f"fused stages: {self.name} runs eager, its compile failed: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}", stacklevel=2)
             return self.fallback(*args, **kwargs)
-        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames:
-            _Timed.seconds += time.perf_counter() - start
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames:  # less a backward compiled here
+            _Timed.seconds += time.perf_counter() - start - (_backward_compiles() - backward)
         return out
 
 
-def fuse(stages) -> tuple:
-    """`stages` with each fusable stage's `fn` compiled, one compile per distinct body."""
+_BACKWARD = "compile_fx.<locals>.bw_compiler"  # Inductor's timer of a backward graph's compile
+
+
+def _backward_compiles() -> float:
+    """Seconds Inductor spent compiling backward graphs in this process: AOTAutograd compiles a
+    fused body's backward at its first backward call, outside the stage's own call (a cold cache
+    took 3 s of a CPU test's step, which the step's time had counted)."""
+    return sum(torch._dynamo.utils.compilation_time_metrics.get(_BACKWARD, ()))
+
+
+def fuse(stages, fingerprint: str = "") -> tuple:
+    """`stages` with each fusable stage's `fn` compiled, one compile per distinct body; Inductor's
+    caches under the schedule's `fingerprint` (NOTE: [Compile cache])."""
+    folder = compile_cache(fingerprint) if fingerprint else None
+    if folder is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     compiled: dict[tuple, _Timed] = {}
     out = []
     for stage in stages:
@@ -95,8 +147,9 @@ def fuse(stages) -> tuple:
 
 
 def compile_seconds() -> float:
-    """Seconds spent in calls of fused stages that compiled a graph, in this process so far."""
-    return _Timed.seconds
+    """Seconds spent compiling fused stage bodies in this process so far: the calls of fused stages
+    that compiled a graph, and the backward graphs compiled (`_backward_compiles`)."""
+    return _Timed.seconds + _backward_compiles()
 
 
 def bodies(stages) -> int:

@@ -39,7 +39,7 @@ from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_states import DiskStates
-from lazytrain.runtime.fused import fuse
+from lazytrain.runtime.fused import choose, fuse
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.gradients import Gradients
 from lazytrain.runtime.groups import Groups
@@ -72,16 +72,16 @@ class Trainer:
     state each rank keeps 1/N of it (NOTE: [Sharded state] in sharding.py), and `sharded_state_dict()`
     / `load_sharded_state_dict()` give it to torch.distributed.checkpoint (NOTE: [Sharded checkpoints]).
     `fuse_stages=True` runs each block kind's stage body compiled by torch.compile (NOTE: [Fused stages]
-    in fused.py); the first steps then compile."""
+    in fused.py); the first steps then compile. None (the default) follows the schedule's `FUSED` on a
+    GPU, and stays eager on the CPU; a choice other than `FUSED` warns (the plan priced the other)."""
 
     def __init__(self, module: ModuleType, model: torch.nn.Module, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm: float | None = None, device=None, foreach=None, fused=None,
                  serial_optimizer: bool = False, cap_memory: bool = True, process_group=None,
-                 offload_dir: str | None = None, disk_masters: DiskMasters | None = None, fuse_stages: bool = False):
+                 offload_dir: str | None = None, disk_masters: DiskMasters | None = None,
+                 fuse_stages: bool | None = None):
         self.m = module
         self.model = model
-        # NOTE: [Fused stages] in fused.py: the same stages, their bodies compiled
-        self.stages = fuse(module.STAGES) if fuse_stages else module.STAGES
         self.events: tuple[Event, ...] = module.EVENTS
         model_sync.land_previous(model)  # a trainer bound to it before: start from its updated weights
         tensors = bind_tensors(module, model)
@@ -92,6 +92,9 @@ class Trainer:
         check_device(module, self.device)
         self.device = indexed(self.device)
         self.cuda = self.device.type == "cuda"
+        # NOTE: [Fused stages] in fused.py: the same stages, their bodies compiled
+        self.fused = choose(module, self.device, fuse_stages)
+        self.stages = fuse(module.STAGES, module.FINGERPRINT) if self.fused else module.STAGES
         self.dp = DataParallel.for_schedule(module, process_group, self.device)  # NOTE: [Data parallel]
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
             total = torch.cuda.get_device_properties(self.device).total_memory

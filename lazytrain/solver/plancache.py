@@ -2,7 +2,7 @@
 
 The key is a SHA-256 of everything `solve` reads, written out canonically: every field of the
 `Stages` (sizes, times, consumers, names: the graph's fingerprint, which the batch and the
-optimizer options shape), every field of the `Hardware` profile (the states' GPU rate included),
+optimizer options shape; `fused`, whether stage bodies are priced compiled), every field of the `Hardware` profile (the states' GPU rate included),
 the budget, the gap, `FORMAT` and a hash of the step model's code (`code_digest`). Only plans the solver finished (status "optimal": within the gap)
 are stored: a plan cut short by the time limit is solved again next time. The directory is
 `$XDG_CACHE_HOME/lazytrain/plans` (else `~/.cache/lazytrain/plans`); `LAZYTRAIN_NO_CACHE=1` turns
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from lazytrain.errors import PlanError
+from lazytrain.files import cache_dir, caching
 from lazytrain.hardware import Hardware
 from lazytrain.ir.placement import NAMESPACE, Placement
 from lazytrain.ir.plan import Plan, SolverInfo
@@ -51,12 +52,11 @@ _DIGEST: list[str] = []
 
 
 def enabled() -> bool:
-    return os.environ.get("LAZYTRAIN_NO_CACHE", "") in ("", "0")
+    return caching()
 
 
 def directory() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lazytrain" / "plans"
+    return cache_dir("plans")
 
 
 def _canon(x):

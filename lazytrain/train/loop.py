@@ -27,7 +27,7 @@ from tqdm import tqdm
 from lazytrain.errors import CheckpointError, DataError, LazytrainError
 from lazytrain.files import write_atomic
 from lazytrain.ir.placement import Outputs, Tier
-from lazytrain.options import CompileOptions, check_budget
+from lazytrain.options import FUSE_STAGES, CompileOptions, check_budget
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.fused import compile_seconds
 from lazytrain.runtime.optim import master_dtype
@@ -221,7 +221,7 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
                             device=schedule.DEVICE,  # where its stages were captured for; over the default group
                             offload_dir=offload_dir, disk_masters=masters,
                             # NOTE: [Fused stages] in runtime/fused.py
-                            fuse_stages=args.fuse_stages == "on" or (args.fuse_stages == "auto" and schedule.DEVICE == "cuda"))
+                            fuse_stages=FUSE_STAGES[args.fuse_stages])
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(lr.warmup_steps, lr.steps, lr.min_lr_ratio))
     start = 0
     if found is not None:
