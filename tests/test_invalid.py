@@ -65,6 +65,30 @@ def test_budget_message_tiny_gpt(gpt):
         compile_model(meta, batch, 200 * 1024, "cpu")
 
 
+def test_a_plan_past_the_device_says_what_gpu_it_needs_and_where_the_bytes_go(gpt):
+    """NOTE: [Past the device] in solver/refusal.py: where the smallest budget is more than the
+    device has, raising --budget cannot help; the refusal names the GPU it needs and the largest
+    stage's backward, whose parts add up to what it says."""
+    import dataclasses
+
+    from lazytrain import hardware
+    from lazytrain.pipeline import analyse
+    from lazytrain.solver.refusal import backward_floor
+
+    meta, _, batch, smallest = gpt
+    small = dataclasses.replace(hardware.load("cpu"), gpu_memory_bytes=smallest // 2)
+    with pytest.raises(InfeasibleBudget) as info:
+        compile_model(meta, batch, "max", small)
+    text = str(info.value)
+    assert f"it needs a GPU of at least {format_size(smallest, round_up=True)}" in text, text
+    assert "Raise --budget" not in text and "Shrink the tokens per row or the batch" in text
+    _, stages = analyse(meta, batch, small)
+    floors = [backward_floor(stages, s) for s in range(len(stages.stages))]
+    floor, parts = max(floors, key=lambda f: f[0])
+    assert floor == sum(parts.values()) and 0 < floor <= smallest
+    assert f"backward alone holds {format_size(floor)} under any plan" in text, text
+
+
 def test_budget_message_distinguishes_budget_from_minimum():
     meta, _, batch = random_block_model(ModelSpec((BlockSpec("mlp", 24), BlockSpec("linear", 16)), table="const"))
     smallest = minimum_budget(meta, batch, "cpu")

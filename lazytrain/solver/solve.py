@@ -103,6 +103,7 @@ from lazytrain.solver.footprint import (
     shared_grad_bytes,
     weights_from_master,
 )
+from lazytrain.solver.refusal import past_device
 from lazytrain.solver.shards import sharded_deferred_bytes, sharded_tail, sharding
 from lazytrain.solver.step_model import StepModel, byte_unit
 from lazytrain.units import format_size
@@ -484,7 +485,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
             have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
         raise InfeasibleBudget(
             f"no plan fits a GPU budget of {have}; smallest feasible budget: {want}. "
-            f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}",
+            + (past_device(stages, hw, need) or f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}"),
             need,
         )
     # Time-out without a solution: use the best heuristic policy that fits.
