@@ -51,17 +51,19 @@ def test_bodies_that_differ_are_not_shared():
     assert fused._body(f.__code__, f.__doc__) != fused._body(h.__code__, h.__doc__)
 
 
-@pytest.mark.parametrize("plan", ["saved", "recomputed"])
+@pytest.mark.parametrize("plan", ["saved", "recomputed", "tiled"])
 def test_a_fused_step_equals_eager(plan):
     """Every layer's body compiled: the loss and gradients equal eager PyTorch's, with the layers'
     internals saved (autograd over the compiled forward) and recomputed (compiled forward without
-    autograd, then again with it before backward)."""
+    autograd, then again with it before backward), and with tiled MLPs and norms (lazytrain's
+    operators inside a compiled body, their backward through their own autograd formula)."""
     torch.manual_seed(0)
     batch = tiny_qwen.example_batch()
     model = tiny_qwen.build_model()
     reference = copy.deepcopy(model)
-    if plan == "saved":
-        module, _ = _schedule()
+    if plan in ("saved", "tiled"):
+        module, _ = _schedule(tile_bytes=1024 if plan == "tiled" else 0)
+        assert (plan == "tiled") == any("rms_norm" in s.fn.__code__.co_names for s in module.STAGES)
     else:
         from lazytrain import hardware
         from lazytrain.codegen.render import render
