@@ -339,6 +339,7 @@ def check_dcp_load(rank, world, name, source, path, saved_world):
 
     _, real, _ = pair(name)
     trainer, model = bind(source, real, max_grad_norm=0.5, **HP)
+    trainer.sync_model()  # the model's weights landed before the load are landed again after it
     sd = trainer.sharded_state_dict()
     dcp.load(sd, checkpoint_id=path)
     trainer.load_sharded_state_dict(sd)

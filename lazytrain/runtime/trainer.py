@@ -376,6 +376,8 @@ class Trainer:
             self.sharding.updated(s)
             if not streamed:  # a streamed stage's: by synchronize(), through its weight slot
                 self.sharding.gather_stage(s)
+        if self.model_weights is not None:  # landed before the load: gathered again (NOTE: [Sharded host weights])
+            self.model_weights.drop()
         self._model_behind = True
         self.sync_model()
 
