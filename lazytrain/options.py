@@ -96,11 +96,10 @@ class CompileOptions:
             raise PlanError(f"shard_weights {self.shard_weights!r} is not a choice; pass True (each rank's host keeps "
                             "1/N of the streamed weights), False (every rank keeps them whole) or None (sharded "
                             "wherever the state is)")
-        if self.shard_weights and not self.sharded:
-            why = "one process has no ranks to shard over" if self.world_size == 1 else \
-                "the optimizer state is replicated (shard_state=False, --replicate-state)"
-            raise PlanError(f"shard_weights=True shards the host weights over the ranks' sharded state, but {why}: "
-                            "compile with world_size > 1 and sharded state, or leave shard_weights unset")
+        if self.shard_weights and self.shard_state is False:  # one rank has nothing to shard: as shard_state
+            raise PlanError("shard_weights=True shards the host weights in the cut of the ranks' sharded state, but "
+                            "shard_state=False (--replicate-state) replicates the state: leave shard_weights unset, or "
+                            "shard the state (shard_state=None or True)")
         if self.clipping not in CLIPPING_MODES:
             raise PlanError(f"clipping {self.clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
         if not isinstance(self.disk, bool):
