@@ -128,6 +128,7 @@ def compile_options(args):
                           optimizer_states=args.optimizer_states, master_weights=args.master_weights,
                           loss_chunk_bytes=LOSS_CHUNK_BYTES if args.loss_chunk_bytes is None else args.loss_chunk_bytes,
                           tile_bytes=args.tile_bytes, world_size=args.world_size, shard_state=False if args.replicate_state else None,
+                          shard_weights=False if args.whole_host_weights else None,
                           clipping=args.clipping, disk=args.disk, fuse_stages=FUSE_STAGES[args.fuse_stages])
 
 
@@ -228,6 +229,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--replicate-state", action="store_true",
                    help="with --world-size > 1: every rank keeps the whole optimizer state and master weights (default: "
                         "each keeps 1/N of them, sharded)")
+    c.add_argument("--whole-host-weights", action="store_true",
+                   help="with sharded state: every rank's host keeps the whole compute-dtype weights of the streamed "
+                        "blocks (default: each keeps 1/N of them, all-gathered over the GPU link at every prefetch)")
     c.add_argument("--clipping", choices=["exact", "previous-norm", "off"], default="exact",
                    help="the gradient clipping planned for (bind's max_grad_norm): exact (default; optimizer steps on "
                         "the host wait for the end of backward), previous-norm (clip by the previous step's norm; "

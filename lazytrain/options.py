@@ -44,6 +44,9 @@ class CompileOptions:
     rank's (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
     sharded for several ranks) shards master weights and optimizer states over
     the ranks (NOTE: [Sharded state] in runtime/sharding.py); False replicates them on every rank.
+    `shard_weights` (None: the default, sharded wherever the state is) also keeps 1/N of every
+    streamed block's compute-dtype weights in each rank's host memory, all-gathered at every
+    prefetch (NOTE: [Sharded host weights] in runtime/host_weights.py); False keeps them whole.
     `clipping` is the gradient clipping the schedule runs with (NOTE: [Gradient clipping] in
     runtime/stepping.py): "exact" (the global norm of this step's gradients), "previous-norm" (the
     previous step's) or "off" (bind then refuses `max_grad_norm`). `disk` lets the plan keep host-stepped
@@ -62,6 +65,7 @@ class CompileOptions:
     tile_bytes: int = 0
     world_size: int = 1
     shard_state: bool | None = None
+    shard_weights: bool | None = None
     clipping: str = "exact"
     disk: bool = False
     fuse_stages: bool | None = None
@@ -95,6 +99,14 @@ class CompileOptions:
         if not isinstance(self.shard_state, (bool, type(None))):
             raise PlanError(f"shard_state {self.shard_state!r} is not a choice; pass True (shard over the ranks), "
                             "False (replicate on every rank) or None (sharded for several ranks)")
+        if not isinstance(self.shard_weights, (bool, type(None))):
+            raise PlanError(f"shard_weights {self.shard_weights!r} is not a choice; pass True (each rank's host keeps "
+                            "1/N of the streamed weights), False (every rank keeps them whole) or None (sharded "
+                            "wherever the state is)")
+        if self.shard_weights and self.shard_state is False:  # one rank has nothing to shard: as shard_state
+            raise PlanError("shard_weights=True shards the host weights in the cut of the ranks' sharded state, but "
+                            "shard_state=False (--replicate-state) replicates the state: leave shard_weights unset, or "
+                            "shard the state (shard_state=None or True)")
         if self.clipping not in CLIPPING_MODES:
             raise PlanError(f"clipping {self.clipping!r} is not a mode; use one of {', '.join(CLIPPING_MODES)}")
         if not isinstance(self.disk, bool):
@@ -113,6 +125,12 @@ class CompileOptions:
         """Each rank keeps 1/N of the master weights and optimizer states (NOTE: [Sharded state] in
         runtime/sharding.py): by default with several ranks, 32-bit or 8-bit states alike."""
         return self.world_size > 1 and (self.shard_state if self.shard_state is not None else True)
+
+    @property
+    def weights_sharded(self) -> bool:
+        """Each rank's host keeps 1/N of the streamed weights (NOTE: [Sharded host weights] in
+        runtime/host_weights.py): by default wherever the state is sharded."""
+        return self.sharded and (self.shard_weights if self.shard_weights is not None else True)
 
 
 def _whole(value) -> bool:
@@ -141,8 +159,8 @@ def apply_options(stages: Stages, options: CompileOptions, hw: Hardware) -> Stag
             "machine, or add \"link_bandwidth\" (bytes/s) to the profile, or replicate the state (--replicate-state)")
     return dataclasses.replace(stages, state_bytes=STATE_BYTES[options.optimizer_states],
                                master_bytes=MASTER_BYTES[options.master_weights], world_size=options.world_size,
-                               sharded=options.sharded, clipping=options.clipping, disk=options.disk,
-                               fused=options.fused(hw))
+                               sharded=options.sharded, weights_sharded=options.weights_sharded, clipping=options.clipping,
+                               disk=options.disk, fused=options.fused(hw))
 
 
 def check_budget(options: CompileOptions, hw: Hardware) -> None:

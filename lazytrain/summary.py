@@ -89,7 +89,9 @@ def _ranks_line(m: ModuleType) -> list[str]:
     if getattr(m, "SHARDED", False):  # NOTE: [Sharded state] in runtime/sharding.py
         return [f"data parallel over {n} ranks, state sharded: each runs this plan on its own batch, keeps 1/{n} of the "
                 "master weights and optimizer states (the host and state figures above are one rank's), reduce-scatters "
-                "the gradients and all-gathers the weights (in the predicted step)"]
+                "the gradients and all-gathers the weights (in the predicted step)"
+                + (f"; its host keeps 1/{n} of the streamed weights, all-gathered at every prefetch"
+                   if getattr(m, "SHARDED_WEIGHTS", False) else "")]  # NOTE: [Sharded host weights]
     return [f"data parallel over {n} ranks: each runs this plan on its own batch; gradients are all-reduced over the "
             "ranks as each stage's backward ends (in the predicted step, where the profile has a link_bandwidth)"]
 

@@ -182,7 +182,8 @@ def check_steps(rank, world, name, source, max_grad_norm, previous=False, ragged
             norms.append(norm)
         opt.step()
         assert torch.allclose(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5), f"step {i}: loss {loss} != eager {ref_loss}"
-    trainer.synchronize()
+    # the model's own parameters: with sharded host weights only a sync gathers them (NOTE: [Sharded host weights])
+    trainer.sync_model()
     if trainer.sharded:
         check_state_shards(trainer, rank, world)
     for (pname, got), want in zip(model.named_parameters(), ref.parameters()):
@@ -205,6 +206,8 @@ def check_state_shards(trainer, rank, world):
         assert home.numel() == want and state["exp_avg"].numel() == want and state["exp_avg_sq"].numel() == want, \
             f"{p}: rank {rank} holds {state['exp_avg'].numel()} of its {n} elements' states, not {want}"
         mine, whole = mine + want, whole + n
+        if p in trainer.store.held:  # NOTE: [Sharded host weights]: the host keeps the piece of the weights alone
+            assert trainer.store.source[p].numel() == want, f"{p}: rank {rank}'s host holds {trainer.store.source[p].numel()}"
     assert mine <= whole / world + len(trainer.store.home), f"rank {rank} steps {mine} of {whole} elements"
 
 
@@ -228,6 +231,21 @@ def run_cases(rank, world, cases):
         except Exception:
             out[case_id] = f"rank {rank}: {traceback.format_exc()}"
     return out
+
+
+def launch_cases(cases, world: int = 2, deadline_s: float = 400.0) -> dict[int, dict]:
+    """Every case on the same `world` ranks (`run_cases`): {rank: {case id: its outcome}}."""
+    results = launch(run_cases, cases, world=world, deadline_s=deadline_s)
+    assert sorted(results) == list(range(world))
+    return results
+
+
+def case_results(ranks: dict[int, dict], case) -> list:
+    """Every rank's result of `case`; fails with the ranks' failures if any failed."""
+    got = [r[case] for r in ranks.values()]
+    failures = [r for r in got if not isinstance(r, tuple)]
+    assert not failures, "\n".join(failures)
+    return [g[1] for g in got]
 
 
 def check_refused(rank, world, name, source, per_rank_source=None):
@@ -287,6 +305,7 @@ def full_state(trainer, model) -> dict:
         for k, v in entry.items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[f"{name}.{k}"] = v.detach().reshape(-1).numpy().copy()  # numpy: no shared memory between processes
+    trainer.sync_model()  # with sharded host weights a sync gathers the model's own (NOTE: [Sharded host weights])
     for name, p in model.named_parameters():
         out[f"weight:{name}"] = p.detach().reshape(-1).numpy().copy()
     return out
@@ -320,6 +339,7 @@ def check_dcp_load(rank, world, name, source, path, saved_world):
 
     _, real, _ = pair(name)
     trainer, model = bind(source, real, max_grad_norm=0.5, **HP)
+    trainer.sync_model()  # the model's weights landed before the load are landed again after it
     sd = trainer.sharded_state_dict()
     dcp.load(sd, checkpoint_id=path)
     trainer.load_sharded_state_dict(sd)

@@ -41,6 +41,8 @@ def check_block_shards(trainer, rank: int, world: int) -> dict[str, str]:
         lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
         assert home.numel() == hi - lo, f"{p}: rank {rank} holds {home.numel()} of its {n} elements, not {hi - lo}"
         assert trainer.store.offset(p) == lo, f"{p}: rank {rank}'s piece starts at {trainer.store.offset(p)}, not {lo}"
+        if p in trainer.store.held:  # NOTE: [Sharded host weights]: the host keeps the same piece of the weights
+            assert trainer.store.source[p].numel() == hi - lo, f"{p}: rank {rank}'s host holds another cut"
         state = trainer.optimizer.state[home]
         assert state, f"{p}: no states on rank {rank} ({hi - lo} of {n} elements)"
         if "exp_avg" in state:  # a host-stepped stage's: torch AdamW's (NOTE: [State precision per stage])
@@ -77,8 +79,8 @@ def check_sharded_8bit(rank, world, name, sharded_source, replicated_source):
         for opt in opts:
             opt.step()
         assert torch.allclose(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5), f"step {i}: loss {loss} != eager {ref_loss}"
-    sharded.synchronize()
-    replicated.synchronize()
+    sharded.sync_model()  # with sharded host weights a sync gathers the model's own (NOTE: [Sharded host weights])
+    replicated.sync_model()
     kinds = check_block_shards(sharded, rank, world)
     for (pname, got), want, eager, p0 in zip(model.named_parameters(), whole.parameters(), ref.parameters(),
                                              start.parameters()):

@@ -64,32 +64,24 @@ def ranks():
     for name, make in CASES.items():
         sharded, replicated = make(None), make(False)
         assert "SHARDED = True" in sharded and "SHARDED = False" in replicated
+        assert "SHARDED_WEIGHTS = True" in sharded  # NOTE: [Sharded host weights]: by default with sharded state
         cases += [((name, "fb"), "check_forward_backward", name, sharded),
                   ((name, "steps"), dp_worker8bit.check_sharded_8bit, name, sharded, replicated)]
     cases.append((("qwen2_tied8", "checkpoint"), dp_worker8bit.check_checkpoint_refused, "qwen2_tied8", _qwen(None)))
-    results = dp_worker.launch(dp_worker.run_cases, cases, world=WORLD, deadline_s=400)
-    assert sorted(results) == [0, 1]
-    return results
-
-
-def _results(ranks, case):
-    got = [r[case] for r in ranks.values()]
-    failures = [r for r in got if not isinstance(r, tuple)]
-    assert not failures, "\n".join(failures)
-    return [g[1] for g in got]
+    return dp_worker.launch_cases(cases, world=WORLD)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_8bit_gradients_equal_the_global_batch(ranks, name):
     """One forward_backward: eager's loss and every gradient on the global batch, on both ranks."""
-    _results(ranks, (name, "fb"))
+    dp_worker.case_results(ranks, (name, "fb"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_8bit_states_step_as_replicated_ones(ranks, name):
     """Three steps: losses and weights bit for bit those of the replicated 8-bit states, close to
     eager AdamW8bit's; each rank's states are its pieces of whole blocks, 8-bit by the whole size."""
-    (digest0, kinds0), (digest1, kinds1) = _results(ranks, (name, "steps"))
+    (digest0, kinds0), (digest1, kinds1) = dp_worker.case_results(ranks, (name, "steps"))
     assert digest0 == digest1, "the ranks' weights differ"
     # both kinds of states, and the 8-bit ones on parameters whose halves are below bitsandbytes' 4096
     assert {"8bit", "32bit"} <= set(kinds0.values()) and kinds0 == kinds1
@@ -98,7 +90,7 @@ def test_sharded_8bit_states_step_as_replicated_ones(ranks, name):
 def test_checkpoints_of_sharded_8bit_states_are_refused(ranks):
     """Distributed checkpoints hold 32-bit moments in torch.chunk's cut: sharded 8-bit states (cut on
     quantisation blocks) are refused, saving and loading, naming the fixes, rather than saved wrong."""
-    for messages in _results(ranks, ("qwen2_tied8", "checkpoint")):
+    for messages in dp_worker.case_results(ranks, ("qwen2_tied8", "checkpoint")):
         assert len(messages) == 2
         for msg in messages:
             assert "8-bit optimizer states" in msg and "quantisation blocks" in msg, msg

@@ -73,7 +73,7 @@ def _opt(e: Event, buffers, names) -> str:
 def _collective(e: Event, buffers, names) -> str:
     who = "shared parameters" if e.stage < 0 else names[e.stage]
     what = (f"reduce-scatter of {e.reads[0]} into this rank's shard {e.allocs[0]}" if e.kind is Kind.REDUCE
-            else f"all-gather of the updated {who} weights into {e.writes[0]}")
+            else f"all-gather of the {who} weights into {e.writes[0]}")
     return f"{_fields(e)}  # {what} ({who}); workspace {format_size(e.workspace)} {_when(e)}"
 
 

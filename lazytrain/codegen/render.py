@@ -144,13 +144,15 @@ def _chunk_fields(graph: Graph, stage) -> str:
     return text
 
 
-def _ranks_text(world_size: int, sharded: bool) -> str:
+def _ranks_text(world_size: int, sharded: bool, weights: bool = False) -> str:
     if world_size == 1:
         return "one process"
     if sharded:
         return (f"data parallel: each rank runs this plan on its own batch of the shape below; gradients are "
                 f"reduce-scattered over the {world_size} ranks, each steps its 1/{world_size} of the optimizer state and "
-                "the updated weights are all-gathered (REDUCE and GATHER events, in the predictions)")
+                "the updated weights are all-gathered (REDUCE and GATHER events, in the predictions)"
+                + ("; each rank's host keeps its 1/{} of the streamed weights, all-gathered at every prefetch".format(world_size)
+                   if weights else ""))
     return (f"data parallel: each rank runs this plan on its own batch of the shape below; gradients are averaged "
             f"over the {world_size} ranks, and the predictions leave that communication out")
 
@@ -243,8 +245,9 @@ def render(graph: Graph, stages: Stages, plan: Plan, schedule: Schedule, batch: 
         solver=repr({"status": info.status, "gap": info.gap, "message": info.message}),
         windows=[repr((label, nbytes, secs)) for label, nbytes, secs in plan.windows],
         event_lines=[print_event(e, buffers, names) for e in schedule.events], checksum="@CHECKSUM@",
-        world_size=world_size, ranks_text=_ranks_text(world_size, stages.sharded and world_size > 1),
-        sharded=stages.sharded and world_size > 1, clipping=stages.clipping, clipping_text=CLIPPING_TEXT[stages.clipping],
+        world_size=world_size, ranks_text=_ranks_text(world_size, stages.sharded and world_size > 1, stages.weights_sharded),
+        sharded=stages.sharded and world_size > 1, sharded_weights=stages.weights_sharded and world_size > 1,
+        clipping=stages.clipping, clipping_text=CLIPPING_TEXT[stages.clipping],
         fused=stages.fused, fused_lines=fused_lines(stages, fused_factor),
     )
     return text.replace('CHECKSUM = "@CHECKSUM@"', f'CHECKSUM = "{checksum(text)}"')

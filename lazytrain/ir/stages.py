@@ -87,6 +87,7 @@ class Stages:
     largest_shared_numel: int = 0  # the biggest shared parameter tensor (a bf16 master's fp32 twin)
     world_size: int = 1  # data-parallel ranks, each running the plan on its own batch
     sharded: bool = False  # with world_size > 1: each rank keeps 1/N of the optimizer state (solver/shards.py)
+    weights_sharded: bool = False  # with sharded: each rank's host keeps 1/N of the streamed weights (solver/shards.py)
     disk: bool = False  # the plan may keep host-stepped stages' optimizer states on disk (NOTE: [Disk-resident states] in solver/disk_model.py)
     clipping: str = "exact"  # gradient clipping the plan runs with: "exact", "previous-norm" or "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
     fused: bool = False  # fusable stages run compiled by Inductor, and are priced so (NOTE: [Fused stage prices] in passes/fusion.py)

@@ -40,6 +40,7 @@ from lazytrain.solver.footprint import (
 from lazytrain.solver.shards import (
     comm_s,
     comm_workspace,
+    gathers_weights,
     piece,
     resident_sharded_bytes,
     shard_grad_bytes,
@@ -140,6 +141,7 @@ class Lowering:
         self.b.duration = _durations(stages, plan, hw)
         self.M = stages.master_bytes
         self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
+        self.zero3 = gathers_weights(stages)  # NOTE: [Sharded host weights] in runtime/host_weights.py
         # NOTE: [Weights from the master] in solver/footprint.py
         self.from_master = [prefetches_from_master(stages, s, d) for s, d in enumerate(dec)]
         self.producers = {s: g.producers for s, g in enumerate(stages)}

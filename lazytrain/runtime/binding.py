@@ -94,10 +94,11 @@ def shard(module, tensors: dict[str, torch.Tensor], dp) -> tuple[dict, dict]:
     return layouts, pieces
 
 
-def pin_streamed_masters(module, tensors: dict[str, torch.Tensor], pinned: PinnedArena) -> None:
+def pin_streamed_masters(module, tensors: dict[str, torch.Tensor], pinned: PinnedArena, skip=()) -> None:
     """Page-locked masters copy to and from the GPU at full speed (pageable: ~9x slower). The
-    parameter's storage moves into the arena: no second host copy."""
-    for p in streamed_params(module) - set(masters_on_disk(module)):  # NOTE: [Masters on disk]: not those
+    parameter's storage moves into the arena: no second host copy. Not those in `skip` (placeholders:
+    NOTE: [Sharded host weights] in host_weights.py)."""
+    for p in streamed_params(module) - set(masters_on_disk(module)) - set(skip):  # NOTE: [Masters on disk]: not those
         t = tensors[p]
         if t.device.type == "cpu" and not t.is_pinned():
             t.data = pinned.copy_of(t.data)

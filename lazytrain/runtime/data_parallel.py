@@ -24,6 +24,8 @@ Two modes, fixed at compile time (`SHARDED`):
     sharding.py. The schedule's REDUCE events reduce-scatter each stage's gradients on a COMM
     stream while the next stage's backward runs, each rank steps its 1/N of the state, and GATHER
     events all-gather the new weights; the plan counts their memory and their time on the link.
+    By default each rank's host also keeps only its piece of the streamed weights, gathered at
+    every prefetch (`SHARDED_WEIGHTS`, NOTE: [Sharded host weights] in host_weights.py).
   - replicated (`--replicate-state`): the schedule has no REDUCE events; each
     stage's gradients are all-reduced in place in `_grads_done` (replay.py) as its backward ends, on
     the compute stream (the plan counts their time there: NOTE: [Replicated all-reduce] in
@@ -189,11 +191,16 @@ class DataParallel:
     def check_agree(self, checksum: str, params: dict[str, torch.Tensor]) -> None:
         """At bind, on every rank: the same schedule and the same starting weights (a few values of
         each parameter), so ranks that would drift apart or pair the wrong collectives are refused.
-        Also a barrier: no rank starts its step before every rank has bound."""
+        Also a barrier: no rank starts its step before every rank has bound. A parameter given as None
+        (a rank's piece alone: NOTE: [Sharded host weights] in host_weights.py) is not compared, but
+        keeps its place, so that ranks of different schedules reduce samples of one length."""
         digest = int(hashlib.sha256(checksum.encode()).hexdigest()[:12], 16)  # 48 bits: exact in float64
         names = sorted(params)
         samples = [torch.tensor([float(digest)], dtype=torch.float64, device=self.device)]
         for p in names:
+            if params[p] is None:
+                samples.append(torch.full((3,), float("nan"), dtype=torch.float64, device=self.device))
+                continue
             flat = params[p].detach().reshape(-1)
             idx = torch.tensor([0, flat.numel() // 2, flat.numel() - 1], device=flat.device)
             samples.append(flat[idx].to(self.device, torch.float64))

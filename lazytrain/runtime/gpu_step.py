@@ -207,7 +207,9 @@ class GpuStepper:
             if p in self.store.from_master:  # NOTE: [Weights from the master] in solver/footprint.py: the master
                 self.store.master[p].detach().copy_(u.master[p], non_blocking=True)
             else:
-                self.store.source[p].copy_(into[p] if into is not None else self.store.work[p].data, non_blocking=True)
+                new = into[p] if into is not None else self.store.work[p].data
+                # NOTE: [Sharded host weights] in host_weights.py: this rank's piece alone
+                self.store.source[p].copy_(self.store.mine(p, new) if p in self.store.held else new, non_blocking=True)
 
     def step_from_disk(self, stage: int, group: int, hyper: dict, coef: float, slot: torch.Tensor) -> None:
         """A disk-stepped stage's update in `slot` (NOTE: [Disk-stepped stages] in

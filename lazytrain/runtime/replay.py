@@ -74,7 +74,7 @@ class Replay:
             if event.kind is Kind.OPT_STEP:  # by its stage's kind (steps.py)
                 self.stepping.issue(event, turn)
                 continue
-            if event.kind is Kind.GATHER and turn.defers(event.stage):
+            if event.kind is Kind.GATHER and turn.defers(event.stage) and not self.sharding.gathers_always(event.stage):
                 turn.gathers[event.stage] = event  # after its deferred step
                 continue
             if event.kind is Kind.COMPUTE:  # its weights must be stepped (NOTE: [Optimizer stream] in stepping.py)
@@ -226,7 +226,7 @@ class Replay:
             for p in self.stages[stage].params:
                 view = self.store.slot_view(stage, p)
                 if own and not stepped_here:
-                    self.store.mine(p, view).copy_(self.store.mine(p, self.store.source[p]), non_blocking=True)
+                    self.store.mine(p, view).copy_(self.store.source_piece(p), non_blocking=True)
                 elif p in self.store.from_master and not stepped_here:  # NOTE: [Weights from the master]
                     view.copy_(self.store.staging(stage, p).copy_(self.store.source[p], non_blocking=True))
                 elif not stepped_here:

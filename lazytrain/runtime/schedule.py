@@ -54,8 +54,10 @@ __all__ = ["Buffer", "Event", "Internals", "Kind", "On", "Outputs", "Phase", "Pl
 # step in backward from disk whose fp32 master lives in the offload file too (NOTE: [Masters on disk] there); 16:
 # `Stage.loss_sum` on a loss stage that returns its sum and count, by which data-parallel ranks weight their
 # gradients (NOTE: [Data parallel] in data_parallel.py); 17: `Stage.placement`, each stage's decisions as one typed
-# value (ir/placement.py), in place of the flags versions 8 to 15 added one at a time
-FORMAT_VERSION = 17
+# value (ir/placement.py), in place of the flags versions 8 to 15 added one at a time; 18: `SHARDED_WEIGHTS`,
+# each rank's host keeps 1/N of the streamed weights, gathered at every prefetch (NOTE: [Sharded host weights]
+# in host_weights.py): an older runtime would read a whole host copy that is not there
+FORMAT_VERSION = 18
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

@@ -31,7 +31,8 @@ Per stage (and for the shared parameters, after stage 0):
     same flat layout into the full weights: a resident stage's right after its step; a streamed
     stage's at its next forward prefetch, which brings only the rank's piece from the host (or, GPU-
     stepped, steps it there) and sends the gathered weights back to the host copy the backward
-    prefetch reads.
+    prefetch reads; with sharded host weights every prefetch brings the piece and gathers, and
+    nothing goes back (NOTE: [Sharded host weights] in host_weights.py).
 Gradient clipping adds each rank's squared norm of its shards and all-reduces the sum: the global
 norm, as one process would clip. AdamW is elementwise, so stepping pieces equals stepping the whole
 tensors; bf16 masters draw their rounding noise by each element's index in its whole parameter
@@ -130,18 +131,25 @@ class Sharding:
         self.scattering = False  # this step reduce-scatters (`forward_backward`'s backward all-reduces instead)
         self._pending: set[int] = set()  # stages stepped whose new weights are not yet gathered
         self._gathered: set[int] = set()  # streamed stages gathered at this prefetch: their weights go back to the host
+        # NOTE: [Sharded host weights] in host_weights.py: streamed stages gathered at every prefetch
+        self.always = frozenset(s.index for s in stages if s.placement.streamed and any(p in store.held for p in s.params))
 
     def begin(self, optimize: bool) -> None:
         self.scattering = optimize
 
     def updated(self, s: int) -> None:
         """This rank's piece of stage `s` (-1: the shared weights) changed: its GATHER, or `synchronize`,
-        brings the other ranks' pieces."""
-        self._pending.add(s)
+        brings the other ranks' pieces (not to wait for where every prefetch gathers)."""
+        if s not in self.always:
+            self._pending.add(s)
+
+    def gathers_always(self, s: int) -> bool:
+        """Every prefetch of stage `s` gathers its weights (NOTE: [Sharded host weights] in host_weights.py)."""
+        return s in self.always
 
     def awaits(self, s: int) -> bool:
-        """Stage `s`'s new weights are still to gather."""
-        return s in self._pending
+        """Stage `s`'s new weights are still to gather: a prefetch brings this rank's piece alone."""
+        return s in self._pending or s in self.always
 
     def awaiting(self) -> list[int]:
         return sorted(self._pending)
@@ -177,10 +185,10 @@ class Sharding:
 
     def gather(self, e: Event) -> None:
         """A stepped stage's new weights from every rank's piece (NOTE: [Sharded state])."""
-        if e.stage not in self._pending:
+        if not self.awaits(e.stage):
             return
         self.gather_stage(e.stage)
-        if e.stage >= 0 and self.stages[e.stage].placement.streamed and e.stage not in self.gpu_stepped:
+        if e.stage >= 0 and self.stages[e.stage].placement.streamed and e.stage not in self.gpu_stepped | self.always:
             self._gathered.add(e.stage)  # its OFFLOAD w:S takes them to the host
         self.streams.stepped_at(e.stage)  # the next compute that reads them waits for this
 

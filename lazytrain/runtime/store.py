@@ -65,11 +65,14 @@ def resident_targets(module) -> set[str]:
 
 class ParamStore:
     def __init__(self, module, tensors: dict[str, torch.Tensor], device: torch.device, pinned: PinnedArena,
-                 layouts: dict | None = None, pieces: dict[str, torch.Tensor] | None = None, disk_masters=None):
+                 layouts: dict | None = None, pieces: dict[str, torch.Tensor] | None = None, disk_masters=None,
+                 held: dict[str, torch.Tensor] | None = None):
         self.device, self.pinned = device, pinned
         self.layouts = layouts or {}  # stage (-1: shared) -> ShardLayout, with sharded state
         self.layout_of = {p: lay for lay in self.layouts.values() for p in lay.numel}
         self.separate: set[str] = set()  # sharded: masters kept apart from the weights (mixed precision)
+        # NOTE: [Sharded host weights] in host_weights.py: the prefetch copy is this rank's piece alone
+        self.held = frozenset(held or ())
         self.cuda = device.type == "cuda"
         self.master = {p: t for p, t in tensors.items() if module.PLACEHOLDERS[p][0] == "param"}
         self.buffers = {p: t.to(device) for p, t in tensors.items() if module.PLACEHOLDERS[p][0] == "buffer"}
@@ -90,7 +93,10 @@ class ParamStore:
                 self.work[p] = torch.nn.Parameter(torch.empty(0, device=device, dtype=self.dtype[p]))
                 self.home[p] = master
                 same = master.dtype == self.dtype[p] and (not self.cuda or master.is_pinned()) or p in self.from_master
-                self.source[p] = master.detach() if same else self._host_copy(master, self.dtype[p])
+                if p in self.held:  # page-locked already (host_weights.hold)
+                    self.source[p] = held[p]
+                else:
+                    self.source[p] = master.detach() if same else self._host_copy(master, self.dtype[p])
                 if disk_masters is not None and p in disk_masters:  # NOTE: [Masters on disk] in solver/disk_model.py
                     disk_masters.adopt(p, master)  # now that its copy is made: one tensor at a time
             elif master.device == device and master.dtype == self.dtype[p]:
@@ -123,11 +129,15 @@ class ParamStore:
                 self.home[p] = self.pinned.copy_of(piece) if streamed else piece.to(self.device, copy=True)
                 self.separate.add(p)
             else:
-                self.home[p] = lay.own(p, (self.source[p] if streamed else self.work[p]).detach())
+                self.home[p] = self.source_piece(p) if streamed else lay.own(p, self.work[p].detach())
 
     def offset(self, p: str) -> int:
         """Where the home's first element sits in its whole parameter (0 without sharding)."""
         return self.layout_of[p].span(p)[0] if p in self.layout_of else 0
+
+    def source_piece(self, p: str) -> torch.Tensor:
+        """This rank's piece of `p`'s prefetch copy: all of it with sharded host weights."""
+        return self.source[p] if p in self.held else self.mine(p, self.source[p])
 
     def mine(self, p: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor of `p` (the whole of it without sharding)."""
@@ -188,7 +198,10 @@ class ParamStore:
         return self.slots[f"w:{stage}"][start:start + nbytes].view(torch.float32).view(self.master[p].shape)
 
     def source_is_master(self, p: str) -> bool:
-        """Prefetches read the master itself (same dtype, page-locked where needed)."""
+        """Prefetches read the master itself (same dtype, page-locked where needed), or with sharded
+        host weights this rank's piece of it, which is its home (NOTE: [Sharded host weights])."""
+        if p in self.held:
+            return p not in self.separate
         return self.source[p].data_ptr() == self.master[p].data_ptr()
 
     def refresh_source(self, names) -> None:
@@ -196,7 +209,7 @@ class ParamStore:
         rank's piece; the rest comes from the other ranks at the next prefetch)."""
         for p in names:
             if p in self.separate:
-                self.mine(p, self.source[p]).copy_(self.home[p])
+                self.source_piece(p).copy_(self.home[p])
             elif p not in self.layout_of and not self.source_is_master(p):
                 self.source[p].copy_(self.master[p].detach())
 

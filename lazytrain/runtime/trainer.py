@@ -32,7 +32,7 @@ import torch
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Event, Kind
 from lazytrain.ir.placement import Outputs, Tier
-from lazytrain.runtime import model_sync
+from lazytrain.runtime import host_weights, model_sync
 from lazytrain.runtime.binding import (bind_tensors, check_batch, check_device, indexed, pin_streamed_masters,
                                        place_resident_masters, shard)
 from lazytrain.runtime.data_parallel import DataParallel
@@ -103,15 +103,19 @@ class Trainer:
         self.sharded = self.dp is not None and getattr(module, "SHARDED", False)  # NOTE: [Sharded state] in sharding.py
         layouts, pieces = (shard(module, tensors, self.dp) if self.sharded else (None, None))
         self.pinned = PinnedArena(self.cuda)  # NOTE: [Pinned arena] in pinned.py
+        # NOTE: [Sharded host weights] in host_weights.py: the streamed weights' pieces; the model keeps placeholders
+        held = host_weights.hold(module, tensors, layouts, self.pinned) \
+            if self.sharded and getattr(module, "SHARDED_WEIGHTS", False) else {}
+        self.model_weights = host_weights.ModelWeights(module, tensors, held) if held else None
         if self.cuda:
-            pin_streamed_masters(module, tensors, self.pinned)
+            pin_streamed_masters(module, tensors, self.pinned, skip=held)
             if not self.sharded:
                 place_resident_masters(module, tensors, self.device)
         # NOTE: [Masters on disk] in solver/disk_model.py: in the file they were loaded into, or in a new one
         if disk_masters is None and masters_on_disk(module):
             disk_masters = DiskMasters(module, offload_dir)
         self.disk_masters = disk_masters
-        self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces, disk_masters)
+        self.store = ParamStore(module, tensors, self.device, self.pinned, layouts, pieces, disk_masters, held)
         self.streams = CudaStreams(self.device) if self.cuda else SerialStreams()
         self.groups = Groups(self.stages, module.SHARED)
         self.gradients = Gradients(self.stages, self.groups, self.store, self.pinned, clipped=max_grad_norm is not None)
@@ -178,9 +182,12 @@ class Trainer:
         self.timeline: list[tuple[int, float, float]] = []  # (event id, start s, end s) of the last step
         if self.cuda:  # bind's copies ran on the default stream; compute has its own
             torch.cuda.synchronize(self.device)
-        self._model_behind = False  # stepped since the last sync_model (NOTE: [Model sync hooks] in model_sync.py)
+        # stepped since the last sync_model (NOTE: [Model sync hooks] in model_sync.py); with sharded host
+        # weights the model holds placeholders until one (NOTE: [Sharded host weights] in host_weights.py)
+        self._model_behind = bool(held)
         if self.dp is not None:  # every rank bound the same schedule and weights; none steps before all have bound
-            self.dp.check_agree(module.CHECKSUM, {module.PLACEHOLDERS[p][1]: t for p, t in self.store.master.items()})
+            self.dp.check_agree(module.CHECKSUM, {module.PLACEHOLDERS[p][1]: None if p in held else t
+                                                  for p, t in self.store.master.items()})
         model_sync.attach(self, model)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -212,6 +219,8 @@ class Trainer:
     def _run(self, batch: dict, optimize: bool, keep_grads: bool = True) -> torch.Tensor:
         """One step's events, then the steps that waited for its gradient norm (NOTE: [Gradient
         clipping] in stepping.py)."""
+        if self.model_weights is not None:  # NOTE: [Sharded host weights] in host_weights.py
+            self.model_weights.drop()
         with self.streams.compute_context():  # NOTE: [Optimizer stream] in stepping.py
             self.replay.begin(check_batch(self.m, batch, self.device))
         self.gradients.begin()
@@ -332,6 +341,11 @@ class Trainer:
                         master.copy_(self.store.work[p])
                 elif home is not master:
                     master.copy_(home)
+        if self.model_weights is not None:  # NOTE: [Sharded host weights] in host_weights.py: a collective
+            self.model_weights.land(self.store, lambda s: self.replay.fetch_stage(s, update=False),
+                                    self.sharding.gather_stage, self.replay.release_weights)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
         self._model_behind = False
 
     def sharded_state_dict(self) -> dict:
@@ -365,6 +379,8 @@ class Trainer:
             self.sharding.updated(s)
             if not streamed:  # a streamed stage's: by synchronize(), through its weight slot
                 self.sharding.gather_stage(s)
+        if self.model_weights is not None:  # landed before the load: gathered again (NOTE: [Sharded host weights])
+            self.model_weights.drop()
         self._model_behind = True
         self.sync_model()
 

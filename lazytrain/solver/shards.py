@@ -43,6 +43,12 @@ def sharding(stages) -> Shards:
     return Shards(stages.world_size, QUANT_BLOCK if stages.state_bytes == STATE_BYTES["8bit"] else 1)
 
 
+def gathers_weights(stages) -> bool:
+    """Each rank's host keeps 1/N of every streamed stage's compute-dtype weights and every prefetch
+    all-gathers them (NOTE: [Sharded host weights] in runtime/host_weights.py)."""
+    return stages.weights_sharded and sharding(stages) > 1
+
+
 def piece(nbytes: float, numel: int, params: int, n: int) -> int:
     """A rank's share of `nbytes` spread evenly over `numel` elements of `params` tensors: its 1/n,
     and a piece's rounding up (an element, or a block: `Shards.align`) per tensor."""

@@ -397,10 +397,12 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     # found is feasible either way, so the budget it names always works.
     r = milp.optimize(m, time_limit, 1e-2)
     if not r.found:
-        weights = stages.master_bytes * (sum(g.param_numel for g in stages) + stages.shared_numel)
+        n = sharding(stages)  # sharded state: a rank holds 1/N of the masters
+        weights = stages.master_bytes * (sum(g.param_numel for g in stages) + stages.shared_numel) // n
+        whose = "the model's master weights" if n == 1 else f"a rank's 1/{n} of the model's master weights"
         if weights > hw.host_capacity:
             raise PlanError(
-                f"the model's master weights alone ({format_size(weights)}) exceed the host memory plans may use on hardware "
+                f"{whose} alone ({format_size(weights)}) exceed the host memory plans may use on hardware "
                 f"profile '{hw.name}' ({format_size(hw.host_capacity)}); use a profile of a machine with more host memory")
         raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {r.status}); the host memory plans "
                         f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "

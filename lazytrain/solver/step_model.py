@@ -39,6 +39,7 @@ from lazytrain.solver.shards import (
     allreduce_s,
     comm_s,
     comm_workspace,
+    gathers_weights,
     host_shard_bytes,
     piece,
     resident_sharded_bytes,
@@ -71,6 +72,7 @@ class StepModel:
         T = 2 * S
         sig = vars_["stream"]
         n = self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
+        self.zero3 = gathers_weights(stages)  # NOTE: [Sharded host weights] in runtime/host_weights.py
         steps = self._deferred_steps(sig)
         fixed = fixed_bytes(stages) + hw.runtime_bytes
         if n > 1:  # the shared weights' states and master are sharded too
@@ -183,10 +185,10 @@ class StepModel:
             if t is not None:
                 self.mem[t] = self.mem[t] + g.param_bytes * sig + st.staging * (gst + dst - mdk)
         P, n = len(g.params), self.n
-        self.h2d[L.fw(s - 1) if s > 0 else self.PRE] += (piece(g.param_bytes, g.param_numel, P, n) * sig
-                                                         + st.extra * (bst + dst - mdk))
-        if s < len(self.st) - 1:
-            self.h2d[L.bw(s + 1)] += g.param_bytes * sig + st.extra * (gst + dst - mdk)
+        shard = piece(g.param_bytes, g.param_numel, P, n)
+        self.h2d[L.fw(s - 1) if s > 0 else self.PRE] += shard * sig + st.extra * (bst + dst - mdk)
+        if s < len(self.st) - 1:  # the backward prefetch: the whole weights, or a shard to gather
+            self.h2d[L.bw(s + 1)] += (shard if self.zero3 else g.param_bytes) * sig + st.extra * (gst + dst - mdk)
         self.d2h[L.bw(s - 1) if s > 0 else self.TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig
 
     def _host_worker(self, st: StageTerms) -> None:
@@ -275,7 +277,10 @@ class StepModel:
         sig, gst, dst, off, mdk = v["stream"], v["gstep"], v["dstep"], v["off"], v["mdisk"]
         if self.n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
             n = self.n
-            return sum(g.param_bytes for g in stages) + stages.shared_bytes + sum(
+            # NOTE: [Sharded host weights] in runtime/host_weights.py: a streamed stage's, a shard
+            whole = sum(g.param_bytes - sig[s] * (g.param_bytes - piece(g.param_bytes, g.param_numel, len(g.params), n))
+                        if self.zero3 else g.param_bytes for s, g in enumerate(stages))
+            return whole + stages.shared_bytes + sum(
                 sig[s] * host_shard_bytes(g.param_bytes, g.param_numel, len(g.params), stages.state_bytes, M, n)
                 - gst[s] * piece(M * g.param_numel, g.param_numel, len(g.params), n) + off[s] * g.out_bytes
                 + (sig[s] - gst[s]) * piece((CPU_STATE_BYTES - stages.state_bytes) * g.param_numel, g.param_numel,
@@ -301,7 +306,8 @@ class StepModel:
         """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
         reduce-scatter in B(s-1) beside that backward, its full gradients until then, its shards
         after; resident: the step on the shard and the all-gather after it, before the next F(s);
-        streamed: the all-gather at the forward prefetch, the gathered weights back to the host in F(s)."""
+        streamed: the all-gather at the forward prefetch, the gathered weights back to the host in F(s);
+        with sharded host weights, an all-gather at the backward prefetch too, and nothing back."""
         st, L, hw, n, M = self.st, self.L, self.hw, self.n, self.st.master_bytes
         T, PRE, TAIL = 2 * len(st), 2 * len(st), 2 * len(st) + 1
         P = len(g.params)
@@ -326,7 +332,11 @@ class StepModel:
         comm[L.fw(s - 1) if s > 0 else PRE] += t_comm * sig[s]
         for t in {L.fw(max(s - 1, 0)), L.fw(s)}:
             mem[t] = mem[t] + ws * sig[s]
-        d2h[L.fw(s)] += g.param_bytes * (sig[s] - gst[s])
+        if not self.zero3:
+            d2h[L.fw(s)] += g.param_bytes * (sig[s] - gst[s])
+        elif s < len(st) - 1:  # NOTE: [Sharded host weights] in runtime/host_weights.py: and for its backward
+            comm[L.bw(s + 1)] += t_comm * sig[s]
+            mem[L.bw(s + 1)] = mem[L.bw(s + 1)] + ws * sig[s]
 
     def _deferred_steps(self, sig):
         """`deferred_step_bytes` of the resident stages: the most of its candidates."""

@@ -27,6 +27,10 @@ have written (a collective) rank 0 alone writes rng.pt (every rank's generator s
 The other ranks wait for the outcome, so a save that failed anywhere stops every rank with one
 error. The checkpoint directory must be one filesystem all ranks see (one host; a shared
 filesystem across hosts).
+With sharded host weights (NOTE: [Sharded host weights] in runtime/host_weights.py) the `model/`
+entries come from `sync_model()`, which gathers every streamed block's weights whole into the
+model's parameters on every rank: for the save's duration (until the next step) each rank's host
+holds them whole again, beside its pieces, in memory the plan does not count.
 """
 
 from __future__ import annotations

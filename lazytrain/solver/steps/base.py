@@ -160,10 +160,14 @@ class StreamedRule(StepRule):
             lo.gather(s, f"w:{s}")
 
     def write_back(self, lo: Lowering, s: int) -> None:
-        if lo.n > 1:  # the gathered weights back to the host copy the backward prefetch reads
+        if lo.n > 1 and not lo.zero3:  # the gathered weights back to the host copy the backward prefetch reads
             lo.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",))
 
     def backward_prefetch(self, lo: Lowering, s: int) -> None:
+        if lo.zero3:  # NOTE: [Sharded host weights] in runtime/host_weights.py: this rank's shard, then the rest
+            lo.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=lo.share(lo.weights_bytes(s), s))
+            lo.gather(s, f"w:{s}")
+            return
         lo.emit(Stream.H2D, Kind.PREFETCH, s, allocs=(f"w:{s}",), moved=lo.weights_bytes(s))
 
     def gradient(self, lo: Lowering, s: int) -> None:

@@ -29,7 +29,9 @@ class AtPrefetch(StreamedRule):
         fetch = piece(gpu_step_state_bytes(g.param_numel, stages.state_bytes, M), g.param_numel, P, n)
         model.h2d[fetched] += fetch * x
         out = gpu_step_out_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M)
-        back = g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n) if n > 1 else out - st.copy
+        # sharded: the gathered weights whole and a share of the rest; with sharded host weights, a share of all
+        back = (piece(out, g.param_numel, P, n) if model.zero3 else g.param_bytes + piece(out - g.param_bytes, g.param_numel, P, n)) \
+            if n > 1 else out - st.copy
         model.d2h[L.fw(s)] += back * x
         opt_bytes = piece(gpu_step_bytes(g.param_bytes, g.param_numel, stages.state_bytes, M, g.largest_numel),
                           g.param_numel, P, n)
@@ -75,7 +77,8 @@ class AtPrefetch(StreamedRule):
 
     def write_back(self, lo, s):
         # the new weights first: the slot's FREE after this forward waits for this copy only
-        lo.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(lo.stepped[s],), moved=lo.weights_bytes(s))
+        moved = lo.share(lo.weights_bytes(s), s) if lo.zero3 else lo.weights_bytes(s)  # NOTE: [Sharded host weights]
+        lo.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"w:{s}",), after=(lo.stepped[s],), moved=moved)
         lo.emit(Stream.D2H, Kind.OFFLOAD, s, reads=(f"opt:{s}",), after=(lo.stepped[s],), moved=lo.states_out(s))
 
     def after_forward(self, lo, s):  # compute waits here for the write-back, if late
