@@ -8,7 +8,8 @@ Two phases, because the GPU machine has no solver:
   python bench/bench.py table                                                            (anywhere)
       rewrites the results table in bench/README.md
 
-Figures follow DESIGN.md's protocol: TFLOPS = 6 * params * tokens / step time, the median of
+Figures follow DESIGN.md's protocol: TFLOPS = 6 * params * tokens / step time (rows also carry
+`tflops_with_attention`, attention's work added: NOTE: [Model FLOPs]), the median of
 --steps timed steps after --warmup steps; peaks from torch.cuda.max_memory_allocated and the
 process's VmHWM.
 """
@@ -155,6 +156,7 @@ def cmd_run_one(args):
     step_s = statistics.median(measured)
     params = n_params(model)
     tokens = args.batch * args.seq
+    attention = _attention_flops(model, args.batch, args.seq)
     exposed = None
     if args.system != "resident" and trainer.timeline:
         busy = [(a, b) for i, a, b in trainer.timeline if module.EVENTS[i].stream.value == "compute"]
@@ -172,6 +174,8 @@ def cmd_run_one(args):
         "model": args.model, "batch": args.batch, "seq": args.seq,
         "budget_gib": None if args.budget == "max" or args.system == "resident" else float(args.budget.removesuffix("GiB")),
         "tflops": 6 * params * tokens / step_s / 1e12, "tokens_per_s": tokens / step_s,
+        # NOTE: [Model FLOPs] in lazytrain/train/flops.py: causal attention's own work beside 6N
+        "tflops_with_attention": (6 * params * tokens + attention) / step_s / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "reserved_gpu_gib": torch.cuda.max_memory_reserved() / 2**30,
         "peak_host_gib": _vm_hwm_gib(), "step_s": step_s, "step_times_s": measured, "losses": losses,
         "exposed_s": exposed, "build_s": build_s, "bind_s": bind_s, "params": params,
@@ -190,6 +194,16 @@ def cmd_run_one(args):
 
         save_measured(out / f"{case_name(args)}_{args.system}.timeline.json", trainer.timeline, module)
     print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "losses")}))
+
+
+def _attention_flops(model, rows: int, seq: int) -> int:
+    """Causal attention's training FLOPs over `rows` full rows of `seq` tokens (one sequence each)."""
+    import numpy as np
+
+    from lazytrain.train.flops import attention_flops, attention_layers
+
+    layers = attention_layers(model)
+    return attention_flops(layers, np.full(rows, seq)) if layers is not None else 0
 
 
 def _compile_seconds() -> float:
@@ -214,9 +228,9 @@ def cmd_run(args):
             print(f"{system}: failed after {time.perf_counter() - start:.0f} s\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
         rows.append(json.loads(line))
-    print(f"{'system':<18}{'TFLOPS':>8}{'tok/s':>10}{'step s':>9}{'pred s':>8}{'GPU GiB':>9}{'host GiB':>9}{'exposed':>9}")
+    print(f"{'system':<18}{'TFLOPS':>8}{'+attn':>8}{'tok/s':>10}{'step s':>9}{'pred s':>8}{'GPU GiB':>9}{'host GiB':>9}{'exposed':>9}")
     for r in rows:
-        print(f"{r['system']:<18}{r['tflops']:>8.1f}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.3f}"
+        print(f"{r['system']:<18}{r['tflops']:>8.1f}{r.get('tflops_with_attention', 0):>8.1f}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.3f}"
               f"{r.get('predicted_step_s') or float('nan'):>8.3f}{r['peak_gpu_gib']:>9.1f}{r['peak_host_gib']:>9.1f}"
               f"{r['exposed_s'] if r['exposed_s'] is not None else float('nan'):>9.3f}")
 
