@@ -1,6 +1,6 @@
 """One block's optimizer step on the host, against the cost model's `cpu_step_s`.
 
-A block stepped on the CPU (32-bit states, NOTE: [State precision per stage] in solver/solve.py)
+A block stepped on the CPU (32-bit states, NOTE: [State precision per stage] in solver/formulation.py)
 costs torch's fused AdamW plus, with bf16 masters, fp32 twins and stochastic rounding. This times
 each part and the whole step as the runtime runs it, for one Qwen2.5-7B decoder layer by default:
 

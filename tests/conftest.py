@@ -7,7 +7,7 @@ in reference cycles, so the garbage collector frees them at arbitrary allocation
 collection of a model happens while that lock is held, `Model.__del__` asks cffi for
 `Cbc_deleteModel` (never resolved yet), re-enters the non-reentrant lock and the test process
 hangs forever. Resolving `Cbc_deleteModel` once, up front, makes `__del__` lock-free. lazytrain
-does this in solver/solve.py; test_properties.py::test_solver_garbage_cannot_deadlock checks it.
+does this in solver/formulation.py; test_properties.py::test_solver_garbage_cannot_deadlock checks it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from lazytrain import hardware
 from lazytrain.ir.placement import Internals, Outputs, Placement, PlacementError, Step, Weights
 from lazytrain.pipeline import analyse
 from lazytrain.solver import milp
-from lazytrain.solver.solve import GAP, _build, evaluate, smallest_budget, solve
+from lazytrain.solver.formulation import _build
+from lazytrain.solver.solve import GAP, evaluate, smallest_budget, solve
 from models import BlockSpec, ModelSpec, examples, random_block_model, tiny_gpt_pair
 
 HW = hardware.load("cpu")

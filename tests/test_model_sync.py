@@ -1,7 +1,7 @@
 """After `step()`, the bound model's normal APIs see the updated weights without `sync_model()`.
 
 A GPU-stepped streamed stage lands its update at the next prefetch (NOTE: [GPU-stepped streamed
-stages] in solver/solve.py), so right after `step()` the model's own parameters hold the weights of
+stages] in solver/formulation.py), so right after `step()` the model's own parameters hold the weights of
 one step before. `state_dict()`, `forward` and `save_pretrained` must apply it first (NOTE: [Model
 sync hooks] in runtime/model_sync.py). Every test here forces such a plan and checks that the update
 really was still pending when the model was read, so it tests the deferral, not a plan without one.

@@ -1,6 +1,6 @@
 """8-bit optimizer states (bitsandbytes' blockwise-quantised AdamW8bit) chosen at compile time:
 the plan counts their smaller size, keeps host-stepped stages' states fp32 (NOTE: [State precision
-per stage] in solver/solve.py), and the steps equal bitsandbytes' own optimizer on the 8-bit
+per stage] in solver/formulation.py), and the steps equal bitsandbytes' own optimizer on the 8-bit
 stages and torch's AdamW on the 32-bit ones, with the same clipping."""
 
 import copy

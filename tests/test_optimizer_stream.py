@@ -61,7 +61,7 @@ def test_profiles_without_a_measurement_keep_steps_in_series():
 
 
 def test_a_streamed_step_runs_beside_its_windows_transfers():
-    """NOTE: [GPU-step lag] in solver/solve.py: a GPU-stepped streamed stage's step is compute-stream
+    """NOTE: [GPU-step lag] in solver/formulation.py: a GPU-stepped streamed stage's step is compute-stream
     work of F(s-1), beside which that window's transfers run. With every window bound by its
     transfers, a slower step costs only where it trails its fetch (stages 0 and 1, fetched one
     window ahead) and for the tied weights, stepped after backward; fetched two ahead, the

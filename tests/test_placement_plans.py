@@ -15,7 +15,8 @@ from lazytrain import hardware
 from lazytrain.ir.placement import KINDS, Internals, Outputs, Placement, PlacementError, Step, Tier, Weights
 from lazytrain.pipeline import analyse
 from lazytrain.solver import milp
-from lazytrain.solver.solve import GAP, KEYS, _binaries, _build, _decisions, _placement, _start, evaluate, smallest_budget, solve
+from lazytrain.solver.formulation import KEYS, _binaries, _build, _decisions, _placement, _start
+from lazytrain.solver.solve import GAP, evaluate, smallest_budget, solve
 from models import decisions, disk_gpt, tiny_gpt_pair
 
 HW = hardware.load("cpu")
@@ -100,7 +101,7 @@ def _solved_binaries(stages, hw, budget, **options):
     r = milp.optimize(m, 60.0, GAP)
     assert r.found, r.status
 
-    def val(e) -> float:  # as `solve._plan` reads them
+    def val(e) -> float:  # as `formulation._plan` reads them
         return max(0.0, milp.value(e, r))
     values = {x: float(round(val(x))) for key in KEYS for x in v[key]}
     return v, _decisions(v, len(stages), val), values

@@ -46,7 +46,7 @@ class Hardware:
     cpu_adamw_params_per_s: float
     gpu_adamw_params_per_s: float
     # Recorded, not planned with: it is why host steps keep fp32 states (NOTE: [State precision
-    # per stage] in solver/solve.py).
+    # per stage] in solver/formulation.py).
     cpu_adamw8bit_params_per_s: float
     gpu_adamw8bit_params_per_s: float
     # host stochastic rounding of updated bf16 masters (NOTE: [Host rounding noise] in runtime/optim.py)

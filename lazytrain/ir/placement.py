@@ -90,7 +90,7 @@ class Weights:
     stage's forward and again for its backward."""
     streamed: bool = False
     # streamed only: the forward prefetch starts this many windows ahead; 2 only for a step at the
-    # prefetch, which then has two windows to land (NOTE: [GPU-step lag] in solver/solve.py)
+    # prefetch, which then has two windows to land (NOTE: [GPU-step lag] in solver/formulation.py)
     lookahead: int = 1
     # resident only, fp32 masters of 16-bit weights: no compute copy between uses; the weights are
     # cast from the master before its forward and its backward (NOTE: [Resident weights cast on use]
@@ -152,7 +152,7 @@ class Step:
     def at_prefetch() -> Step:
         """On the device at the next step's forward prefetch: the fp32 master, the optimizer states and
         the gradient streamed in with it and back out after (NOTE: [GPU-stepped streamed stages] in
-        solver/solve.py)."""
+        solver/formulation.py)."""
         return Step(On.DEVICE, When.PREFETCH, Tier.HOST, Tier.HOST)
 
     @staticmethod
@@ -246,7 +246,7 @@ class Placement:
 
     def states(self, chosen: str) -> str:
         """The precision of the stage's optimizer states when `chosen` ("32bit" or "8bit") was
-        asked for (NOTE: [State precision per stage] in solver/solve.py)."""
+        asked for (NOTE: [State precision per stage] in solver/formulation.py)."""
         return "32bit" if self.step.on is On.HOST else chosen
 
     def __repr__(self) -> str:

@@ -80,7 +80,7 @@ class Stages:
     shared_numel: int
     shared_bytes: int
     state_bytes: float  # optimizer state per parameter where the GPU steps: 8 (fp32 AdamW) or about 2 (8-bit);
-    # host-stepped stages keep fp32 states either way (NOTE: [State precision per stage] in solver/solve.py)
+    # host-stepped stages keep fp32 states either way (NOTE: [State precision per stage] in solver/formulation.py)
     fixed_bytes: int  # batch inputs and buffers: resident for the whole step
     requires_grad: frozenset[str]
     master_bytes: int = 4  # master weights per parameter: 4 (fp32) or 2 (bf16, stochastic rounding)

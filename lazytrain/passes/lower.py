@@ -3,7 +3,7 @@
 Needs: `Stages` and a `Plan` for them. Guarantees: events in an order that respects every
 dependency (the CPU runtime replays them in this order); each buffer allocated by one event and freed
 by a FREE event at its last use; the live buffers in each window are exactly those `solve` counted
-there (NOTE: [The step model] in solver/solve.py), so `verify` can re-check the budget event by event.
+there (NOTE: [The step model] in solver/formulation.py), so `verify` can re-check the budget event by event.
 
     plan: stage 1 streamed         events: PREFETCH w:1 (h2d) ; COMPUTE 0 fwd ; COMPUTE 1 fwd
                                            (waits on the prefetch) ; FREE w:1 ; ...

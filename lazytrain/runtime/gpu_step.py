@@ -1,4 +1,4 @@
-"""Optimizer steps of streamed stages on the device (NOTE: [GPU-stepped streamed stages] in solver/solve.py).
+"""Optimizer steps of streamed stages on the device (NOTE: [GPU-stepped streamed stages] in solver/formulation.py).
 
 `step()` leaves such a stage's gradient in its page-locked host buffer and records a *pending*
 update: the clipping coefficient and the stage's hyperparameters at that moment (an LR scheduler

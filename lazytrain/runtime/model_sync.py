@@ -2,7 +2,7 @@
 
 NOTE: [Model sync hooks]
 After `step()` the model's own parameters can lag the trainer: a GPU-stepped streamed stage applies
-its update at the next forward's prefetch (NOTE: [GPU-stepped streamed stages] in solver/solve.py),
+its update at the next forward's prefetch (NOTE: [GPU-stepped streamed stages] in solver/formulation.py),
 a host step may still run, and a resident stage stepped on the GPU updates a device copy (NOTE:
 [Parameter homes] in store.py). The deferral is a speed feature, so it stays; instead `bind` puts a
 state-dict pre-hook and a forward pre-hook on every submodule of the model, and each calls

@@ -10,7 +10,7 @@ of different groups may run concurrently.
 Two precisions of state: "32bit" wraps `torch.optim.AdamW`; "8bit" wraps bitsandbytes'
 `AdamW8bit` (blockwise-quantised moments; optim8bit.py, imported only when asked for). An 8-bit optimizer steps
 the groups marked `"states": "32bit"` (host-stepped stages, NOTE: [State precision per stage] in
-solver/solve.py) with `torch.optim.AdamW`'s arithmetic; all groups share one state dict, so
+solver/formulation.py) with `torch.optim.AdamW`'s arithmetic; all groups share one state dict, so
 `state_dict()` holds both kinds.
 
 NOTE: [bf16 master weights]

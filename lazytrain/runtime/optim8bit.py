@@ -1,6 +1,6 @@
 """bitsandbytes' blockwise 8-bit AdamW stepped one stage at a time (`staged_optimizer("8bit", ...)` in
 optim.py): its groups marked `"states": "32bit"` (host-stepped stages, NOTE: [State precision per
-stage] in solver/solve.py) step with `torch.optim.AdamW`'s arithmetic, the others with
+stage] in solver/formulation.py) step with `torch.optim.AdamW`'s arithmetic, the others with
 bitsandbytes', without its device-wide synchronisation. bitsandbytes is imported only here.
 
 A data-parallel rank's piece of a parameter (NOTE: [Sharded state] in sharding.py) is whole

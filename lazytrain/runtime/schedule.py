@@ -91,7 +91,7 @@ class Stage:
     tokens: tuple[int, ...] = ()  # with chunk_len: (rows, positions) of the batch the pieces cut
     whole_fn: Callable | None = None  # a chunked stage's part run once for the whole batch, before the slices
     whole_outputs: tuple[str, ...] = ()  # whole_fn's results, which the slices read
-    states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in solver/solve.py)
+    states: str = "32bit"  # its optimizer states' precision (NOTE: [State precision per stage] in solver/formulation.py)
     skips: tuple[str, ...] = ()  # nodes `fn(..., remat=True)` leaves uncomputed (NOTE: [Skipped recompute] in analysis/remat.py)
     random: bool = False  # draws random numbers: recomputes replay its forward's generator state (NOTE: [RNG replay] in rng.py)
     limits: tuple[str, ...] = ()  # for people: decisions it can never take, and why (pass `limits`)

@@ -1,7 +1,7 @@
 """Valid inequalities for the step MIP of pass `solve`: rows that tighten its LP relaxation and cut
 off no plan, so the search proves its gap sooner while every plan keeps its value.
 
-Needs: the MIP's decision variables (`solve._vars`) and the linear rows `step_model.StepModel` builds.
+Needs: the MIP's decision variables (`formulation._vars`) and the linear rows `step_model.StepModel` builds.
 Guarantees: each row holds at every integer point that satisfies the model (the arguments are in
 the NOTEs); where a precondition of an argument fails, no row is added.
 """
@@ -41,7 +41,7 @@ def modes(v) -> dict:
 
 def _live(x: mip.LinExpr) -> mip.LinExpr:
     """`x` without its terms in variables bounded to 0 (decisions a stage cannot take, or the search
-    leaves out: NOTE: [Disk steps not searched] in solve.py), which are 0 in every plan."""
+    leaves out: NOTE: [Disk steps not searched] in formulation.py), which are 0 in every plan."""
     return mip.LinExpr(expr={var: a for var, a in x.expr.items() if not (var.lb == 0 and var.ub == 0)}, const=x.const)
 
 

@@ -1,7 +1,7 @@
-"""The disk tier's part of the step model (NOTE: [The step model] in solve.py): what the plan keeps
+"""The disk tier's part of the step model (NOTE: [The step model] in formulation.py): what the plan keeps
 in the offload file (optimizer states, stage outputs between forward and backward), the host memory
 that takes off and the buffers it passes through there, the GPU slot disk-stepped jobs share, and
-the disk's own seconds per window, which `solve._exposure` prices as it prices the PCIe directions.
+the disk's own seconds per window, which `formulation._exposure` prices as it prices the PCIe directions.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
               + disk_io_s(disk_master_bytes(g), hw) * mdk[s])  # NOTE: [Masters on disk]
         released[L.bw(S - 1)] += io
         due[L.bw(min(s + 2, S - 1))] += io
-        if can_put_outputs_on_disk(st, s):  # `solve._vars` allows no other
+        if can_put_outputs_on_disk(st, s):  # `formulation._vars` allows no other
             last = g.consumers[-1]
             write = disk_act_bytes(g) / hw.disk_write_bandwidth * adk[s]
             released[L.fw(s + 1)] += write
@@ -135,7 +135,7 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
 # A stage's offloaded outputs (Outputs.OFFLOAD: to host memory during F(s+1)..F(cmax), back during
 # B(cmax+1)) may go on to the offload file (`adisk`, Outputs.DISK), where host memory binds and
 # nothing else fits: they are searched where steps in backward are (NOTE: [Backward steps where
-# nothing else fits] in solve.py). The GPU side and its PCIe copies are an offload's; on the host
+# nothing else fits] in formulation.py). The GPU side and its PCIe copies are an offload's; on the host
 # they pass through a ring of ACT_RING page-locked buffers (runtime/disk_acts.py), each as large as
 # the largest such stage's outputs carved at 4 KiB (`disk_act_bytes`), instead of a host buffer
 # each: the host gives up `out_bytes` a stage and keeps the ring. A writer thread writes each
@@ -153,7 +153,7 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
 # against 13.98 predicted; with the whole host (outputs in host memory) 14.35 against 13.92.
 # NOTE: [One disk]
 # Every kind of the tier reads and writes the same disk, so the disk's seconds in a window are the
-# sum of all of them, and a window lasts at least that long (`solve._exposure`): the outputs and the
+# sum of all of them, and a window lasts at least that long (`formulation._exposure`): the outputs and the
 # states of steps in backward, which the disk worker schedules (`_disk_worker`), and the reads and
 # writes inside the host worker's jobs (host-stepped and disk-stepped stages'), spread by a backlog
 # of their own over the windows those jobs may run in, released and due with them. Those jobs still

@@ -14,7 +14,7 @@ from lazytrain.sizes import ACT_RING_SIZE, STATE_RING_SIZE, TWIN_CHUNK, aligned,
 LOSS_BYTES = 4
 
 
-CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage] in solve.py)
+CPU_STATE_BYTES = STATE_BYTES["32bit"]  # a host-stepped stage's AdamW states (NOTE: [State precision per stage] in formulation.py)
 # A host step of a bf16 master reuses an fp32 twin, an fp32 gradient and int32 rounding noise of
 # the largest tensor it meets (NOTE: [Host step buffers] in runtime/optim.py)
 HOST_STEP_BYTES = 12

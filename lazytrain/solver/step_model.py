@@ -1,6 +1,6 @@
-"""The step model of pass `solve` (NOTE: [The step model] in solve.py): per-window memory, compute
+"""The step model of pass `solve` (NOTE: [The step model] in formulation.py): per-window memory, compute
 capacity, transfer volumes, host work and collectives of one training step, as linear expressions
-over the MIP's decision variables (`solve._vars`), which `solve._build` prices and bounds.
+over the MIP's decision variables (`formulation._vars`), which `formulation._build` prices and bounds.
 
 The walk over the stages adds what every placement shares: compute, internals, outputs, a streamed
 stage's weight slot and its traffic, and the sharded paths. Each optimizer-step kind's own terms

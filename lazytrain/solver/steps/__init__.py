@@ -2,7 +2,7 @@
 `Step.kind`), each in a module of its own.
 
 A kind's rule (`base.StepRule`) supplies
-  - its MIP terms: `indicator`, the linear expression over the binaries of `solve._vars` that is 1
+  - its MIP terms: `indicator`, the linear expression over the binaries of `formulation._vars` that is 1
     where a stage takes the kind, and the hooks the step model (solver/step_model.py) calls with it
     for every stage: its device memory, transfers, device, host and disk seconds and host bytes;
   - the predicted seconds of its OPT_STEP event (`step_seconds`, for pass `lower`'s durations);
@@ -14,7 +14,7 @@ prefetch reads the master), and the sharded data-parallel paths.
 
 A new kind touches, besides a module here (imported below, in `KINDS` order): its shape in
 ir/placement.py (`KINDS`, a named constructor on `Step`, its words in `describe`), its binaries in
-solver/solve.py (`_vars`, `_binaries`, `_placement`), and its handler in the runtime, which runs the
+solver/formulation.py (`_vars`, `_binaries`, `_placement`), and its handler in the runtime, which runs the
 events and never imports these rules.
 """
 

@@ -4,7 +4,7 @@ its backward prefetch at B(s+1), the step runs beside B(s-1), and the new weight
 states go back during B(s-1) and B(s-2); states on disk pass through a ring of host buffers (NOTE:
 [Backward steps from disk] in solver/disk_model.py), and so may the master (NOTE: [Masters on
 disk] there, which with the master tier's other terms stays in the step model). Not the first two
-stages or the last, nor with exact clipping or sharded state (`solve._vars`)."""
+stages or the last, nor with exact clipping or sharded state (`formulation._vars`)."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class StepRule(abc.ABC):
     @staticmethod
     @abc.abstractmethod
     def indicator(v: dict, s: int):
-        """1 where stage `s` takes this kind, 0 elsewhere, over the MIP's binaries `v` (`solve._vars`)."""
+        """1 where stage `s` takes this kind, 0 elsewhere, over the MIP's binaries `v` (`formulation._vars`)."""
 
     def home(self, model: StepModel, st: StageTerms, x) -> None:
         """Before the weight slot's terms: what the stage keeps on the device all step, and its

@@ -32,7 +32,7 @@ class Host(StreamedRule):
             model.m += disk == 0
 
     def host_bytes(self, model, st, x):
-        # NOTE: [State precision per stage] in solve.py: its moments are fp32 wherever the others' are 8-bit
+        # NOTE: [State precision per stage] in formulation.py: its moments are fp32 wherever the others' are 8-bit
         return x * (CPU_STATE_BYTES - model.st.state_bytes) * st.g.param_numel
 
     def host_buffers(self, model):

@@ -1,7 +1,7 @@
 """Kind "prefetch": a streamed stage stepped on the device at the next step's forward prefetch of its
-weights (NOTE: [GPU-stepped streamed stages] in solver/solve.py): its gradient waits in host memory,
+weights (NOTE: [GPU-stepped streamed stages] in solver/formulation.py): its gradient waits in host memory,
 the prefetch brings master, states and gradient with the weights, the step runs on the compute
-stream before its forward (NOTE: [GPU-step lag] in solver/solve.py), and the new weights, master and
+stream before its forward (NOTE: [GPU-step lag] in solver/formulation.py), and the new weights, master and
 states go back during its forward. Fetched one window ahead, or two (`ahead`, `Weights.lookahead`)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class AtPrefetch(StreamedRule):
         model.serial = model.serial + x * st.step_s
         # the step runs on the compute stream before its forward, once its fetch has landed:
         # fetched one window ahead, it trails the fetch inside that window; two ahead, the
-        # fetch is in by then. Transfers run beside it as beside compute (NOTE: [GPU-step lag] in solve.py)
+        # fetch is in by then. Transfers run beside it as beside compute (NOTE: [GPU-step lag] in formulation.py)
         model.lag[fetched] += (x - ahead) * st.step_s
         model.cap[fetched] += x * st.step_s
 
