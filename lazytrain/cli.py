@@ -96,7 +96,13 @@ def _number(low: float, high: float = math.inf, low_open: bool = True):
 
 _TILES = ("compute each gated MLP and RMSNorm (Qwen2, Llama, Gemma3) in tiles of tokens whose widest intermediate "
           "takes at most this (e.g. 256MiB), keeping only its input for backward, which recomputes each tile: for "
-          "long sequences (default 0 or 'off': never tile)")
+          "long sequences. 'auto' (default): in 256MiB tiles where no untiled plan fits the budget, or where that "
+          "lowers --budget min; 0 or 'off': never tile")
+
+
+def _tile_bytes(text: str) -> int | None:
+    """--tile-bytes: 'auto' (None), or a size as for --loss-chunk-bytes."""
+    return None if text.strip().lower() == "auto" else _chunk_bytes(text)
 
 
 def _chunk_bytes(text: str) -> int:
@@ -153,6 +159,9 @@ def cmd_compile(args) -> int:
     from lazytrain.summary import summary
 
     print(summary(load_schedule(args.output)), end="")
+    if compiled.options.tile_bytes:
+        chose = " (--tile-bytes auto: no untiled plan fits, or a tiled one fits less)" if args.tile_bytes is None else ""
+        print(f"gated MLPs and RMSNorms run in tiles of {format_size(compiled.options.tile_bytes)}{chose}")
     print(f"solved in {compiled.plan.solver.seconds:.2f} s; wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
           f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget, round_up=True)})")
     return 0
@@ -222,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
                    help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of rows or tokens, each at most "
                         "this working set (default 1GiB); 0 or 'off' never chunks")
-    c.add_argument("--tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE", help=_TILES)
+    c.add_argument("--tile-bytes", type=_tile_bytes, default=None, metavar="SIZE", help=_TILES)
     c.add_argument("--world-size", type=_at_least(1), default=1, metavar="N",
                    help="data-parallel ranks the schedule runs on (default 1); example_batch() is one rank's batch, "
                         "and every rank binds the same schedule (see README, Data parallel)")
@@ -289,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--clipping", choices=["exact", "previous-norm"], default=None,
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
-    t.add_argument("--tile-bytes", type=_chunk_bytes, default=0, metavar="SIZE",
+    t.add_argument("--tile-bytes", type=_tile_bytes, default=None, metavar="SIZE",
                    help=_TILES + "; when compiling on the fly")
     t.add_argument("--fuse-stages", choices=["auto", "on", "off"], default="auto",
                    help="run each block kind's stage body compiled by torch.compile (Inductor), fusing its "

@@ -39,7 +39,9 @@ class CompileOptions:
     `loss_chunk_bytes` is the largest working set of one chunk of a chunked loss stage (0: never chunk).
     `tile_bytes` computes each gated MLP and RMSNorm in tiles of tokens whose widest intermediate takes
     at most that many bytes, recomputed in backward (NOTE: [Tiled MLP] in kernels/tiled_mlp.py,
-    [Tiled RMSNorm] in kernels/tiled_norm.py; 0: never tile).
+    [Tiled RMSNorm] in kernels/tiled_norm.py; 0: never tile); None (the default) tiles only where
+    no untiled plan fits, or where it lowers the smallest budget asked for (NOTE: [Tiles where
+    nothing else fits] in pipeline.py).
     `world_size` is the number of data-parallel ranks the schedule runs on; the batch compiled is one
     rank's (NOTE: [Data parallel] in runtime/data_parallel.py). `shard_state` (None: the default,
     sharded for several ranks) shards master weights and optimizer states over
@@ -62,7 +64,7 @@ class CompileOptions:
     optimizer_states: str = "32bit"
     master_weights: str = "fp32"
     loss_chunk_bytes: int = LOSS_CHUNK_BYTES
-    tile_bytes: int = 0
+    tile_bytes: int | None = None
     world_size: int = 1
     shard_state: bool | None = None
     shard_weights: bool | None = None
@@ -90,9 +92,9 @@ class CompileOptions:
         if not (_whole(self.loss_chunk_bytes) and self.loss_chunk_bytes >= 0):
             raise PlanError(f"loss_chunk_bytes {self.loss_chunk_bytes!r} is not a working set; pass bytes (an "
                             "integer >= 0; 0 never chunks)")
-        if not (_whole(self.tile_bytes) and self.tile_bytes >= 0):
+        if not (self.tile_bytes is None or (_whole(self.tile_bytes) and self.tile_bytes >= 0)):
             raise PlanError(f"tile_bytes {self.tile_bytes!r} is not a working set; pass bytes (an "
-                            "integer >= 0; 0 never tiles)")
+                            "integer >= 0; 0 never tiles), or None (tiles where nothing else fits)")
         if not (_whole(self.world_size) and self.world_size >= 1):
             raise PlanError(f"world_size {self.world_size!r} is not a number of ranks; pass an integer >= 1 (1: one "
                             "process)")

@@ -15,6 +15,7 @@ it is built; the stages get theirs after blocks, and the budget is resolved once
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ import torch
 
 from lazytrain import hardware as hw_profiles
 from lazytrain.codegen.render import render
-from lazytrain.errors import LazytrainError, PlanError, one_line
+from lazytrain.errors import InfeasibleBudget, LazytrainError, PlanError, one_line
 from lazytrain.hardware import Hardware
 from lazytrain.ir import dump
 from lazytrain.ir.capture import capture
@@ -34,7 +35,7 @@ from lazytrain.ir.lint import lint
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
 from lazytrain.ir.stages import Stages
-from lazytrain.kernels.tiled import tiled
+from lazytrain.kernels.tiled import tileable, tiled
 from lazytrain.options import CompileOptions, apply_options, from_settings
 from lazytrain.passes.blocks import blocks
 from lazytrain.passes.causal import causal
@@ -47,6 +48,7 @@ from lazytrain.passes.lower import lower
 from lazytrain.passes.verify import verify
 from lazytrain.solver.plancache import cached_solve
 from lazytrain.solver.solve import smallest_budget
+from lazytrain.units import format_size
 
 @dataclass(frozen=True)
 class Compiled:
@@ -142,15 +144,59 @@ def _hardware(hardware: str | Hardware | None) -> Hardware:
     return hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
 
 
+# NOTE: [Tiles where nothing else fits]
+# Tiling a row's token-wise work (NOTE: [Tiled MLP], [Tiled RMSNorm] in kernels/) lowers what a
+# layer holds at long sequences (the Qwen2.5-7B shape at 1 x 131072: 47.3 GiB at least untiled,
+# 19.0 GiB tiled, bench/README.md) and costs time: backward recomputes two of the MLP's three
+# products and the norms. So by default (`tile_bytes` None) a compile tiles only where it must: it
+# plans untiled, and where no untiled plan fits the budget it plans again in tiles of
+# AUTO_TILE_BYTES; for `--budget min` it plans both and keeps the smaller budget. A model with
+# nothing to tile compiles once. The second plan costs a second capture, on a refusal only.
+AUTO_TILE_BYTES = 256 << 20
+
+
+def _tile_choices(model: torch.nn.Module, options: CompileOptions) -> list[CompileOptions]:
+    """The options to plan with, in order (NOTE: [Tiles where nothing else fits])."""
+    if options.tile_bytes is not None:
+        return [options]
+    untiled = dataclasses.replace(options, tile_bytes=0)
+    return [untiled] + ([dataclasses.replace(options, tile_bytes=AUTO_TILE_BYTES)] if tileable(model) else [])
+
+
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None = None, hardware: str | Hardware | None = None, *,
                   options: CompileOptions | None = None, source: str = "", dump_dir=None, time_passes: bool = False,
                   **settings) -> Compiled:
     """Compile `model(**batch)`'s training step, for `options` (lazytrain/options.py) or for a `budget`
     and settings given as keywords (`time_limit=`, `optimizer_states=`, `world_size=`, ...), which
     make one CompileOptions. `hardware` is a profile's name or file, or a Hardware (None: h200);
-    `batch` is one rank's batch."""
+    `batch` is one rank's batch. Tiles where nothing else fits unless `tile_bytes` says (NOTE:
+    [Tiles where nothing else fits])."""
     options = from_settings(options, budget, settings)
     hw = _hardware(hardware)
+    choices = _tile_choices(model, options)
+    if len(choices) == 1:
+        return _compile(model, batch, hw, choices[0], source, dump_dir, time_passes)
+    untiled, tiled_ = choices
+    if options.budget == "min":
+        plans = [_compile(model, batch, hw, o, source, dump_dir, time_passes) for o in choices]
+        return min(plans, key=lambda c: c.plan.budget)
+    try:
+        return _compile(model, batch, hw, untiled, source, dump_dir, time_passes)
+    except InfeasibleBudget as refused:
+        if time_passes:
+            print(f"[lazytrain] no untiled plan fits; planning in tiles of {format_size(tiled_.tile_bytes)}",
+                  file=sys.stderr)
+        try:
+            return _compile(model, batch, hw, tiled_, source, dump_dir, time_passes)
+        except InfeasibleBudget as also:
+            raise InfeasibleBudget(f"{also} (with its MLPs and norms in tiles of {format_size(tiled_.tile_bytes)}, "
+                                   f"--tile-bytes; untiled it needs "
+                                   f"{format_size(refused.smallest_feasible, round_up=True)})",
+                                   min(also.smallest_feasible, refused.smallest_feasible)) from None
+
+
+def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: CompileOptions, source: str, dump_dir,
+             time_passes: bool) -> Compiled:
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, options=options)
     budget = resolve_budget(options, stages, hw, hook)
@@ -170,8 +216,7 @@ def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware
     aside), in bytes."""
     options = from_settings(options, None, settings)
     hw = _hardware(hardware)
-    _, stages = analyse(model, batch, hw, options=options)
-    return smallest_budget(stages, hw)
+    return min(smallest_budget(analyse(model, batch, hw, options=o)[1], hw) for o in _tile_choices(model, options))
 
 
 def stages_text(stages: Stages) -> str:

@@ -27,3 +27,9 @@ def tiled(model: torch.nn.Module, tile_bytes: int):
     finally:
         restore_mlps(model)
         restore_norms(model)
+
+
+def tileable(model: torch.nn.Module) -> int:
+    """How many of `model`'s modules `tiled` would make compute in tiles (none is left changed)."""
+    with tiled(model, 1) as counts:
+        return sum(counts.values())
