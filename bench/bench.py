@@ -17,6 +17,7 @@ process's VmHWM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -65,10 +66,15 @@ def cmd_compile(args):
                              optimizer_states=args.states, master_weights=args.master, clipping="off",  # runs do not clip
                              disk=args.disk, tile_bytes=0 if args.tile_bytes == "0" else parse_size(args.tile_bytes))
     CASES.mkdir(exist_ok=True)
-    compiled = compile_model(meta, b, hardware=hw, options=options, source=f"bench:{args.model}")
+    # one plan priced eager (system lazytrain) and one priced fused (system fused, NOTE: [Fused stage
+    # prices] in lazytrain/passes/fusion.py): each run is held to the plan of the bodies it runs
+    for suffix, fuse in (("", False), (".fused", True)):
+        compiled = compile_model(meta, b, hardware=hw, options=dataclasses.replace(options, fuse_stages=fuse),
+                                 source=f"bench:{args.model}")
+        (CASES / f"{case_name(args)}{suffix}.py").write_text(compiled.source_text)
+        print(f"lazytrain plan{suffix or ''}: predicted {compiled.plan.step_s:.3f} s, "
+              f"peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
     budget = compiled.plan.budget
-    (CASES / f"{case_name(args)}.py").write_text(compiled.source_text)
-    print(f"lazytrain plan: predicted {compiled.plan.step_s:.3f} s, peak {compiled.plan.peak_bytes / 2**30:.1f} GiB")
     if args.states != "32bit" or args.master != "fp32":
         return  # the fixed-policy baseline is the 32-bit one
     graph, stages = analyse(meta, b, hw)
@@ -128,7 +134,7 @@ def cmd_run_one(args):
         # bf16 masters: build in bf16 (an fp32 build of 14B alone takes 59 GB of host memory)
         model = build(args.model, args.seq, "cpu", torch.bfloat16 if args.master == "bf16" else torch.float32)
         build_s = time.perf_counter() - t_build  # the model ready; binding (pinning, device copies) is timed apart
-        path = CASES / f"{case_name(args)}{'.fixed' if args.system == 'fixed' else ''}.py"
+        path = CASES / f"{case_name(args)}{ {'fixed': '.fixed', 'fused': '.fused'}.get(args.system, '')}.py"
         module = load_schedule(path)
         # "fused": lazytrain's plan with its stage bodies compiled (NOTE: [Fused stages] in runtime/fused.py)
         trainer = module.bind(model, device="cuda", lr=1e-5, serial_optimizer=args.system == "fixed",

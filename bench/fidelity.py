@@ -128,13 +128,19 @@ def cmd_compile(args) -> None:
             budget = minimum_budget(meta, b, hw_case, options=precision) if case.budget == "min" else (
                 "max" if case.budget == "max" else parse_size(case.budget))
             options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
-                                          disk=bool(case.host), tile_bytes=parse_size(case.tile) if case.tile else 0)
+                                          disk=bool(case.host), tile_bytes=parse_size(case.tile) if case.tile else 0,
+                                          fuse_stages=False)
             compiled = compile_model(meta, b, hardware=hw_case, options=options, source=f"bench:{case.model}")
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")
             continue
         (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
+        # NOTE: [Fused stage prices] in lazytrain/passes/fusion.py: `run --fuse-stages` is held to a
+        # plan priced fused, the plain run to one priced eager (the options above)
+        fused = compile_model(meta, b, hardware=hw_case, options=dataclasses.replace(options, fuse_stages=True),
+                              source=f"bench:{case.model}")
+        (CASE_DIR / f"{case.name}_fused.py").write_text(fused.source_text)
         print(f"{case.name}: predicted {compiled.plan.step_s:.3f} s, peak {format_size(compiled.plan.peak_bytes)}, "
               f"host {format_size(compiled.plan.host_bytes)}, compiled in {time.perf_counter() - start:.0f} s")
 
@@ -325,6 +331,11 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     }
 
 
+def _schedule_path(case: Case, args) -> Path:
+    """The case's schedule: the one priced fused for `--fuse-stages` (`cmd_compile`)."""
+    return CASE_DIR / f"{_row_name(case, args)}.py"
+
+
 def cmd_run(args) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -336,13 +347,13 @@ def cmd_run(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(args.out or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
-    cases = [c for c in _selected(args.only) if (CASE_DIR / f"{c.name}.py").is_file()]
+    cases = [c for c in _selected(args.only) if _schedule_path(c, args).is_file()]
     if len(cases) > 1 and not args.in_process:  # each case in a process of its own (`_one_per_process`)
         print("\n".join(_table(_one_per_process(cases, args, out))))
         return
     rows = []
     for case in cases:
-        path = CASE_DIR / f"{case.name}.py"
+        path = _schedule_path(case, args)
         # each case's model is built in its schedule's tiers (resident masters straight onto the GPU):
         # the host never holds what the plan does not count on it
         start = time.perf_counter()
