@@ -157,10 +157,9 @@ AUTO_TILE_BYTES = 256 << 20
 
 def _tile_choices(model: torch.nn.Module, options: CompileOptions) -> list[CompileOptions]:
     """The options to plan with, in order (NOTE: [Tiles where nothing else fits])."""
-    if options.tile_bytes is not None:
+    if options.tile_bytes is not None or not tileable(model):  # None tiles nothing (`tiled`)
         return [options]
-    untiled = dataclasses.replace(options, tile_bytes=0)
-    return [untiled] + ([dataclasses.replace(options, tile_bytes=AUTO_TILE_BYTES)] if tileable(model) else [])
+    return [dataclasses.replace(options, tile_bytes=0), dataclasses.replace(options, tile_bytes=AUTO_TILE_BYTES)]
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None = None, hardware: str | Hardware | None = None, *,
