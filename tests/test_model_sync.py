@@ -179,7 +179,8 @@ def test_the_plan_leaves_room_to_apply_a_pending_update_between_steps():
     (NOTE: [Flushed updates] in solver/footprint.py). The plan's tail, and so its peak, counts the
     largest."""
     from lazytrain.solver.footprint import flush_bytes
-    from lazytrain.solver.solve import evaluate, tail_bytes
+    from lazytrain.solver.formulation import tail_bytes
+    from lazytrain.solver.solve import evaluate
 
     meta, _, batch = tiny_gpt_pair()
     _, stages = analyse(meta, batch, HW)
