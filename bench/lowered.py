@@ -42,7 +42,7 @@ from lazytrain import hardware  # noqa: E402
 from lazytrain.errors import LazytrainError  # noqa: E402
 from lazytrain.ir.placement import Outputs, Step, Tier, Weights  # noqa: E402
 from lazytrain.pipeline import analyse  # noqa: E402
-from lazytrain.solver import solve as solve_module  # noqa: E402
+from lazytrain.solver import formulation  # noqa: E402
 
 HW = hardware.load("cpu")
 # the optimizer stream beside compute, so resident gradients may be freed at their step
@@ -195,7 +195,7 @@ def _model_text(m: mip.Model, model) -> str:
 
 def _write_model(out: Path, stem: str, stages, hw, decs=None, **build) -> None:
     try:
-        m, _, model, _ = solve_module._build(stages, hw, 1 << 40, fixed=decs, **build)
+        m, _, model, _ = formulation._build(stages, hw, 1 << 40, fixed=decs, **build)
     except LazytrainError as e:
         (out / f"{stem}.mip.err").write_text(f"{type(e).__name__}: {e}\n")
         return

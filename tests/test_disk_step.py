@@ -18,7 +18,7 @@ from lazytrain.errors import PlanError
 from lazytrain.ir.events import Kind, Stream
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
-from lazytrain.solver import solve as solve_module
+from lazytrain.solver import formulation
 from lazytrain.solver.footprint import disk_gpu_job_s, disk_gpu_state_bytes, disk_step_slot, flush_bytes
 from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
@@ -204,7 +204,7 @@ def test_a_job_released_last_and_due_first_gets_time_of_its_own():
     _, stages = analyse(meta, batch, slow, optimizer_states="8bit")
     stages = dataclasses.replace(stages, disk=True, clipping="off")  # released as their gradients land
     spec = decisions(["-rk", "-rk", "XRk", "XRk", "-rk"])
-    _, _, model, _ = solve_module._build(stages, slow, 1 << 40, minimise_memory=False, fixed=spec)
+    _, _, model, _ = formulation._build(stages, slow, 1 << 40, minimise_memory=False, fixed=spec)
     S = len(stages)
     labels = [f"F{s}" for s in range(S)] + [f"B{s}" for s in reversed(range(S))] + ["pre", "tail"]
     intervals = [[labels[t] for t in windows] for _, windows in job_intervals(model)]
