@@ -337,6 +337,48 @@ def test_tiled_mlp_on_gpu_equals_eager(dtype):
         assert ours_err <= 2 * eager_err + 1e-4, (name, float(ours_err), float(eager_err))
 
 
+@needs_gpu
+@pytest.mark.parametrize("form", ["weight_after_cast", "one_plus_weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiled_norm_on_gpu_equals_eager(dtype, form):
+    """lazytrain::rms_norm on CUDA (NOTE: [Tiled RMSNorm]) in 5 uneven tiles against transformers'
+    formula run eagerly in the same dtype: the output the same kernels give row by row, the
+    gradients of the input and the weight as close as fp32's rounding (fp32), or the weight's,
+    summed in float32 over the tiles where eager sums in bf16, within twice eager bf16's error of
+    the fp32 reference (bf16)."""
+    import lazytrain.kernels.tiled_norm  # noqa: F401  (registers the operator)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 333, 256, generator=g), 1 + 0.1 * torch.randn(256, generator=g)
+    grad = torch.randn(2, 333, 256, generator=g)
+
+    def leaves(dt):
+        return [t.detach().to("cuda", dt, copy=True).requires_grad_() for t in (x, w)]
+
+    def eager(tensors, dy):
+        xs, ws = tensors
+        xf = xs.float()
+        n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        out = ws * n.to(xs.dtype) if form == "weight_after_cast" else (n * (1.0 + ws.float())).type_as(xs)
+        out.backward(dy)
+        return [out.float()] + [t.grad.float() for t in tensors]
+
+    ours = leaves(dtype)
+    out = torch.ops.lazytrain.rms_norm(*ours, 1e-6, form, 5)
+    out.backward(grad.to("cuda", dtype))
+    mine = [out.float()] + [t.grad.float() for t in ours]
+    theirs = eager(leaves(dtype), grad.to("cuda", dtype))
+    torch.testing.assert_close(mine[0], theirs[0], atol=0, rtol=0)
+    if dtype == torch.float32:
+        for a, b in zip(mine[1:], theirs[1:]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        return
+    want = eager(leaves(torch.float32), grad.cuda())
+    for name, a, b, ref in zip(("x", "weight"), mine[1:], theirs[1:], want[1:]):
+        ours_err, eager_err = ((t - ref).norm() / ref.norm() for t in (a, b))
+        assert ours_err <= 2 * eager_err + 1e-4, (name, float(ours_err), float(eager_err))
+
+
 if __name__ == "__main__":  # prebuild schedules for a GPU machine without the solver
     PREBUILT.mkdir(exist_ok=True)
     for case in CASES:
