@@ -12,21 +12,9 @@ import torch
 
 from dp_worker import HP, STEPS, _loss, bind, global_batch, pair, rows_of, weights_digest
 from lazytrain.sizes import QUANT_BLOCK
+from models import reference_optimizers
 
 MIN_8BIT = 4096  # bitsandbytes' default min_8bit_size: smaller parameters keep 32-bit states
-
-
-def reference_optimizers(module, model) -> list:
-    """bitsandbytes' AdamW8bit over the schedule's 8-bit stages' parameters, torch's AdamW over its
-    32-bit (host-stepped) ones: the optimizers one process would step."""
-    import bitsandbytes as bnb
-
-    fp32 = {module.PLACEHOLDERS[p][1] for s in module.STAGES if s.states == "32bit" for p in s.params}
-    params = dict(model.named_parameters())
-    opts = [bnb.optim.AdamW8bit([p for n, p in params.items() if n not in fp32], **HP)]
-    if fp32:
-        opts.append(torch.optim.AdamW([p for n, p in params.items() if n in fp32], **HP))
-    return opts
 
 
 def check_block_shards(trainer, rank: int, world: int) -> dict[str, str]:
@@ -67,7 +55,7 @@ def check_sharded_8bit(rank, world, name, sharded_source, replicated_source):
     replicated, whole = bind(replicated_source, real, **HP)
     assert sharded.sharded and not replicated.sharded
     start, ref = copy.deepcopy(real), copy.deepcopy(real)
-    opts = reference_optimizers(sharded.m, ref)
+    opts = reference_optimizers(sharded.m, ref, HP)
     for i in range(STEPS):
         glob = global_batch(name, world, seed=60 + i)
         loss = sharded.step(rows_of(glob, rank, world))

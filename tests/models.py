@@ -605,3 +605,16 @@ def model_specs():
         return spec
 
     return specs()
+
+
+def reference_optimizers(module, model, hp: dict) -> list:
+    """The optimizers one process would step for a schedule with 8-bit states: bitsandbytes'
+    AdamW8bit over its 8-bit stages' parameters, torch's AdamW over its 32-bit (host-stepped) ones."""
+    import bitsandbytes as bnb
+
+    fp32 = {module.PLACEHOLDERS[p][1] for s in module.STAGES if s.states == "32bit" for p in s.params}
+    params = dict(model.named_parameters())
+    opts = [bnb.optim.AdamW8bit([p for n, p in params.items() if n not in fp32], **hp)]
+    if fp32:
+        opts.append(torch.optim.AdamW([p for n, p in params.items() if n in fp32], **hp))
+    return opts

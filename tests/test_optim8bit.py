@@ -15,7 +15,7 @@ from lazytrain import hardware  # noqa: E402
 from lazytrain.pipeline import compile_model, minimum_budget  # noqa: E402
 from lazytrain.runtime.schedule import load_source  # noqa: E402
 from lazytrain.summary import summary  # noqa: E402
-from models import tiny_gpt_pair  # noqa: E402
+from models import reference_optimizers, tiny_gpt_pair  # noqa: E402
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 # The CPU profile with a host AdamW as slow as its 8-bit device step, or far slower: the planner
@@ -44,16 +44,6 @@ def _forced(meta, batch, spec, name, master):
     graph, stages = analyse(meta, batch, hw, optimizer_states="8bit", master_weights=master)
     plan = evaluate(stages, hw, 1 << 40, decisions(spec))
     return load_source(render(graph, stages, plan, lower(stages, plan, hw), batch, hw.name, "8bit", master), name)
-
-
-def _reference(module, model):
-    """bitsandbytes' AdamW8bit over the schedule's 8-bit parameters, torch's AdamW over the rest."""
-    fp32 = {module.PLACEHOLDERS[p][1] for s in module.STAGES if s.states == "32bit" for p in s.params}
-    params = dict(model.named_parameters())
-    opts = [bnb.optim.AdamW8bit([p for n, p in params.items() if n not in fp32], **HP)]
-    if fp32:
-        opts.append(torch.optim.AdamW([p for n, p in params.items() if n in fp32], **HP))
-    return opts
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +85,7 @@ def test_steps_equal_the_reference_optimizers(gpt, case, clip):
     assert module.OPTIMIZER_STATES == "8bit" and "optimizer states (8bit AdamW" in summary(module)
     start, ours, ref = copy.deepcopy(real), copy.deepcopy(real), copy.deepcopy(real)
     trainer = module.bind(ours, max_grad_norm=clip, **HP)
-    opts = _reference(module, ref)
+    opts = reference_optimizers(module, ref, HP)
     for step in range(4):
         torch.manual_seed(step)
         b = {k: torch.randint(0, 96, v.shape) for k, v in batch.items()}
