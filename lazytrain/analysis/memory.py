@@ -89,12 +89,17 @@ def _attention(node: Node, graph: Graph) -> int:
     return mask_bias_bytes(node, graph) + (4 * q.numel if q is not None else 0)
 
 
+def _tile_rows(x: TensorSpec, tiles: int) -> int:
+    """Rows (tokens) in the largest of `tiles` tiles of x's rows, as the tiled operators split them
+    (kernels/tiling.py: at most one tile a row)."""
+    rows = x.numel // max(1, x.shape[-1])
+    return -(-rows // max(1, min(int(tiles), rows)))
+
+
 def _mlp_tile(node: Node, graph: Graph) -> tuple[int, int, int, int]:
     """(tile tokens, intermediate size, hidden size, itemsize) of a tiled gated MLP."""
     x, gate = _spec(graph, node.args[0]), _spec(graph, node.args[1])
-    tokens = x.numel // x.shape[-1]
-    tiles = max(1, min(int(node.args[5]), tokens))
-    return -(-tokens // tiles), gate.shape[0], gate.shape[1], x.nbytes // max(1, x.numel)
+    return _tile_rows(x, node.args[5]), gate.shape[0], gate.shape[1], x.nbytes // max(1, x.numel)
 
 
 @rule("lazytrain.gated_mlp.default")
@@ -115,9 +120,7 @@ def _gated_mlp_backward(node: Node, graph: Graph) -> int:
 def _norm_tile(node: Node, graph: Graph) -> int:
     """Elements of one tile of a tiled RMSNorm's rows (NOTE: [Tiled RMSNorm])."""
     x = _spec(graph, node.args[0])
-    rows = x.numel // max(1, x.shape[-1])
-    tiles = max(1, min(int(node.args[4]), rows))
-    return -(-rows // tiles) * x.shape[-1]
+    return _tile_rows(x, node.args[4]) * x.shape[-1]
 
 
 @rule("lazytrain.rms_norm.default")
