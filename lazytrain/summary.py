@@ -68,7 +68,7 @@ def summary(schedule: ModuleType) -> str:
     skipping = [s for s in m.STAGES if s.placement.recomputed and s.skips]
     if skipping:  # NOTE: [Skipped recompute] in analysis/remat.py
         lines.append(f"recompute before backward leaves out the linears no backward reads: stages "
-                     f"{_ranges([s.index for s in skipping])} ({', '.join(skipping[0].skips)} in stage {skipping[0].index})")
+                     f"{ranges([s.index for s in skipping])} ({', '.join(skipping[0].skips)} in stage {skipping[0].index})")
     counts = {}
     for e in m.EVENTS:
         counts[e.kind.value] = counts.get(e.kind.value, 0) + 1
@@ -121,14 +121,14 @@ def _states_line(m: ModuleType) -> str:
     if getattr(m, "SHARDED", False):  # a rank's 1/N (NOTE: [Sharded state] in runtime/sharding.py)
         gpu, host = gpu / m.WORLD_SIZE, host / m.WORLD_SIZE
     fp32 = [s.index for s in m.STAGES if s.states == "32bit"]
-    mixed = (f"; 32-bit on the host-stepped stages ({_ranges(fp32)})"
+    mixed = (f"; 32-bit on the host-stepped stages ({ranges(fp32)})"
              if getattr(m, "OPTIMIZER_STATES", "32bit") != "32bit" and fp32 else "")
     return (f"optimizer states ({getattr(m, 'OPTIMIZER_STATES', '32bit')} AdamW{mixed}): {memory_name(m.DEVICE)} "
             f"{format_size(gpu)}, "
             f"host {format_size(host)}")
 
 
-def _ranges(indices: list[int]) -> str:
+def ranges(indices: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out, start = [], None
     for i, k in enumerate(indices):

@@ -22,7 +22,7 @@ from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.limits import limits
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
 from lazytrain.solver.footprint import prefetches_from_master
-from lazytrain.summary import CLIPPING_TEXT, chunk_text, decision_line, memory_name
+from lazytrain.summary import CLIPPING_TEXT, chunk_text, decision_line, memory_name, ranges
 from lazytrain.units import format_size
 
 _ENV = jinja2.Environment(
@@ -176,17 +176,6 @@ def _stage_line(graph: Graph, s, p: Placement, lim, from_master: bool, optimizer
         + (", random=True" if s.random else "") + (f", limits={lim.notes()!r}" if lim.notes() else "") + "),")
 
 
-def _runs(indices: list[int]) -> str:
-    """Stage indices as runs: [0, 1, 2, 5] -> "0-2, 5"."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
-
-
 def fused_lines(stages: Stages, factor: float) -> list[str]:
     """The header's account of the fused regions (NOTE: [Fused stages] in runtime/fused.py): which
     stages run compiled by Inductor and which stay eager, and why."""
@@ -199,7 +188,7 @@ def fused_lines(stages: Stages, factor: float) -> list[str]:
              "kind; the ATen calls are what they compute"]
     if compiled:
         kinds = ", ".join(dict.fromkeys(s.kind for s in compiled))
-        lines.append(f"  compiled: stage{'s' if len(compiled) > 1 else ''} {_runs([s.index for s in compiled])} "
+        lines.append(f"  compiled: stage{'s' if len(compiled) > 1 else ''} {ranges([s.index for s in compiled])} "
                      f"(kind{'s' if ',' in kinds else ''} {kinds}), {price}")
     for s in stages:
         if not fusable(s):
