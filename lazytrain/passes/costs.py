@@ -71,16 +71,16 @@ def _in(node: Node, graph: Graph, i: int) -> TensorSpec:
     return graph[node.args[i].value].spec
 
 
+MATMULS = ("aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.addmm.default",
+           "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+
+
 def _fuses(node: Node, alias: bool) -> bool:
     """Element-wise work Inductor fuses (NOTE: [Fused stage prices] in passes/fusion.py): neither a
     view, a matmul, attention, nor one of lazytrain's own operators, which it calls as they are
-    (kernels/: a tiled norm runs the same kernels compiled or not)."""
+    (kernels/: the tiled MLP and norm, document attention)."""
     return not alias and node.target not in MATMULS and node.target not in ATTENTION \
         and not str(node.target).startswith("lazytrain.")
-
-
-MATMULS = ("aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.addmm.default",
-           "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "lazytrain.gated_mlp.default")
 
 
 @rule("aten.linear.default", bwd_factor=2.0)
