@@ -280,6 +280,9 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
             jobs.append(("step", i, start, start))
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
+        # a long row's steps take minutes: each is reported as it ends, so a run cut short still says them
+        print(f"[fidelity] {case.name} step {i + 1} of {args.warmup + args.steps}: {times[-1]:.2f} s, "
+              f"loss {losses[-1]:.4f}, allocated peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB", flush=True)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     io_after = _io_bytes()
     # storage read and written per timed step (its last writes may land after it: `synchronize` drains them)
@@ -291,20 +294,22 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     events = [{"id": i, "kind": kinds[i].kind.value, "stream": kinds[i].stream.value, "stage": kinds[i].stage,
                "device": kinds[i].device, "start_s": a, "end_s": b, "predicted_start_s": kinds[i].start_s,
                "predicted_s": kinds[i].duration_s} for i, a, b in trainer.timeline] if args.events else None
-    # one more step, untimed, with the allocator read as each event is issued
-    from bench.trace import event_memory
+    # one more step, untimed, with the allocator read as each event is issued (`--no-windows` leaves
+    # it out: at 1 x 524,288 tokens a step is about 8 minutes)
+    if args.windows:
+        from bench.trace import event_memory
 
-    loss, rows = event_memory(trainer, data)
-    losses.append(loss)
-    starts = {e.id: e.start_s for e in module.EVENTS}
-    seen: dict[str, int] = {}
-    for event_id, _, peak, _ in rows:
-        label = _window_of(module, starts[event_id])
-        seen[label] = max(seen.get(label, 0), peak)
-    for w in windows:
-        w["measured_bytes"] = seen.get(w["window"])
+        loss, rows = event_memory(trainer, data)
+        losses.append(loss)
+        starts = {e.id: e.start_s for e in module.EVENTS}
+        seen: dict[str, int] = {}
+        for event_id, _, peak, _ in rows:
+            label = _window_of(module, starts[event_id])
+            seen[label] = max(seen.get(label, 0), peak)
+        for w in windows:
+            w["measured_bytes"] = seen.get(w["window"])
     host_peak = _status_kib("VmHWM") * 1024 if cleared else None
-    if args.trace:
+    if args.trace and args.windows:  # the trace reads the per-event memory of the step above
         from bench.trace import traced_step
 
         trace = traced_step(trainer, data, rows)
@@ -391,7 +396,7 @@ def _one_per_process(cases, args, out: Path) -> list[dict]:
     for case in cases:
         argv = [sys.executable, __file__, "run", "--in-process", "--only", case.name, "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--out", str(out)] + ["--events"] * args.events + ["--trace"] * args.trace \
-            + ["--fuse-stages"] * args.fuse_stages
+            + ["--fuse-stages"] * args.fuse_stages + ["--no-windows"] * (not args.windows)
         done = subprocess.run(argv)
         row = out / f"{_row_name(case, args)}.json"
         if done.returncode == 0 and row.is_file():
@@ -494,6 +499,8 @@ def main(argv=None):
                            "times, and what is live at the peak (bench/trace.py)")
             s.add_argument("--fuse-stages", action="store_true", help="run the stage bodies compiled by torch.compile "
                            "(NOTE: [Fused stages] in lazytrain/runtime/fused.py); rows are <case>_fused.json")
+            s.add_argument("--no-windows", dest="windows", action="store_false", help="leave out the untimed "
+                           "step that reads the allocator at every event (each window's measured bytes)")
             s.add_argument("--in-process", action="store_true", help="run every case in this process (default: "
                            "each in a process of its own, so that no case's host peak carries an earlier one's)")
     args = p.parse_args(argv)
