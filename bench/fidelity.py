@@ -447,7 +447,7 @@ def _table(rows: list[dict]) -> list[str]:
         c = r["case"]
         stamp = f"{r.get('date', '')}, {r.get('device', '')}, {r.get('commit', '')}"
         clip = f", clipped ({c['clipping']})" if c.get("clipping", "off") != "off" else ""
-        extra = (f", MLP tiles {c['tile']}" if c.get("tile") else "") + (", fused stages" if r.get("fused_stages") else "")
+        extra = (f", tiles {c['tile']}" if c.get("tile") else "") + (", fused stages" if r.get("fused_stages") else "")
         head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']}{clip}{extra} | "
         if "failed" in r or "refused" in r:
             why = r.get("refused", r.get("failed", ""))[:120].replace("|", "/")
