@@ -72,6 +72,23 @@ def test_rotary_model_past_its_trained_length_is_said_once(tmp_path, capsys):
     assert out.count("warning: --seq-len gives 32 positions, past the 16 that Qwen2ForCausalLM was trained on "
                      "(max_position_embeddings in its config)") == 1
     assert out.index("warning: --seq-len") < out.index("compiling")
+    assert "unscaled (no RoPE scaling in its config" in out and '"factor": 2.0' in out
+
+
+def test_the_warning_names_the_configs_rope_scaling():
+    """Past its trained length a RoPE model runs with the scaling its config has: the warning says
+    which, or that there is none and the setting that would add one."""
+    from transformers import Qwen2Config
+
+    from lazytrain.train.preflight import _rope_scaling
+
+    small = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=16)
+    yarn = Qwen2Config(**small, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                 "original_max_position_embeddings": 16})
+    assert _rope_scaling(yarn, 64, 16) == "with its config's RoPE scaling (yarn, factor 4.0)"
+    plain = _rope_scaling(Qwen2Config(**small), 100, 16)
+    assert plain.startswith("unscaled") and '"factor": 7.0' in plain and "over 100" in plain
 
 
 # --------------------------------------------------------------------------- --export-hf

@@ -259,8 +259,24 @@ def _check_positions(source: ModelSource, model: torch.nn.Module) -> None:
     rotary = any("Rotary" in type(m).__name__ for m in model.modules())
     if rotary and isinstance(trained, int) and seq > trained:
         print(f"warning: {where} gives {seq} positions, past the {trained} that {type(model).__name__} was trained on "
-              f"(max_position_embeddings in its config): its rotary embeddings run there, but the model has not learnt "
-              f"those positions; use {trained} or fewer, or a model with a longer context", flush=True)
+              f"(max_position_embeddings in its config): its rotary embeddings run there {_rope_scaling(config, seq, trained)}, "
+              f"but the model has not learnt those positions; use {trained} or fewer, or a model with a longer context",
+              flush=True)
+
+
+def _rope_scaling(config, seq: int, trained: int) -> str:
+    """How the config's RoPE runs past its trained length: its scaling (`rope_parameters`, or
+    `rope_scaling` before transformers 5), or none, with the setting that would add one."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = next(iter(params.values()))  # per layer type (Gemma3): the first type's
+    kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+    if kind in (None, "default"):
+        factor = -(-seq // trained)
+        return (f"unscaled (no RoPE scaling in its config: rope_parameters with e.g. \"rope_type\": \"yarn\", "
+                f"\"factor\": {factor}.0 would stretch the trained positions over {seq})")
+    factor = params.get("factor")
+    return f"with its config's RoPE scaling ({kind}" + (f", factor {factor}" if factor else "") + ")"
 
 
 def vocab_size(model: torch.nn.Module) -> int | None:
