@@ -8,8 +8,8 @@ the untiled eager MLP and norm, median of `--reps` after warm-up:
 
     python bench/tile_rates.py --tokens 131072 --budgets 64MiB 256MiB 1GiB 4GiB
 
-Runs on a GPU (CUDA events) or, for a check of the script, on the CPU at small sizes
-(`--tokens 512 --hidden 64 --intermediate 128 --budgets 16KiB 64KiB`).
+Runs on a GPU (wall time between device synchronisations) or, to check the script, on the CPU at
+small sizes (`--tokens 512 --hidden 64 --intermediate 128 --budgets 16KiB 64KiB`).
 """
 
 from __future__ import annotations
