@@ -189,7 +189,7 @@ class StepModel:
         self.h2d[L.fw(s - 1) if s > 0 else self.PRE] += shard * sig + st.extra * (bst + dst - mdk)
         if s < len(self.st) - 1:  # the backward prefetch: the whole weights, or a shard to gather
             self.h2d[L.bw(s + 1)] += (shard if self.zero3 else g.param_bytes) * sig + st.extra * (gst + dst - mdk)
-        self.d2h[L.bw(s - 1) if s > 0 else self.TAIL] += piece(g.param_bytes, g.param_numel, P, n) * sig
+        self.d2h[L.bw(s - 1) if s > 0 else self.TAIL] += shard * sig
 
     def _host_worker(self, st: StageTerms) -> None:
         """The host worker's seconds the rules set on `st`, released once the stage's gradient has
