@@ -277,7 +277,7 @@ def main(argv=None):
         s.add_argument("--states", choices=["32bit", "8bit"], default="32bit", help="lazytrain's optimizer states")
         s.add_argument("--master", choices=["fp32", "bf16"], default="fp32", help="lazytrain's master weights")
         s.add_argument("--disk", action="store_true", help="lazytrain may keep host-stepped states on disk (in the temp directory)")
-        s.add_argument("--tile-bytes", default="0", help="lazytrain's gated MLPs in tiles of this size (0: untiled)")
+        s.add_argument("--tile-bytes", default="0", help="lazytrain's gated MLPs and RMSNorms in tiles of this size (0: untiled)")
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)
