@@ -44,6 +44,34 @@ def peaks(fn_forward, grad) -> tuple[float, float]:
     return forward / 2**30, backward / 2**30
 
 
+def measure(s: int, a) -> list[dict]:
+    """Both cases at `s` tokens: their rows, printed as they finish."""
+    n_rep = a.heads // a.kv_heads
+
+    def make(h):
+        return torch.randn(1, h, s, a.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = make(a.heads), make(a.kv_heads), make(a.kv_heads)
+    grad = torch.randn(1, a.heads, s, a.head_dim, device="cuda", dtype=torch.bfloat16)
+    forwards = {
+        "repeated": lambda: F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True),
+        "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    }
+    with torch.no_grad():
+        diff = (forwards["repeated"]() - forwards["enable_gqa"]()).abs().max().item()
+    rows = []
+    for name, fwd in forwards.items():
+        ms = timed(lambda fwd=fwd: fwd().backward(grad), reps=a.reps)
+        for t in (q, k, v):
+            t.grad = None
+        f_peak, b_peak = peaks(fwd, grad)
+        for t in (q, k, v):
+            t.grad = None
+        rows.append(dict(seq=s, case=name, ms=round(ms, 2), forward_peak_gib=round(f_peak, 3),
+                         backward_peak_gib=round(b_peak, 3), max_abs_diff=diff))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
@@ -53,30 +81,9 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    n_rep = a.heads // a.kv_heads
     rows = []
     for s in a.seqs:
-        def make(h):
-            return torch.randn(1, h, s, a.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        q, k, v = make(a.heads), make(a.kv_heads), make(a.kv_heads)
-        grad = torch.randn(1, a.heads, s, a.head_dim, device="cuda", dtype=torch.bfloat16)
-        forwards = {
-            "repeated": lambda: F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True),
-            "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-        }
-        with torch.no_grad():
-            diff = (forwards["repeated"]() - forwards["enable_gqa"]()).abs().max().item()
-        for name, fwd in forwards.items():
-            ms = timed(lambda fwd=fwd: fwd().backward(grad), reps=a.reps)
-            for t in (q, k, v):
-                t.grad = None
-            f_peak, b_peak = peaks(fwd, grad)
-            for t in (q, k, v):
-                t.grad = None
-            rows.append(dict(seq=s, case=name, ms=round(ms, 2), forward_peak_gib=round(f_peak, 3),
-                             backward_peak_gib=round(b_peak, 3), max_abs_diff=diff))
-            print(json.dumps(rows[-1]), flush=True)
-        del q, k, v, grad
+        rows += measure(s, a)
         torch.cuda.empty_cache()
     print(f"{'seq':>8} {'case':<11} {'fwd+bwd ms':>11} {'fwd peak GiB':>13} {'bwd peak GiB':>13}")
     for r in rows:
