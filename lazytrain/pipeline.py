@@ -9,6 +9,11 @@ Between stages a hook checks the stage's output (the IR lint after capture, the 
 after lower), dumps it on request (`--dump-ir DIR`: one file per stage, deterministic) and times it
 (`--time-passes`). A failure inside a stage names the stage.
 
+NOTE: [Analysis without the solver]
+`analyse` (capture through fusion) needs no solver: `lazytrain profile` prices a layer's element-wise
+share with it on a GPU machine, which may have torch and transformers but not python-mip. So the
+solver is imported where a plan is solved, not with this module.
+
 The choices a compile is made with travel as one CompileOptions (lazytrain/options.py), checked when
 it is built; the stages get theirs after blocks, and the budget is resolved once, before solve.
 """
@@ -46,8 +51,6 @@ from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import lower
 from lazytrain.passes.verify import verify
-from lazytrain.solver.plancache import cached_solve
-from lazytrain.solver.solve import smallest_budget
 from lazytrain.units import format_size
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ def resolve_budget(options: CompileOptions, stages: Stages, hw: Hardware, hook: 
         case None | "max":
             return hw.max_budget
         case "min":
+            from lazytrain.solver.solve import smallest_budget  # NOTE: [Analysis without the solver]
+
             return (hook or _Hook(None, False)).run("minimum", smallest_budget, stages, hw)
         case budget:
             return budget
@@ -199,6 +204,8 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
     hook = _Hook(dump_dir, time_passes)
     graph, stages = analyse(model, batch, hw, source, hook, options=options)
     budget = resolve_budget(options, stages, hw, hook)
+    from lazytrain.solver.plancache import cached_solve  # NOTE: [Analysis without the solver]
+
     plan = hook.run("solve", cached_solve, stages, hw, budget, options.time_limit)
     hook.dump(6, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
