@@ -135,10 +135,12 @@ def capture(model: torch.nn.Module, batch: dict[str, torch.Tensor], source: str 
         try:
             exported = torch.export.export(LossModule(model), (), fake_batch, strict=False)
             gm = exported.graph_module
-            if any(_is_mutating(n) for n in gm.graph.nodes):
+            _check_no_grad_regions(exported)
+            if any(_is_mutating(n) or _is_grad_region(n) for n in gm.graph.nodes):
                 with warnings.catch_warnings():  # torch's own deprecation, raised by its copy of the call graph
                     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-                    exported = exported.run_decompositions({})  # functionalise in-place ops
+                    # functionalise in-place ops; inline grad-mode regions (NOTE: [Grad-mode regions])
+                    exported = exported.run_decompositions({})
                 gm = exported.graph_module
             _erase_identity_dropouts(gm.graph)
         except LazytrainError:
@@ -235,6 +237,37 @@ def _is_check(node: torch.fx.Node) -> bool:
 
 def _is_mutating(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+# NOTE: [Grad-mode regions]
+# Code under `torch.no_grad()` or `torch.autocast` inside forward exports as a higher-order operator
+# around a submodule (`wrap_with_set_grad_enabled`, `wrap_with_autocast`): transformers 5.17's
+# rotary embedding (`@torch.no_grad()` on its forward) did, and capture refused every Qwen2 and
+# Llama with "cannot schedule wrap_with_set_grad_enabled". `run_decompositions` traces the region's
+# ATen operators inline, as they ran under the region's mode; what they compute is the same. Inlined,
+# a no-grad region would pass gradients that eager stops, so capture takes one only where no
+# parameter reaches it (the rotary embedding reads a buffer and the positions) and refuses the rest.
+_GRAD_REGIONS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
+
+
+def _is_grad_region(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in _GRAD_REGIONS
+
+
+def _check_no_grad_regions(exported) -> None:
+    """Refuse a `torch.no_grad()` region in forward that a parameter reaches (NOTE: [Grad-mode regions])."""
+    params = set(exported.graph_signature.inputs_to_parameters)
+    reached: set[torch.fx.Node] = set()
+    for node in exported.graph_module.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "placeholder" and node.name in params or any(n in reached for n in inputs):
+            reached.add(node)
+        if getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled" and node.args[0] is False \
+                and any(n in reached for n in inputs):
+            where = ([""] + _module_paths(node))[-1]
+            raise TraceError(f"forward computes under torch.no_grad() from a value that depends on a parameter"
+                             f"{f' (module {where})' if where else ''}; lazytrain cannot keep eager's gradients "
+                             "through it. Detach that value with .detach() instead of a no_grad block")
 
 
 def _strip(path: str) -> str:
