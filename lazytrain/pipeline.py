@@ -125,7 +125,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     decision = hook.run("chunk", decide, graph, stages, options.loss_chunk_bytes)
     chunked = chunk(stages, decision, hw.bytes_per_s)
     # NOTE: [Fused stage prices] in passes/fusion.py: after chunk, which decides what cannot fuse
-    chunked = hook.run("fusion", fusion, chunked, hw.fused_elementwise_factor)
+    chunked = hook.run("fusion", fusion, chunked, hw.fused_elementwise_factor, graph)
     hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + limits_text(chunked, limits(chunked)) + stages_text(chunked))
     return graph, chunked
 
@@ -220,6 +220,8 @@ def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware
                    options: CompileOptions | None = None, **settings) -> int:
     """The smallest feasible budget of `model(**batch)` compiled with these options (their budget
     aside), in bytes."""
+    from lazytrain.solver.solve import smallest_budget  # NOTE: [Analysis without the solver]
+
     options = from_settings(options, None, settings)
     hw = _hardware(hardware)
     return min(smallest_budget(analyse(model, batch, hw, options=o)[1], hw) for o in _tile_choices(model, options))

@@ -115,3 +115,46 @@ def test_lazytrain_train_fuses_on_request_and_leaves_compiling_out_of_the_step(t
     assert logs["on"][0]["step_s"] < logs["on"][0]["compile_s"]  # the compile is not in the step's time
     for a, b in zip(logs["off"], logs["on"]):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * abs(a["loss"])
+
+
+@needs_compiler
+def test_a_compiled_body_saves_no_more_than_its_plan_counts():
+    """NOTE: [Fused saved activations]: each compiled body, run under autograd, saves for backward
+    (beyond its inputs and weights) the bytes its fused plan counts or fewer (within 1 %), for the
+    layers fewer than eager."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lazytrain import hardware
+    from lazytrain.pipeline import analyse
+
+    batch = tiny_qwen.example_batch()
+    hw = hardware.load("cpu")
+    graph, planned = analyse(tiny_qwen.build_model(), batch, hw, fuse_stages=True)
+    _, eager = analyse(tiny_qwen.build_model(), batch, hw, fuse_stages=False)
+    module, _ = _schedule(fuse_stages=True)
+    trainer = module.bind(tiny_qwen.build_model(), device="cpu", fuse_stages=True)
+
+    def value(name):
+        spec = graph[name].spec
+        if not spec.is_float:
+            return torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype))
+        return torch.randn(spec.shape, dtype=getattr(torch, spec.dtype)).requires_grad_(name in planned.requires_grad)
+    checked = 0
+    for stage in trainer.stages:
+        if not isinstance(stage.fn, fused._Timed) or not planned[stage.index].saved_bytes:
+            continue
+        args = [value(n) for n in stage.placeholders + stage.inputs]
+        given = {StorageWeakRef(a.untyped_storage()) for a in args}
+        saved = {}
+
+        def pack(t):
+            if (key := StorageWeakRef(t.untyped_storage())) not in given:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage.fn(torch.device("cpu"), *args)
+        # within 1 %: the loss stage's compiled body keeps its shifted labels (4 KiB here), which
+        # neither count sees
+        assert sum(saved.values()) <= 1.01 * planned[stage.index].saved_bytes, stage.name
+        checked += ".layers." in stage.name and planned[stage.index].saved_bytes < eager[stage.index].saved_bytes
+    assert checked >= 2  # the layers: fewer than eager

@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from lazytrain.analysis.masks import Unsupported, is_causal_rows, mask_rows
+from lazytrain.ir.evaluate import decode, evaluate, operator
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, value_bytes
 
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -169,34 +170,18 @@ def _evaluate(n: Node, env: dict, rows: tuple[int, int, int] | None = None) -> N
     """`n`'s value on the CPU into `env`. With `rows` (r0, r1, n): only query rows r0:r1 of a large
     elementwise value: inputs whose second-to-last dimension is n are cut to those rows, and an
     expand's target size says r1 - r0 there."""
-    if n.op is OpKind.GETITEM:
-        src, idx = n.args
-        env[n.name] = env[src.value][idx]
+    if rows is None or n.op is OpKind.GETITEM:
+        evaluate(n, env)
         return
-    ns, op, overload = n.target.split(".")
-    fn = getattr(getattr(getattr(torch.ops, ns), op), overload)
-    args = _decode(n.args, env)
-    if rows is not None:
-        r0, r1, total = rows
-        args = [a[..., r0:r1, :] if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == total
-                and a.shape[-2] != 1 else a for a in args]
-        if n.target == "aten.expand.default":
-            size = list(args[1])
-            size[-2] = r1 - r0
-            args[1] = size
-    env[n.name] = fn(*args, **{k: _decode(v, env) for k, v in n.kwargs})
-
-
-def _decode(arg, env):
-    if isinstance(arg, Sym):
-        if arg.kind == "ref":
-            return env[arg.value]
-        if arg.kind == "device":
-            return torch.device("cpu")
-        return getattr(torch, arg.value)  # dtype, layout, memory_format
-    if isinstance(arg, tuple):
-        return [_decode(a, env) for a in arg]
-    return arg
+    args = decode(n.args, env)
+    r0, r1, total = rows
+    args = [a[..., r0:r1, :] if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-2] == total
+            and a.shape[-2] != 1 else a for a in args]
+    if n.target == "aten.expand.default":
+        size = list(args[1])
+        size[-2] = r1 - r0
+        args[1] = size
+    env[n.name] = operator(n.target)(*args, **{k: decode(v, env) for k, v in n.kwargs})
 
 
 def _is_causal(mask: torch.Tensor | None, n_queries: int, n_keys: int) -> bool:

@@ -3,11 +3,13 @@
 Needs: `Stages` after `chunk` (whether a stage is chunked decides whether it fuses), each stage's
 eager element-wise time (`elementwise_s`, `elementwise_bwd_s`, from `blocks`), and the hardware's
 `fused_elementwise_factor`. Guarantees: with `stages.fused`, every `fusable` stage's forward,
-backward and recompute seconds lose (1 - factor) of its element-wise time; chunked and random
-stages, and every stage of a plan that is not fused, keep their eager times.
+backward and recompute seconds lose (1 - factor) of its element-wise time and, given the graph,
+it saves for backward what the compiled body saves (NOTE: [Fused saved activations] in
+analysis/fused_saved.py); chunked and random stages, and every stage of a plan that is not fused,
+keep their eager times and bytes.
 
-    layer fwd=30.32 ms bwd=59.31 ms (element-wise 7.98 / 13.56), factor 0.40
-      -> fwd=25.53 ms bwd=51.17 ms remat=25.53 ms
+    layer fwd=30.32 ms bwd=59.31 ms (element-wise 7.98 / 13.56), factor 0.25
+      -> fwd=24.34 ms bwd=49.14 ms remat=24.34 ms
 
 NOTE: [Fused stage prices]
 The runtime compiles each fusable stage's body with torch.compile (NOTE: [Fused stages] in
@@ -19,13 +21,13 @@ the cost model's own split: a node neither a matmul, attention nor a view (`Node
 The factor is the time of that work fused over its eager time, measured per machine by
 `lazytrain profile` (`factor_from_times`): one block's forward and backward eager and compiled, the
 element-wise share of its eager time taken from the cost model.
-The H200's 0.40 (hardware/h200.json, listed under "estimated": derived from one layer's times with
-the cost model's share, not measured as a rate): a Qwen2.5-7B layer, bf16, 32 x 1024 tokens, ran
-forward and backward in 84.6 ms eager and 72.4 ms compiled by Inductor (2026-12-02, f503d60). The
-cost model prices that layer at 30.32 ms forward and 59.31 ms backward, of which element-wise
-nodes 7.98 and 13.56: a share of 21.54 / 89.63 = 0.240 of the eager time, 20.3 ms of the measured
-84.6. Compiled, the rest (64.3 ms) is unchanged, so the element-wise work took 72.4 - 64.3 = 8.1 ms:
-8.1 / 20.3 = 0.40. The layer's predicted time falls by 0.60 x 21.54 = 12.9 ms (14.4 %, as measured).
+The H200's 0.252 (hardware/h200.json) is `lazytrain profile`'s (2026-12-04, 467236f): a 1.5B-shaped
+layer at 8 x 1024. It replaced 0.40, derived from one 7B layer's times with the cost model's share:
+a Qwen2.5-7B layer, bf16, 32 x 1024 tokens, ran forward and backward in 84.6 ms eager and 72.4 ms
+compiled by Inductor (2026-12-02, f503d60); the cost model puts 21.54 of its 89.63 ms in element-wise
+nodes (0.240), 20.3 ms of the measured 84.6; compiled, the rest (64.3 ms) is unchanged, so the
+element-wise work took 8.1 ms: 8.1 / 20.3 = 0.40. The two shapes differ: with 0.40 the fused 7B
+rows of the fidelity table predicted their steps within 4 % and the 1.5B rows 4-9 % slow (2026-12-04).
 End to end, the 7B at 32 x 1024 on the H200 ran fused stage bodies 9-14 % faster than eager
 (2026-12-03, b1c75eb): 24 GiB with 8-bit states and bf16 masters 3.796 s a step eager (the plan
 predicted 3.741), 3.453 fused; fp32 masters and 32-bit states 4.137 eager, 3.583 fused; no budget
@@ -37,23 +39,43 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazytrain.ir.stages import Stages, fusable
+from lazytrain.analysis.fused_saved import saved_bytes
+from lazytrain.ir.graph import Graph
+from lazytrain.ir.stages import Stage, Stages, fusable
 
 FACTOR_FLOOR = 0.05  # the smallest factor a measurement gives (`factor_from_times`)
 
 
-def fusion(stages: Stages, factor: float) -> Stages:
-    """The stages with fusable ones priced fused (NOTE: [Fused stage prices])."""
-    if not stages.fused or factor >= 1.0:
+def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
+    """The stages with fusable ones priced fused: their time (NOTE: [Fused stage prices]) and, with
+    the `graph`, what they save for backward (NOTE: [Fused saved activations] in analysis/fused_saved.py)."""
+    if not stages.fused:
         return stages
-    saved = 1.0 - factor
+    saved = max(0.0, 1.0 - factor)
+    fewer: dict[str, int] = {}  # kind -> bytes the compiled body saves fewer than eager
     out = []
     for s in stages:
         if fusable(s):
             fwd, bwd = saved * s.elementwise_s, saved * s.elementwise_bwd_s
             s = dataclasses.replace(s, fwd_s=s.fwd_s - fwd, bwd_s=s.bwd_s - bwd, remat_s=max(s.remat_s - fwd, 0.0))
+            if graph is not None:
+                if s.kind not in fewer:
+                    counted = saved_bytes(graph, s, stages.requires_grad)
+                    fewer[s.kind] = counted[0] - counted[1] if counted else 0
+                s = _saving_fewer(s, fewer[s.kind])
         out.append(s)
     return dataclasses.replace(stages, stages=tuple(out))
+
+
+def _saving_fewer(s: Stage, fewer: int) -> Stage:
+    """`s` saving `fewer` bytes less (more, where negative). Fewer: its forward's peak while saving is
+    at most its peak without autograd plus all it saves (an upper bound: the compiled body's
+    transients are eager's or fewer). More: that peak grows by as much."""
+    if not fewer:
+        return s
+    kept = max(0, s.saved_bytes - fewer)
+    peak = min(s.saving_peak_bytes, s.peak_bytes + kept) if fewer > 0 else s.saving_peak_bytes - fewer
+    return dataclasses.replace(s, saved_bytes=kept, saving_peak_bytes=peak)
 
 
 def elementwise_share(stages: Stages) -> float:

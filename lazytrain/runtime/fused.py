@@ -22,7 +22,15 @@ place of `fn`; the schedule's text, the readable reference, is unchanged.
   - Left eager: stages that draw random numbers (their recompute replays the forward's generator
     state, NOTE: [RNG replay] in rng.py, which Inductor's own random streams do not follow), chunked
     loss stages (their slices run in chunked.py), and stages whose compile fails, with a warning
-    naming the stage and the error: a fused body is an optimisation, never a reason to stop.
+    naming the stage and the error, but for a plan priced fused on a GPU (below).
+
+NOTE: [Fused plans run fused]
+A plan priced fused counts what each compiled body saves for backward, fewer bytes than eager
+autograd saves (NOTE: [Fused saved activations] in analysis/fused_saved.py: 31 % fewer for a 7B
+layer). Its stages run eager could hold more than the budget, so on a GPU such a plan runs compiled
+or not at all: `fuse_stages=False` is refused at bind, and a body whose compile fails stops the
+step, each naming the fix (recompile with --fuse-stages off). On the CPU, which has no device
+budget, both stay a warning and the eager body.
 Compiled kernels are cached on disk by Inductor (its FX graph and AOTAutograd caches, keyed by the
 graph), so a second run of the same schedule compiles in seconds; `compile_seconds()` reports the
 time spent compiling so far, which `lazytrain train` prints and keeps out of the step's figure.
@@ -53,6 +61,7 @@ from typing import Callable
 
 import torch
 
+from lazytrain.errors import ScheduleMismatch
 from lazytrain.files import cache_dir, caching
 from lazytrain.ir.stages import fusable
 
@@ -69,10 +78,15 @@ def _body(code: CodeType, doc: str | None = None) -> tuple:
 def choose(module, device: torch.device, fuse_stages: bool | None) -> bool:
     """Whether a trainer on `device` runs `module`'s stage bodies compiled: None follows the plan
     (`FUSED`) on a GPU and stays eager on the CPU; True or False as asked, with a warning where
-    that differs from the plan, whose predicted step times were priced the other way."""
+    that differs from the plan, whose predicted step times were priced the other way. A plan priced
+    fused is refused eager on a GPU (NOTE: [Fused plans run fused])."""
     planned = bool(getattr(module, "FUSED", False))
     if fuse_stages is None:
         return planned and device.type == "cuda"
+    if planned and not fuse_stages and device.type == "cuda":
+        raise ScheduleMismatch("fuse_stages=False: this schedule was planned with stage bodies compiled (FUSED = True), "
+                               "which save fewer activations for backward than eager ones, so run eager its stages "
+                               "could outgrow its budget; recompile with --fuse-stages off to train eager")
     if fuse_stages != planned:
         warnings.warn(f"fuse_stages={fuse_stages}: this schedule was planned with stage bodies "
                       f"{'compiled' if planned else 'eager'} (FUSED = {planned}), so its predicted step times price "
@@ -91,12 +105,14 @@ def compile_cache(fingerprint: str) -> Path | None:
 
 
 class _Timed:
-    """A compiled stage function that adds the wall time of its calls that compiled to `seconds`."""
+    """A compiled stage function that adds the wall time of its calls that compiled to `seconds`.
+    Where its compile fails it runs eager, with a warning, unless the plan counted the compiled
+    body's memory (`planned`): then it raises (NOTE: [Fused plans run fused])."""
 
     seconds = 0.0
 
-    def __init__(self, compiled: Callable, fallback: Callable, name: str):
-        self.compiled, self.fallback, self.name = compiled, fallback, name
+    def __init__(self, compiled: Callable, fallback: Callable, name: str, planned: bool = False):
+        self.compiled, self.fallback, self.name, self.planned = compiled, fallback, name, planned
         self.failed = False
 
     def __call__(self, *args, **kwargs):
@@ -107,9 +123,13 @@ class _Timed:
         try:
             out = self.compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001  (any compile failure: the eager body is the same step)
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if self.planned:
+                raise ScheduleMismatch(f"fused stages: {self.name} did not compile ({reason}); its plan counted what "
+                                       "the compiled body saves for backward, and eager it saves more. Recompile "
+                                       "with --fuse-stages off to train eager") from exc
             self.failed = True
-            warnings.warn(f"fused stages: {self.name} runs eager, its compile failed: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}", stacklevel=2)
+            warnings.warn(f"fused stages: {self.name} runs eager, its compile failed: {reason}", stacklevel=2)
             return self.fallback(*args, **kwargs)
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != frames:  # less a backward compiled here
             _Timed.seconds += time.perf_counter() - start - (_backward_compiles() - backward)
@@ -126,9 +146,10 @@ def _backward_compiles() -> float:
     return sum(torch._dynamo.utils.compilation_time_metrics.get(_BACKWARD, ()))
 
 
-def fuse(stages, fingerprint: str = "") -> tuple:
+def fuse(stages, fingerprint: str = "", planned: bool = False) -> tuple:
     """`stages` with each fusable stage's `fn` compiled, one compile per distinct body; Inductor's
-    caches under the schedule's `fingerprint` (NOTE: [Compile cache])."""
+    caches under the schedule's `fingerprint` (NOTE: [Compile cache]). `planned`: the plan counted the
+    compiled bodies' memory, so a body that does not compile stops the step (`_Timed`)."""
     folder = compile_cache(fingerprint) if fingerprint else None
     if folder is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
@@ -141,7 +162,7 @@ def fuse(stages, fingerprint: str = "") -> tuple:
         key = _body(stage.fn.__code__, stage.fn.__doc__)
         if key not in compiled:
             fn = torch.compile(stage.fn, fullgraph=True, dynamic=False)
-            compiled[key] = _Timed(fn, stage.fn, f"stage {stage.index} ({stage.name}, kind {stage.kind})")
+            compiled[key] = _Timed(fn, stage.fn, f"stage {stage.index} ({stage.name}, kind {stage.kind})", planned)
         out.append(dataclasses.replace(stage, fn=compiled[key]))
     return tuple(out)
 

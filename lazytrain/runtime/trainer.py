@@ -94,7 +94,8 @@ class Trainer:
         self.cuda = self.device.type == "cuda"
         # NOTE: [Fused stages] in fused.py: the same stages, their bodies compiled
         self.fused = choose(module, self.device, fuse_stages)
-        self.stages = fuse(module.STAGES, module.FINGERPRINT) if self.fused else module.STAGES
+        self.stages = fuse(module.STAGES, module.FINGERPRINT, planned=self.cuda and bool(getattr(module, "FUSED", False))) \
+            if self.fused else module.STAGES
         self.dp = DataParallel.for_schedule(module, process_group, self.device)  # NOTE: [Data parallel]
         if self.cuda and cap_memory:  # NOTE: [Memory cap]
             total = torch.cuda.get_device_properties(self.device).total_memory
