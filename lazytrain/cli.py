@@ -96,8 +96,8 @@ def _number(low: float, high: float = math.inf, low_open: bool = True):
 
 _TILES = ("compute each gated MLP and RMSNorm (Qwen2, Llama, Gemma3) in tiles of tokens whose widest intermediate "
           "takes at most this (e.g. 256MiB), keeping only its input for backward, which recomputes each tile: for "
-          "long sequences. 'auto' (default): in 256MiB tiles where no untiled plan fits the budget, or where that "
-          "lowers --budget min; 0 or 'off': never tile")
+          "long sequences. 'auto' (default): in tiles where no untiled plan fits the budget, or where that lowers "
+          "--budget min, of the size (64MiB, 256MiB or 1GiB) whose plan is fastest; 0 or 'off': never tile")
 
 
 def _tile_bytes(text: str) -> int | None:

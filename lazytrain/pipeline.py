@@ -2,6 +2,9 @@
 
     capture -> causal -> costs -> liveness -> blocks -> chunk -> fusion -> solve -> lower -> verify -> codegen
 
+Where the compile chooses the tile size (NOTE: [Tiles where nothing else fits]), `retile` rewrites
+the captured graph for each size searched, and costs through solve run once a size.
+
 `limits` (the decisions a stage can never take, and why) is a side table of the chunked stages:
 `solve` closes those decisions, codegen prints the reasons, and `--dump-ir` writes it with `chunk`.
 
@@ -50,6 +53,7 @@ from lazytrain.passes.fusion import fusion
 from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import lower
+from lazytrain.passes.retile import GATED_MLP, RMS_NORM, TILE_SIZES, retile
 from lazytrain.passes.verify import verify
 from lazytrain.units import format_size
 
@@ -105,6 +109,13 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     options' dtype first, the stages given the fields the options decide (`apply_options`)."""
     options = from_settings(options, None, settings)
     hook = hook or _Hook(None, False)
+    graph = _captured(model, batch, hw, source, hook, options)
+    return graph, _stages(graph, hw, hook, options)
+
+
+def _captured(model: torch.nn.Module, batch: dict, hw: Hardware, source: str, hook: _Hook,
+              options: CompileOptions) -> Graph:
+    """Capture (in the options' dtype and tiles), then pass `causal`."""
     if options.dtype is not None:
         model = model.to(options.dtype)
     with tiled(model, options.tile_bytes):  # NOTE: [Tiled MLP], [Tiled RMSNorm] in kernels/
@@ -116,6 +127,11 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     graph = hook.run("causal", causal, graph)
     lint(graph)
     hook.dump(1, "causal", dump.text(graph))
+    return graph
+
+
+def _stages(graph: Graph, hw: Hardware, hook: _Hook, options: CompileOptions) -> Stages:
+    """The passes from `costs` to `fusion`: the stages the solver plans."""
     node_costs = hook.run("costs", costs, graph, hw)
     hook.dump(2, "costs", dump.text(graph, node_costs))
     last_use = hook.run("liveness", liveness, graph, node_costs)
@@ -127,7 +143,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
     # NOTE: [Fused stage prices] in passes/fusion.py: after chunk, which decides what cannot fuse
     chunked = hook.run("fusion", fusion, chunked, hw.fused_elementwise_factor, graph)
     hook.dump(5, "chunk", f"# last stage: {decision.reason}\n" + limits_text(chunked, limits(chunked)) + stages_text(chunked))
-    return graph, chunked
+    return chunked
 
 
 def resolve_budget(options: CompileOptions, stages: Stages, hw: Hardware, hook: _Hook | None = None) -> int:
@@ -154,9 +170,11 @@ def _hardware(hardware: str | Hardware | None) -> Hardware:
 # layer holds at long sequences (the Qwen2.5-7B shape at 1 x 131072: 47.3 GiB at least untiled,
 # 19.0 GiB tiled, bench/README.md) and costs time: backward recomputes two of the MLP's three
 # products and the norms. So by default (`tile_bytes` None) a compile tiles only where it must: it
-# plans untiled, and where no untiled plan fits the budget it plans again in tiles of
-# AUTO_TILE_BYTES; for `--budget min` it plans both and keeps the smaller budget. A model with
-# nothing to tile compiles once. The second plan costs a second capture, on a refusal only.
+# plans untiled, and where no untiled plan fits the budget it captures again in tiles of
+# AUTO_TILE_BYTES and plans each size of TILE_SIZES from that capture, keeping the fastest plan
+# that fits (NOTE: [Tile sizes] in passes/retile.py); for `--budget min` it plans both ways and
+# keeps the smallest budget. A model with nothing to tile compiles once. The second capture happens
+# on a refusal only; a `tile_bytes` given is planned as given.
 AUTO_TILE_BYTES = 256 << 20
 
 
@@ -165,6 +183,21 @@ def _tile_choices(model: torch.nn.Module, options: CompileOptions) -> list[Compi
     if options.tile_bytes is not None or not tileable(model):  # None tiles nothing (`tiled`)
         return [options]
     return [dataclasses.replace(options, tile_bytes=0), dataclasses.replace(options, tile_bytes=AUTO_TILE_BYTES)]
+
+
+def _sized(graph: Graph, options: CompileOptions, search: bool) -> list[tuple[Graph, CompileOptions]]:
+    """The graphs (and options) of each tile size searched: the captured one alone, or, with
+    `search`, one per size of TILE_SIZES that changes some tile count (NOTE: [Tile sizes])."""
+    if not search:
+        return [(graph, options)]
+    out, seen = [], set()
+    for size in TILE_SIZES:
+        g = graph if size == options.tile_bytes else retile(graph, size)
+        counts = tuple(n.args for n in g.nodes if n.target in (GATED_MLP, RMS_NORM))
+        if counts not in seen:
+            seen.add(counts)
+            out.append((g, dataclasses.replace(options, tile_bytes=size)))
+    return out
 
 
 def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None = None, hardware: str | Hardware | None = None, *,
@@ -182,49 +215,73 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
         return _compile(model, batch, hw, choices[0], source, dump_dir, time_passes)
     untiled, tiled_ = choices
     if options.budget == "min":
-        plans = [_compile(model, batch, hw, o, source, dump_dir, time_passes) for o in choices]
+        plans = [_compile(model, batch, hw, o, source, dump_dir, time_passes, search=bool(o.tile_bytes))
+                 for o in choices]
         return min(plans, key=lambda c: c.plan.budget)
     try:
         return _compile(model, batch, hw, untiled, source, dump_dir, time_passes)
     except InfeasibleBudget as refused:
         if time_passes:
-            print(f"[lazytrain] no untiled plan fits; planning in tiles of {format_size(tiled_.tile_bytes)}",
-                  file=sys.stderr)
+            print(f"[lazytrain] no untiled plan fits; planning in tiles of "
+                  f"{', '.join(format_size(s) for s in TILE_SIZES)}", file=sys.stderr)
         try:
-            return _compile(model, batch, hw, tiled_, source, dump_dir, time_passes)
+            return _compile(model, batch, hw, tiled_, source, dump_dir, time_passes, search=True)
         except InfeasibleBudget as also:
-            raise InfeasibleBudget(f"{also} (with its MLPs and norms in tiles of {format_size(tiled_.tile_bytes)}, "
-                                   f"--tile-bytes; untiled it needs "
+            raise InfeasibleBudget(f"{also} (with its MLPs and norms in tiles, --tile-bytes; untiled it needs "
                                    f"{format_size(refused.smallest_feasible, round_up=True)})",
                                    min(also.smallest_feasible, refused.smallest_feasible)) from None
 
 
 def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: CompileOptions, source: str, dump_dir,
-             time_passes: bool) -> Compiled:
-    hook = _Hook(dump_dir, time_passes)
-    graph, stages = analyse(model, batch, hw, source, hook, options=options)
-    budget = resolve_budget(options, stages, hw, hook)
+             time_passes: bool, search: bool = False) -> Compiled:
+    """The plan of `options`, or with `search` the fastest of the tile sizes' plans that fit (the
+    smallest budget's for "min"); where none fits, the refusal of the size that needs least."""
     from lazytrain.solver.plancache import cached_solve  # NOTE: [Analysis without the solver]
 
-    plan = hook.run("solve", cached_solve, stages, hw, budget, options.time_limit)
+    hook = _Hook(dump_dir, time_passes)
+    captured = _captured(model, batch, hw, source, hook, options)
+    measure = (lambda p: p.budget) if options.budget == "min" else (lambda p: p.step_s)
+    best, refusal = None, None
+    for graph, sized in _sized(captured, options, search):
+        stages = _stages(graph, hw, hook, sized)
+        try:
+            budget = resolve_budget(sized, stages, hw, hook)
+            plan = hook.run("solve", cached_solve, stages, hw, budget, sized.time_limit)
+        except InfeasibleBudget as exc:
+            if search:  # NOTE: [Tile sizes] in passes/retile.py
+                exc = InfeasibleBudget(f"{exc} (in tiles of {format_size(sized.tile_bytes)})", exc.smallest_feasible)
+            refusal = exc if refusal is None or exc.smallest_feasible < refusal.smallest_feasible else refusal
+            continue
+        if best is None or measure(plan) < measure(best[2]):
+            best = (graph, stages, plan, sized)
+    if best is None:
+        raise refusal
+    graph, stages, plan, sized = best
     hook.dump(6, "solve", plan_text(stages, plan))
     schedule = hook.run("lower", lower, stages, plan, hw)
     trace = hook.run("verify", verify, schedule)
     hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
-    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, options.optimizer_states,
-                    options.master_weights, options.world_size, fused_factor=hw.fused_elementwise_factor)
-    return Compiled(graph, stages, plan, schedule, trace, text, hw, options)
+    text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, sized.optimizer_states,
+                    sized.master_weights, sized.world_size, fused_factor=hw.fused_elementwise_factor)
+    return Compiled(graph, stages, plan, schedule, trace, text, hw, sized)
 
 
 def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None, *,
                    options: CompileOptions | None = None, **settings) -> int:
     """The smallest feasible budget of `model(**batch)` compiled with these options (their budget
-    aside), in bytes."""
+    aside), in bytes: where the tiles are the compile's to choose, over every size searched."""
     from lazytrain.solver.solve import smallest_budget  # NOTE: [Analysis without the solver]
 
     options = from_settings(options, None, settings)
     hw = _hardware(hardware)
-    return min(smallest_budget(analyse(model, batch, hw, options=o)[1], hw) for o in _tile_choices(model, options))
+    hook = _Hook(None, False)
+    choices = _tile_choices(model, options)
+    budgets = []
+    for o in choices:
+        captured = _captured(model, batch, hw, "", hook, o)
+        budgets += [smallest_budget(_stages(g, hw, hook, sized), hw)
+                    for g, sized in _sized(captured, o, search=len(choices) > 1 and bool(o.tile_bytes))]
+    return min(budgets)
 
 
 def stages_text(stages: Stages) -> str:

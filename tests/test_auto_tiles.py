@@ -48,7 +48,7 @@ def test_auto_min_keeps_the_smaller_budget_and_refusals_name_both(qwen):
     assert minimum_budget(meta, batch, "cpu") == tiled
     c = compile_model(meta, batch, "min", "cpu", time_limit=20)
     assert c.plan.budget == tiled and TILED in c.source_text
-    with pytest.raises(InfeasibleBudget, match=r"in tiles of 256\.0 MiB, --tile-bytes; untiled it needs") as refused:
+    with pytest.raises(InfeasibleBudget, match=r"\(in tiles of 256\.0 MiB\) \(with its MLPs and norms in tiles, --tile-bytes; untiled it needs") as refused:
         compile_model(meta, batch, tiled - 4096, "cpu", time_limit=20)
     assert refused.value.smallest_feasible == tiled
 

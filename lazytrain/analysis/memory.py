@@ -89,7 +89,7 @@ def _attention(node: Node, graph: Graph) -> int:
     return mask_bias_bytes(node, graph) + (4 * q.numel if q is not None else 0)
 
 
-def _tile_rows(x: TensorSpec, tiles: int) -> int:
+def tile_rows(x: TensorSpec, tiles: int) -> int:
     """Rows (tokens) in the largest of `tiles` tiles of x's rows, as the tiled operators split them
     (kernels/tiling.py: at most one tile a row)."""
     rows = x.numel // max(1, x.shape[-1])
@@ -99,7 +99,7 @@ def _tile_rows(x: TensorSpec, tiles: int) -> int:
 def _mlp_tile(node: Node, graph: Graph) -> tuple[int, int, int, int]:
     """(tile tokens, intermediate size, hidden size, itemsize) of a tiled gated MLP."""
     x, gate = _spec(graph, node.args[0]), _spec(graph, node.args[1])
-    return _tile_rows(x, node.args[5]), gate.shape[0], gate.shape[1], x.nbytes // max(1, x.numel)
+    return tile_rows(x, node.args[5]), gate.shape[0], gate.shape[1], x.nbytes // max(1, x.numel)
 
 
 @rule("lazytrain.gated_mlp.default")
@@ -120,7 +120,7 @@ def _gated_mlp_backward(node: Node, graph: Graph) -> int:
 def _norm_tile(node: Node, graph: Graph) -> int:
     """Elements of one tile of a tiled RMSNorm's rows (NOTE: [Tiled RMSNorm])."""
     x = _spec(graph, node.args[0])
-    return _tile_rows(x, node.args[4]) * x.shape[-1]
+    return tile_rows(x, node.args[4]) * x.shape[-1]
 
 
 @rule("lazytrain.rms_norm.default")

@@ -69,6 +69,14 @@ class Hardware:
     # with `attention_tokens`, the share it approaches as the keys grow (NOTE: [Attention at length])
     attention_fraction: float = 1.0
     attention_tokens: float = 0.0
+    # NOTE: [Matmuls of a tile] A tiled MLP's products (NOTE: [Tiled MLP] in kernels/tiled_mlp.py)
+    # have a tile's rows, and a matmul of few rows runs below the profile's rate, which was measured
+    # on whole batches: at `tile_rows_half` rows it reaches half, at R rows R / (R + tile_rows_half).
+    # On the H200 (`bench/tile_rates.py`, the Qwen2.5-7B MLP at 131,072 tokens, forward and
+    # backward, 2026-12-04): 64 MiB tiles (1,771 rows) took 1.202x the time of 4 GiB ones, 256 MiB
+    # tiles (7,085 rows) 1.044x, 1 GiB tiles (28,340 rows) 1.000x: 358 and 311 rows, about 330.
+    # 0: not measured, every tile at the full rate.
+    tile_rows_half: float = 0.0
     # NOTE: [Host steps in a running step] The share of the host optimizer's rates (`cpu_adamw`,
     # `cpu_round`, `host_memcpy`, each measured alone) a host step reaches while the step runs:
     # the copy engines read and write the same host memory, and the main thread issues work beside
@@ -132,6 +140,11 @@ class Hardware:
         if self.attention_tokens <= 0:
             return self.attention_fraction
         return self.attention_fraction * keys / (keys + self.attention_tokens)
+
+    def tile_share(self, rows: int) -> float:
+        """The share of the matmul rate a product over `rows` rows of a tile reaches (NOTE:
+        [Matmuls of a tile])."""
+        return rows / (rows + self.tile_rows_half) if rows > 0 else 1.0
 
     def flops_for(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lazytrain.analysis.memory import tile_rows
 from lazytrain.hardware import Hardware
 from lazytrain.ir.graph import Graph, Node, OpKind, TensorSpec, value_bytes
 
@@ -289,6 +290,8 @@ def costs(graph: Graph, hw: Hardware) -> dict[str, NodeCost]:
         nbytes = 0.0 if alias else float(value_bytes(node.value) + sum(value_bytes(graph[i].value) for i in set(node.inputs())))
         dtype = next((s.dtype for s in _specs(node)), "float32")
         rate = hw.flops_for(dtype) * (hw.attention_share(_keys(node, graph)) if node.target in ATTENTION else 1.0)
+        if node.target == GATED_MLP:  # NOTE: [Matmuls of a tile] in hardware/__init__.py
+            rate *= hw.tile_share(tile_rows(_in(node, graph, 0), node.args[5]))
         t = 0.0 if alias else max(flops / rate, r.passes * nbytes / hw.bytes_per_s) + hw.op_overhead_s
         bwd = t * (r.bwd_factor if r.alias == alias else 1.0)
         table[node.name] = NodeCost(flops, nbytes, t, bwd + _gradient_sums_s(node, users[node.name], rg, hw), alias,
