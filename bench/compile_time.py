@@ -35,6 +35,8 @@ def main(argv=None):
     p.add_argument("--host-memory", default=None, help="override the profile's host memory (e.g. 2TB for a 70B model)")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tile-bytes", default=None, help="a tile size (e.g. 256MiB; 0: untiled), captured and compiled "
+                   "so; default: the compile's own choice (NOTE: [Tiles where nothing else fits]), an untiled capture")
     args = p.parse_args(argv)
     os.environ["LAZYTRAIN_NO_CACHE"] = "1"
 
@@ -43,6 +45,7 @@ def main(argv=None):
     from bench.shapes import batch, meta_model
     from lazytrain import hardware
     from lazytrain.ir.capture import capture
+    from lazytrain.kernels.tiled import tiled
     from lazytrain.options import CompileOptions
     from lazytrain.pipeline import compile_model
     from lazytrain.units import parse_size
@@ -53,12 +56,17 @@ def main(argv=None):
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
     b = batch(args.model, args.batch, args.seq)
     options = CompileOptions(budget="max" if args.budget == "max" else parse_size(args.budget), time_limit=args.time_limit,
-                             optimizer_states=args.states, master_weights=args.master)
-    capture(meta, b, "", hw.device)  # warm-up
+                             optimizer_states=args.states, master_weights=args.master,
+                             tile_bytes=None if args.tile_bytes is None else parse_size(args.tile_bytes))
+
+    def captured():
+        with tiled(meta, options.tile_bytes or 0):
+            capture(meta, b, "", hw.device)
+    captured()  # warm-up
     ratios = []
     for i in range(args.repeat):
         start = time.perf_counter()
-        capture(meta, b, "", hw.device)  # the capture the compile runs: for the profile's device
+        captured()  # the capture the compile runs: for the profile's device
         cap = time.perf_counter() - start
         start = time.perf_counter()
         c = compile_model(meta, b, hardware=hw, options=options, time_passes=True)
