@@ -44,11 +44,13 @@ def ragged_batch(seed=0):
     return batch
 
 
-def schedule_source(case: str) -> str:
+def schedule_source(case: str, fused: bool = True) -> str:
+    """The case's schedule, planned with fused stage bodies or eager ones: a plan priced fused runs
+    only fused on a GPU (NOTE: [Fused plans run fused] in lazytrain/runtime/fused.py)."""
     try:
         from lazytrain.pipeline import compile_model, minimum_budget
     except ImportError:  # no solver here: use the prebuilt schedule
-        path = PREBUILT / f"{case}.py"
+        path = PREBUILT / f"{case}{'' if fused else '.eager'}.py"
         if not path.exists():
             pytest.skip(f"no solver and no prebuilt {path}; run `python tests/test_gpu.py` where python-mip is installed")
         return path.read_text()
@@ -58,8 +60,8 @@ def schedule_source(case: str) -> str:
     if dtype is not None:
         meta = meta.to(dtype)
     if budget == "gpu_step":
-        return _gpu_stepped(meta)
-    opts = {"optimizer_states": "8bit" if case.endswith("8bit") else "32bit",
+        return _gpu_stepped(meta, fused)
+    opts = {"fuse_stages": fused, "optimizer_states": "8bit" if case.endswith("8bit") else "32bit",
             "master_weights": "bf16" if case.startswith("bf16master") else "fp32"}
     if case.endswith("chunked"):  # the loss stage in one chunk per token (NOTE: [Chunked loss])
         opts["loss_chunk_bytes"] = 1
@@ -68,7 +70,7 @@ def schedule_source(case: str) -> str:
     return compile_model(meta, tiny_batch(), budget, "h200", **opts).source_text
 
 
-def _gpu_stepped(meta) -> str:
+def _gpu_stepped(meta, fused: bool) -> str:
     from lazytrain import hardware
     from lazytrain.codegen.render import render
     from lazytrain.passes.lower import lower
@@ -76,7 +78,7 @@ def _gpu_stepped(meta) -> str:
     from lazytrain.pipeline import analyse
 
     hw = hardware.load("h200")
-    graph, stages = analyse(meta, tiny_batch(), hw)
+    graph, stages = analyse(meta, tiny_batch(), hw, fuse_stages=fused)
     from models import decisions
 
     last = len(stages) - 1
@@ -88,7 +90,8 @@ def _gpu_stepped(meta) -> str:
 def bind(case: str, model, **kw):
     from lazytrain.runtime.schedule import load_source
 
-    return load_source(schedule_source(case), f"lt_gpu_{case}").bind(model, device="cuda", **kw)
+    fused = kw.get("fuse_stages") is not False
+    return load_source(schedule_source(case, fused), f"lt_gpu_{case}_{fused}").bind(model, device="cuda", **kw)
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -382,5 +385,6 @@ def test_tiled_norm_on_gpu_equals_eager(dtype, form):
 if __name__ == "__main__":  # prebuild schedules for a GPU machine without the solver
     PREBUILT.mkdir(exist_ok=True)
     for case in CASES:
-        (PREBUILT / f"{case}.py").write_text(schedule_source(case))
-        print("wrote", PREBUILT / f"{case}.py", file=sys.stderr)
+        for fused, suffix in ((True, ""), (False, ".eager")):
+            (PREBUILT / f"{case}{suffix}.py").write_text(schedule_source(case, fused))
+            print("wrote", PREBUILT / f"{case}{suffix}.py", file=sys.stderr)
