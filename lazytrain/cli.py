@@ -160,7 +160,8 @@ def cmd_compile(args) -> int:
 
     print(summary(load_schedule(args.output)), end="")
     if compiled.options.tile_bytes:
-        chose = " (--tile-bytes auto: no untiled plan fits, or a tiled one fits less)" if args.tile_bytes is None else ""
+        chose = (" (--tile-bytes auto: no untiled plan fits, or a tiled one fits less; of 64MiB, 256MiB and 1GiB the "
+                  "size whose plan is fastest, or smallest for --budget min)") if args.tile_bytes is None else ""
         print(f"gated MLPs and RMSNorms run in tiles of {format_size(compiled.options.tile_bytes)}{chose}")
     print(f"solved in {compiled.plan.solver.seconds:.2f} s; wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
           f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget, round_up=True)})")
