@@ -35,7 +35,7 @@ import torch
 from lazytrain import hardware as hw_profiles
 from lazytrain.codegen.render import render
 from lazytrain.errors import InfeasibleBudget, LazytrainError, PlanError, one_line
-from lazytrain.hardware import Hardware
+from lazytrain.hardware import FUSED_HOST_RESERVE, Hardware
 from lazytrain.ir import dump
 from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import Graph
@@ -244,12 +244,17 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
     best, refusal = None, None
     for graph, sized in _sized(captured, options, search):
         stages = _stages(graph, hw, hook, sized)
+        planning = hw.planning(stages.fused)  # NOTE: [Compiler's host memory] in hardware/__init__.py
         try:
-            budget = resolve_budget(sized, stages, hw, hook)
-            plan = hook.run("solve", cached_solve, stages, hw, budget, sized.time_limit)
+            budget = resolve_budget(sized, stages, planning, hook)
+            plan = hook.run("solve", cached_solve, stages, planning, budget, sized.time_limit)
         except InfeasibleBudget as exc:
             if search:  # NOTE: [Tile sizes] in passes/retile.py
                 exc = InfeasibleBudget(f"{exc} (in tiles of {format_size(sized.tile_bytes)})", exc.smallest_feasible)
+            if planning is not hw:  # NOTE: [Compiler's host memory]
+                exc = InfeasibleBudget(f"{exc}; with fused stage bodies the plan leaves Inductor "
+                                       f"{format_size(FUSED_HOST_RESERVE)} of the host (--fuse-stages off plans "
+                                       "without)", exc.smallest_feasible)
             refusal = exc if refusal is None or exc.smallest_feasible < refusal.smallest_feasible else refusal
             continue
         if best is None or measure(plan) < measure(best[2]):
@@ -258,7 +263,7 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
         raise refusal
     graph, stages, plan, sized = best
     hook.dump(6, "solve", plan_text(stages, plan))
-    schedule = hook.run("lower", lower, stages, plan, hw)
+    schedule = hook.run("lower", lower, stages, plan, hw.planning(stages.fused))
     trace = hook.run("verify", verify, schedule)
     hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
     text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, sized.optimizer_states,
@@ -279,8 +284,9 @@ def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware
     budgets = []
     for o in choices:
         captured = _captured(model, batch, hw, "", hook, o)
-        budgets += [smallest_budget(_stages(g, hw, hook, sized), hw)
-                    for g, sized in _sized(captured, o, search=len(choices) > 1 and bool(o.tile_bytes))]
+        for g, sized in _sized(captured, o, search=len(choices) > 1 and bool(o.tile_bytes)):
+            stages = _stages(g, hw, hook, sized)
+            budgets.append(smallest_budget(stages, hw.planning(stages.fused)))
     return min(budgets)
 
 

@@ -67,3 +67,24 @@ def test_a_gpu_plan_keeps_resident_masters_on_the_device_only(stages):
     assert evaluate(stages, CPU, 1 << 40, resident).host_bytes - evaluate(stages, gpu, 1 << 40, resident).host_bytes == masters
     streamed = _all_host_stepped(stages)
     assert evaluate(stages, gpu, 1 << 40, streamed).host_bytes == evaluate(stages, CPU, 1 << 40, streamed).host_bytes
+
+
+def test_a_fused_plan_leaves_inductor_its_host_memory():
+    """NOTE: [Compiler's host memory]: a plan priced fused on a GPU plans within the host less
+    FUSED_HOST_RESERVE beside HOST_RESERVE; eager plans and CPU profiles keep the whole capacity. A
+    host that holds an eager plan's streamed weights with 1 MiB to spare holds no fused plan."""
+    from lazytrain.errors import InfeasibleBudget
+    from lazytrain.hardware import FUSED_HOST_RESERVE
+    from lazytrain.pipeline import compile_model
+
+    h200 = hardware.load("h200")
+    assert h200.planning(True).host_capacity == h200.host_memory_bytes - HOST_RESERVE - FUSED_HOST_RESERVE
+    assert h200.planning(False) is h200 and hardware.load("cpu").planning(True) == hardware.load("cpu")
+    meta, _, batch = tiny_gpt_pair()
+    eager = compile_model(meta, batch, "min", "h200", fuse_stages=False, time_limit=20).plan
+    assert eager.host_bytes > 0  # streamed weights: the premise
+    small = dataclasses.replace(h200, host_memory_bytes=eager.host_bytes + HOST_RESERVE + (1 << 20))
+    assert compile_model(meta, batch, eager.budget, small, fuse_stages=False, time_limit=20).plan.host_bytes <= \
+        small.host_capacity
+    with pytest.raises(InfeasibleBudget, match=r"fused stage bodies the plan leaves Inductor 4\.0 GiB of the host"):
+        compile_model(meta, batch, eager.budget, small, fuse_stages=True, time_limit=20)

@@ -6,6 +6,8 @@ A profile is a JSON file; `lazytrain compile --hardware hw.json` takes any file 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from dataclasses import MISSING, dataclass, fields
@@ -24,6 +26,13 @@ CUDA_RESERVE = 2 << 30
 # bench/results, 2026-11-29) and the pinned arena's slack (under 80 MiB, NOTE: [Pinned arena] in
 # runtime/pinned.py). Plans on a GPU machine keep this much of the host free.
 HOST_RESERVE = 2 << 30
+# NOTE: [Compiler's host memory] A schedule whose stage bodies run compiled (NOTE: [Fused stages] in
+# runtime/fused.py) holds Inductor in its process too: its graphs, generated code, loaded kernels
+# and compile state. On the H200 box (2026-12-04) fused runs peaked above their plan's host bytes
+# plus HOST_RESERVE by 1.6 GiB (the 7B, fp32 masters, 24 GiB), 1.7 GiB (the same plan that ran
+# eager 0.5 GiB under it) and 3.3 GiB (the 32B at 16 x 1024, on the box). A fused plan on a GPU
+# keeps this much more of the host free (`Hardware.planning`).
+FUSED_HOST_RESERVE = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,13 @@ class Hardware:
             whole = " (its memory less 2 GiB for the CUDA context and libraries)" if self.device == "cuda" else ""
             raise LazytrainError(f"--budget {format_size(budget)} is more than a plan can have on hardware profile "
                                  f"'{self.name}': {format_size(self.max_budget)}{whole}; pass a smaller --budget, or max")
+
+    def planning(self, fused: bool) -> "Hardware":
+        """The machine a plan is made for: with `fused` stage bodies on a GPU, its host less
+        Inductor's share (NOTE: [Compiler's host memory])."""
+        if not fused or self.device != "cuda":
+            return self
+        return dataclasses.replace(self, host_memory_bytes=max(HOST_RESERVE, self.host_memory_bytes - FUSED_HOST_RESERVE))
 
     @property
     def host_capacity(self) -> int:
