@@ -14,17 +14,17 @@ def operator(target: str):
     return getattr(getattr(getattr(torch.ops, ns), op), overload)
 
 
-def decode(arg, env: dict, device: torch.device = torch.device("cpu")):
+def decode(arg, env: dict):
     """An IR argument as the operator takes it: node references from `env`, dtypes and layouts as
-    torch's, devices as `device`."""
+    torch's, devices as the CPU's (both callers run on it, or on fake tensors)."""
     if isinstance(arg, Sym):
         if arg.kind == "ref":
             return env[arg.value]
         if arg.kind == "device":
-            return device
+            return torch.device("cpu")
         return getattr(torch, arg.value)  # dtype, layout, memory_format
     if isinstance(arg, tuple):
-        return [decode(a, env, device) for a in arg]
+        return [decode(a, env) for a in arg]
     return arg
 
 
