@@ -6,11 +6,9 @@ A profile is a JSON file; `lazytrain compile --hardware hw.json` takes any file 
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from lazytrain.errors import LazytrainError
@@ -143,7 +141,7 @@ class Hardware:
         Inductor's share (NOTE: [Compiler's host memory])."""
         if not fused or self.device != "cuda":
             return self
-        return dataclasses.replace(self, host_memory_bytes=max(HOST_RESERVE, self.host_memory_bytes - FUSED_HOST_RESERVE))
+        return replace(self, host_memory_bytes=max(HOST_RESERVE, self.host_memory_bytes - FUSED_HOST_RESERVE))
 
     @property
     def host_capacity(self) -> int:
