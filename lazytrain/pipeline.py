@@ -258,12 +258,12 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
             refusal = exc if refusal is None or exc.smallest_feasible < refusal.smallest_feasible else refusal
             continue
         if best is None or measure(plan) < measure(best[2]):
-            best = (graph, stages, plan, sized)
+            best = (graph, stages, plan, sized, planning)
     if best is None:
         raise refusal
-    graph, stages, plan, sized = best
+    graph, stages, plan, sized, planning = best
     hook.dump(6, "solve", plan_text(stages, plan))
-    schedule = hook.run("lower", lower, stages, plan, hw.planning(stages.fused))
+    schedule = hook.run("lower", lower, stages, plan, planning)
     trace = hook.run("verify", verify, schedule)
     hook.dump(7, "lower", "".join(f"{e}\n" for e in schedule.events))
     text = hook.run("codegen", render, graph, stages, plan, schedule, batch, hw.name, sized.optimizer_states,
