@@ -87,9 +87,12 @@ class Hardware:
     # NOTE: [Host steps in a running step] The share of the host optimizer's rates (`cpu_adamw`,
     # `cpu_round`, `host_memcpy`, each measured alone) a host step reaches while the step runs:
     # the copy engines read and write the same host memory, and the main thread issues work beside
-    # it. On the H200 machine (fidelity traces, 2026-11-30) a Qwen2.5-1.5B layer's host steps took
-    # 26-35 ms with fp32 masters (23.3 predicted from the alone rates) and 103-110 ms with bf16
-    # masters (78.7); fewer torch threads made them slower still (8 threads: a 1.5x longer step).
+    # it. On the H200 machine (`bench/fidelity.py run --events`, 2026-12-04, 789563a) 22 host steps
+    # of Qwen2.5-1.5B and 7B layers and lm_heads, fp32 and bf16 masters, took 0.79-1.42x their time
+    # at the alone rates, median 1.04 (fp32-master 7B layers 0.91-1.12, bf16-master 1.5B layers
+    # 1.13-1.42): 0.96. It was 0.75, from 1.5B traces of 2026-11-30, before host steps reused their
+    # buffers (NOTE: [Host step buffers] in runtime/optim.py); with it the 7B's fp32 host steps were
+    # priced 155 ms and took 105-129. Fewer torch threads make them slower (8 threads: 1.5x).
     host_fraction: float = 1.0
     # NOTE: [Link bandwidth] The data-parallel ranks' link, as NCCL's "algorithm bandwidth": a
     # reduce-scatter or all-gather of a B-byte buffer (the whole stage's gradients or weights) takes
