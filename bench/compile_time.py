@@ -33,6 +33,7 @@ def main(argv=None):
     p.add_argument("--master", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--hardware", default="h200")
     p.add_argument("--host-memory", default=None, help="override the profile's host memory (e.g. 2TB for a 70B model)")
+    p.add_argument("--disk", action="store_true", help="the plan may keep states and stage outputs on disk (--disk)")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tile-bytes", default=None, help="a tile size (e.g. 256MiB; 0: untiled), captured and compiled "
@@ -56,7 +57,7 @@ def main(argv=None):
     meta = meta_model(args.model, args.seq).to(torch.bfloat16)
     b = batch(args.model, args.batch, args.seq)
     options = CompileOptions(budget="max" if args.budget == "max" else parse_size(args.budget), time_limit=args.time_limit,
-                             optimizer_states=args.states, master_weights=args.master,
+                             optimizer_states=args.states, master_weights=args.master, disk=args.disk,
                              tile_bytes=None if args.tile_bytes is None else parse_size(args.tile_bytes))
 
     def captured():
