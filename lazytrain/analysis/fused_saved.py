@@ -12,8 +12,8 @@ over-predicted its peak: on the H200 (2026-12-04, 2047494) every fused 1.5B and 
 fidelity table ran 5-31 % under its predicted peak (the 7B with 8-bit states and no budget: 103.2 GiB
 allocated against 135.6 predicted), outside the 5 % check and room the solver could have spent on
 keeping instead of recomputing.
-So the plan asks the partitioner itself. `saved_bytes` traces a stage's body twice on fake tensors
-(no memory, no device): eagerly under autograd, counting what autograd saves, and through
+So the plan asks the partitioner itself. `trace` runs a stage's body on fake tensors (no memory, no
+device): eagerly under autograd, counting what autograd saves, and through
 `aot_function` with Inductor's partitioner, counting what the partitioned forward returns for
 backward beyond the stage's outputs. Both leave out the stage's inputs and parameters and views of
 them (memory the plan counts elsewhere). The fused stage saves the plan's eager bytes less the
@@ -28,6 +28,8 @@ over-prediction, never an under-one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lazytrain.ir.evaluate import evaluate
@@ -35,11 +37,26 @@ from lazytrain.ir.graph import Graph
 from lazytrain.ir.stages import Stage
 
 
-def saved_bytes(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> tuple[int, int] | None:
-    """(eager autograd's saved bytes, the compiled forward's) for `stage`'s body on fake tensors, or
-    None where it does not trace. `requires_grad`: the values that take a gradient (`Stages`)."""
+@dataclass(frozen=True)
+class Traced:
+    """A stage's body traced on fake tensors: what eager autograd saves, and the graphs AOTAutograd
+    hands the compiler (NOTE: [Fused transients] in fused_transients.py)."""
+    eager_saved: int  # bytes eager autograd saves, less the stage's inputs and parameters
+    outputs: int  # the stage's outputs: the first values each forward graph returns
+    inference: torch.fx.Graph  # the forward without autograd
+    saving: tuple[torch.fx.Graph, torch.fx.Graph]  # forward and backward saving all forward made (eager's)
+    compiled: tuple[torch.fx.Graph, torch.fx.Graph]  # forward and backward of the min-cut partition
+
+    @property
+    def compiled_saved(self) -> int:
+        return _forward_saved(self.compiled[0], self.outputs)
+
+
+def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> Traced | None:
+    """`stage`'s body traced on fake tensors, or None where it does not trace. `requires_grad`: the
+    values that take a gradient (`Stages`)."""
     from torch._functorch.aot_autograd import aot_function
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -51,11 +68,18 @@ def saved_bytes(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> tu
             evaluate(graph[n], env)
         return tuple(env[o] for o in stage.outputs)
 
-    forward = {}
+    def traced(partition, grad: bool = True) -> tuple[torch.fx.Graph, torch.fx.Graph | None]:
+        kept = []
 
-    def keep_forward(gm, _):
-        forward["graph"] = gm.graph
-        return gm
+        def keep(gm, _):
+            kept.append(gm.graph)
+            return gm
+        with torch.set_grad_enabled(grad):
+            outs = aot_function(body, fw_compiler=keep, bw_compiler=keep, partition_fn=partition)(*values)
+            grads = [o for o in outs if o.requires_grad]
+            if grads:  # the backward is compiled when it first runs
+                torch.autograd.backward(grads, [torch.empty_like(o) for o in grads])
+        return kept[0], (kept[1] if len(kept) > 1 else None)
 
     try:
         with FakeTensorMode():
@@ -75,24 +99,51 @@ def saved_bytes(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> tu
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 body(*values)
-            aot_function(body, fw_compiler=keep_forward, bw_compiler=lambda gm, _: gm,
-                         partition_fn=min_cut_rematerialization_partition)(*values)
+            inference, _ = traced(default_partition, grad=False)
+            saving = traced(default_partition)
+            compiled = traced(min_cut_rematerialization_partition)
     except Exception:  # noqa: BLE001  (no fake-tensor rule, no AOT trace: eager's bytes stand)
         return None
-    return sum(eager.values()), _forward_saved(forward["graph"], len(stage.outputs))
+    if saving[1] is None or compiled[1] is None:
+        return None
+    return Traced(sum(eager.values()), len(stage.outputs), inference, saving, compiled)
+
+
+def saved_bytes(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> tuple[int, int] | None:
+    """(eager autograd's saved bytes, the compiled forward's) for `stage`'s body on fake tensors, or
+    None where it does not trace."""
+    t = trace(graph, stage, requires_grad)
+    return None if t is None else (t.eager_saved, t.compiled_saved)
+
+
+def _saved_nodes(graph: torch.fx.Graph, n_outputs: int) -> list:
+    """What a partitioned forward returns for backward (its outputs past the first `n_outputs`)."""
+    return list(next(n for n in graph.nodes if n.op == "output").args[0][n_outputs:])
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node
+
+
+def backward_inputs(forward: torch.fx.Graph, backward: torch.fx.Graph, n_outputs: int) -> frozenset[int]:
+    """The positions of `backward`'s inputs that are memory of its own: what `forward` saved but for
+    the stage's inputs and parameters (and views of them), and the output gradients."""
+    saved = _saved_nodes(forward, n_outputs)
+    own = {i for i, n in enumerate(saved) if isinstance(n, torch.fx.Node) and _base(n).op != "placeholder"}
+    places = [n for n in backward.nodes if n.op == "placeholder"]
+    return frozenset(own | {i for i, n in enumerate(places) if n.name.startswith("tangents")})
 
 
 def _forward_saved(graph: torch.fx.Graph, n_outputs: int) -> int:
     """Bytes a partitioned forward returns for backward (its outputs past the first `n_outputs`),
     less its inputs and views of them."""
-    returned = next(n for n in graph.nodes if n.op == "output").args[0]
     total, seen = 0, set()
-    for node in returned[n_outputs:]:
+    for node in _saved_nodes(graph, n_outputs):
         if not isinstance(node, torch.fx.Node) or not isinstance(value := node.meta.get("val"), torch.Tensor):
             continue
-        base = node
-        while base.op == "call_function" and getattr(base.target, "is_view", False):
-            base = base.args[0]
+        base = _base(node)
         if base.op == "placeholder" or base in seen:
             continue
         seen.add(base)

@@ -5,7 +5,8 @@ eager element-wise time (`elementwise_s`, `elementwise_bwd_s`, from `blocks`), a
 `fused_elementwise_factor`. Guarantees: with `stages.fused`, every `fusable` stage's forward,
 backward and recompute seconds lose (1 - factor) of its element-wise time and, given the graph,
 it saves for backward what the compiled body saves (NOTE: [Fused saved activations] in
-analysis/fused_saved.py); chunked and random stages, and every stage of a plan that is not fused,
+analysis/fused_saved.py) and its peaks are the compiled body's (NOTE: [Fused transients] in
+analysis/fused_transients.py); chunked and random stages, and every stage of a plan that is not fused,
 keep their eager times and bytes.
 
     layer fwd=30.32 ms bwd=59.31 ms (element-wise 7.98 / 13.56), factor 0.25
@@ -39,7 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazytrain.analysis.fused_saved import saved_bytes
+from lazytrain.analysis.fused_saved import trace
+from lazytrain.analysis.fused_transients import HeldFewer, fewer
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.stages import Stage, Stages, fusable
 
@@ -52,30 +54,36 @@ def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
     if not stages.fused:
         return stages
     saved = max(0.0, 1.0 - factor)
-    fewer: dict[str, int] = {}  # kind -> bytes the compiled body saves fewer than eager
+    memory: dict[str, tuple | None] = {}  # kind -> (saved bytes fewer, HeldFewer), None: eager's bytes
     out = []
     for s in stages:
         if fusable(s):
             fwd, bwd = saved * s.elementwise_s, saved * s.elementwise_bwd_s
             s = dataclasses.replace(s, fwd_s=s.fwd_s - fwd, bwd_s=s.bwd_s - bwd, remat_s=max(s.remat_s - fwd, 0.0))
             if graph is not None:
-                if s.kind not in fewer:
-                    counted = saved_bytes(graph, s, stages.requires_grad)
-                    fewer[s.kind] = counted[0] - counted[1] if counted else 0
-                s = _saving_fewer(s, fewer[s.kind])
+                if s.kind not in memory:
+                    t = trace(graph, s, stages.requires_grad)
+                    memory[s.kind] = None if t is None else (t.eager_saved - t.compiled_saved, fewer(t))
+                if memory[s.kind] is not None:
+                    s = _compiled_memory(s, *memory[s.kind])
         out.append(s)
     return dataclasses.replace(stages, stages=tuple(out))
 
 
-def _saving_fewer(s: Stage, fewer: int) -> Stage:
-    """`s` saving `fewer` bytes less (more, where negative). Fewer: its forward's peak while saving is
-    at most its peak without autograd plus all it saves (an upper bound: the compiled body's
-    transients are eager's or fewer). More: that peak grows by as much."""
-    if not fewer:
-        return s
-    kept = max(0, s.saved_bytes - fewer)
-    peak = min(s.saving_peak_bytes, s.peak_bytes + kept) if fewer > 0 else s.saving_peak_bytes - fewer
-    return dataclasses.replace(s, saved_bytes=kept, saving_peak_bytes=peak)
+def _compiled_memory(s: Stage, saved_fewer: int, transients: HeldFewer) -> Stage:
+    """`s` with its compiled body's bytes: saving `saved_fewer` bytes less (more, where negative;
+    NOTE: [Fused saved activations]) and its peaks lowered by what fusing holds fewer (NOTE: [Fused
+    transients]), none below what it saves and outputs."""
+    kept = max(0, s.saved_bytes - saved_fewer)
+    saving_peak = s.saving_peak_bytes + max(0, -saved_fewer)
+
+    def lowered(peak: int, by: int, floor: int) -> int:  # never above eager's, nor below the floor
+        return min(peak, max(floor, peak - by))
+    return dataclasses.replace(
+        s, saved_bytes=kept,
+        peak_bytes=lowered(s.peak_bytes, transients.forward, s.out_bytes),
+        saving_peak_bytes=lowered(saving_peak, transients.saving, kept + s.out_bytes),
+        backward_bytes=lowered(s.backward_bytes, transients.backward, kept))
 
 
 def elementwise_share(stages: Stages) -> float:
