@@ -43,7 +43,6 @@ class Traced:
     hands the compiler (NOTE: [Fused transients] in fused_transients.py)."""
     eager_saved: int  # bytes eager autograd saves, less the stage's inputs and parameters
     outputs: int  # the stage's outputs: the first values each forward graph returns
-    inference: torch.fx.Graph  # the forward without autograd
     saving: tuple[torch.fx.Graph, torch.fx.Graph]  # forward and backward saving all forward made (eager's)
     compiled: tuple[torch.fx.Graph, torch.fx.Graph]  # forward and backward of the min-cut partition
 
@@ -68,18 +67,12 @@ def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> Traced |
             evaluate(graph[n], env)
         return tuple(env[o] for o in stage.outputs)
 
-    def traced(partition, grad: bool = True) -> tuple[torch.fx.Graph, torch.fx.Graph | None]:
-        kept = []
+    parts: dict = {}
 
-        def keep(gm, _):
-            kept.append(gm.graph)
-            return gm
-        with torch.set_grad_enabled(grad):
-            outs = aot_function(body, fw_compiler=keep, bw_compiler=keep, partition_fn=partition)(*values)
-            grads = [o for o in outs if o.requires_grad]
-            if grads:  # the backward is compiled when it first runs
-                torch.autograd.backward(grads, [torch.empty_like(o) for o in grads])
-        return kept[0], (kept[1] if len(kept) > 1 else None)
+    def partition(joint, inputs, **kw):  # one joint graph, partitioned as eager keeps and as compiled
+        parts["saving"] = default_partition(joint, inputs, **kw)
+        parts["compiled"] = min_cut_rematerialization_partition(joint, inputs, **kw)
+        return parts["compiled"]
 
     try:
         with FakeTensorMode():
@@ -99,14 +92,13 @@ def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> Traced |
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 body(*values)
-            inference, _ = traced(default_partition, grad=False)
-            saving = traced(default_partition)
-            compiled = traced(min_cut_rematerialization_partition)
+            aot_function(body, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm, partition_fn=partition)(*values)
     except Exception:  # noqa: BLE001  (no fake-tensor rule, no AOT trace: eager's bytes stand)
         return None
-    if saving[1] is None or compiled[1] is None:
+    if len(parts) < 2:  # nothing takes a gradient: no partition
         return None
-    return Traced(sum(eager.values()), len(stage.outputs), inference, saving, compiled)
+    graphs = {k: (fw.graph, bw.graph) for k, (fw, bw) in parts.items()}
+    return Traced(sum(eager.values()), len(stage.outputs), graphs["saving"], graphs["compiled"])
 
 
 def saved_bytes(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> tuple[int, int] | None:

@@ -13,9 +13,10 @@ eager's liveness, so every window of the fused 7B plans at 24 GiB stood over the
 by a constant, 1.12 GiB in forward windows and 1.93-2.44 GiB in backward ones (H200, 2026-12-04,
 789563a, `bench/fidelity.py run --fuse-stages`): peaks 5-6 % over, outside the 5 % check.
 So the plan counts, per fusable kind, what the compiled body holds fewer. `peak_bytes` replays the
-graphs AOTAutograd hands Inductor (traced on fake tensors by `fused_saved.trace`): eager's with
-every operator's result made, the compiled ones with the results Inductor fuses away left out and
-in-place writes taken; the stage's peaks lose the difference. A result is fused away when it is
+graphs AOTAutograd hands Inductor (one joint graph traced on fake tensors by `fused_saved.trace`,
+partitioned twice): eager's with every operator's result made, the compiled ones with the results
+Inductor fuses away left out and in-place writes taken; the stage's peaks lose the difference. A
+forward without autograd is the eager partition's forward keeping only the stage's outputs. A result is fused away when it is
 element-wise (`torch.Tag.pointwise`), not returned, and its one reader (through views) is
 element-wise too; its inputs then live until that reader runs. Inductor fuses more (into
 reductions; values read twice), so the replay gives what it saves at least. A backward is replayed
@@ -55,28 +56,30 @@ def _nbytes(node: torch.fx.Node) -> int:
 
 
 def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int] = frozenset(),
-               held: bool = False) -> int:
+               held: bool = False, outputs: int | None = None) -> int:
     """The most bytes `graph`'s values hold at once when its nodes run in order: every operator's
     result (a view is its base's), freed after its last reader; what it returns, to its end. Its
     inputs are left out but for the positions in `counted_inputs`, from its start to their last
     reader, or with `held` to its end. `fused`: the results Inductor fuses away are never made, and
-    a kernel writes into a buffer of its size that dies as it runs (NOTE: [Fused transients])."""
+    a kernel writes into a buffer of its size that dies as it runs (NOTE: [Fused transients]).
+    `outputs`: only the first this many returned values are kept (a partitioned forward run without
+    autograd, whose values saved for backward die at their last reader)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out = next(n for n in nodes if n.op == "output")
     returned: set = set()
-    torch.fx.node.map_arg(out.args, returned.add)
+    torch.fx.node.map_arg(out.args[0][:outputs] if outputs is not None else out.args, returned.add)
 
     def base(n):
         while n.op == "call_function" and _is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
             n = n.args[0]
         return n
 
-    def readers(n):  # the nodes that read n's memory, through views
+    def readers(n):  # the nodes that read n's memory, through views (what is returned is held apart)
         for u in n.users:
             if u.op == "call_function" and _is_view(u):
                 yield from readers(u)
-            else:
+            elif u.op != "output":
                 yield u
 
     places = [n for n in nodes if n.op == "placeholder"]
@@ -157,7 +160,7 @@ def fewer(t: Traced) -> HeldFewer:
     holds them all until it returns)."""
     (fe, be), (fc, bc) = t.saving, t.compiled
     return HeldFewer(
-        forward=max(0, peak_bytes(t.inference, False) - peak_bytes(t.inference, True)),
+        forward=max(0, peak_bytes(fe, False, outputs=t.outputs) - peak_bytes(fe, True, outputs=t.outputs)),
         saving=max(0, peak_bytes(fe, False) - peak_bytes(fc, True)),
         backward=max(0, peak_bytes(be, False, backward_inputs(fe, be, t.outputs))
                      - peak_bytes(bc, True, backward_inputs(fc, bc, t.outputs), held=True)))
