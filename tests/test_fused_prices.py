@@ -15,7 +15,7 @@ import torch
 from lazytrain import hardware
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.examples import tiny_qwen
-from lazytrain.analysis.fused_saved import saved_bytes
+from lazytrain.analysis.fused_saved import trace
 from lazytrain.ir.stages import fusable
 from lazytrain.options import CompileOptions
 from lazytrain.passes.fusion import FACTOR_FLOOR, elementwise_share, factor_from_times, fusion
@@ -75,7 +75,7 @@ def test_fused_stages_save_what_the_compiled_body_saves():
     assert layers and all(fusable(eager[i]) for i in layers)
     for i in layers:
         assert fused_[i].saved_bytes < eager[i].saved_bytes
-        assert saved_bytes(graph, eager[i], eager.requires_grad)[0] == eager[i].saved_bytes
+        assert trace(graph, eager[i], eager.requires_grad).eager_saved == eager[i].saved_bytes
     for e, f in zip(eager, fused_):
         assert f.saved_bytes <= e.saved_bytes and f.saving_peak_bytes <= e.saving_peak_bytes
     for e, f in zip(eager, fused_):

@@ -101,13 +101,6 @@ def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> Traced |
     return Traced(sum(eager.values()), len(stage.outputs), graphs["saving"], graphs["compiled"])
 
 
-def saved_bytes(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> tuple[int, int] | None:
-    """(eager autograd's saved bytes, the compiled forward's) for `stage`'s body on fake tensors, or
-    None where it does not trace."""
-    t = trace(graph, stage, requires_grad)
-    return None if t is None else (t.eager_saved, t.compiled_saved)
-
-
 def _saved_nodes(graph: torch.fx.Graph, n_outputs: int) -> list:
     """What a partitioned forward returns for backward (its outputs past the first `n_outputs`)."""
     return list(next(n for n in graph.nodes if n.op == "output").args[0][n_outputs:])

@@ -45,6 +45,13 @@ def _is_view(node: torch.fx.Node) -> bool:
     return t is operator.getitem or getattr(t, "is_view", False) or t is torch.ops.aten._unsafe_view.default
 
 
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory `node` is: through views and tuple items to the operator that made it."""
+    while node.op == "call_function" and _is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _pointwise(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
 
@@ -70,11 +77,6 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     returned: set = set()
     torch.fx.node.map_arg(out.args[0][:outputs] if outputs is not None else out.args, returned.add)
 
-    def base(n):
-        while n.op == "call_function" and _is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
-            n = n.args[0]
-        return n
-
     def readers(n):  # the nodes that read n's memory, through views (what is returned is held apart)
         for u in n.users:
             if u.op == "call_function" and _is_view(u):
@@ -85,7 +87,7 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     places = [n for n in nodes if n.op == "placeholder"]
     inputs = {n: _nbytes(n) for i, n in enumerate(places) if i in counted_inputs}
     made = {n: _nbytes(n) for n in nodes if n.op == "call_function" and not _is_view(n)}
-    returned_bases = {base(n) for n in returned}
+    returned_bases = {_base(n) for n in returned}
     if fused:
         for n in list(made):
             rs = list(readers(n))
@@ -105,7 +107,7 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
         for n in sorted(made, key=pos.get):
             if not _pointwise(n):
                 continue
-            reused = next((b for b in _kernel_inputs(n, made, readers) if b in made and last[b] == pos[n]
+            reused = next((b for b in _kernel_inputs(n, made) if b in made and last[b] == pos[n]
                            and made[b] == made[n] and b is not n), None)
             if reused is not None:
                 last[reused], made[n] = last[n], 0
@@ -126,7 +128,7 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     return peak
 
 
-def _kernel_inputs(n: torch.fx.Node, made: dict, readers) -> list:
+def _kernel_inputs(n: torch.fx.Node, made: dict) -> list:
     """The buffers the kernel computing `n` reads: its inputs' bases, through the element-wise
     producers fused into it."""
     out, todo, seen = [], list(n.all_input_nodes), set()
@@ -135,8 +137,7 @@ def _kernel_inputs(n: torch.fx.Node, made: dict, readers) -> list:
         if m in seen:
             continue
         seen.add(m)
-        while m.op == "call_function" and _is_view(m) and m.args and isinstance(m.args[0], torch.fx.Node):
-            m = m.args[0]
+        m = _base(m)
         if m.op == "call_function" and m not in made:
             todo.extend(m.all_input_nodes)
         else:
