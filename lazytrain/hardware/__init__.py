@@ -116,8 +116,18 @@ class Hardware:
     # the 1.5B at 40 GiB showed backward windows of 9.4 ms against 8.1 beside 3.5 ms steps (0.37),
     # each step done in the 8.7-11 ms after its release (a pace of 0.3-0.4). Without a measurement
     # (1.0, 0.0) every step runs alone after backward, in series with compute.
+    # Larger steps lose more: fidelity traces of fused plans on the H200 (8a9c84f, 2026-12-04) ran as
+    # if a Qwen2.5-7B block's 8-bit bf16-master step beside backward cost compute 0.9 of its alone
+    # time (the 7B at the whole device: 2.824 s measured; 2.676 priced at 0.37, 2.855 in series) and
+    # a 14B block's 0.76 (at the whole device) to over 1 (at 40 GiB); `bench/step_overlap.py` had
+    # measured 0.45-0.79 for a 7B layer. So `gpu_step_lost` holds at blocks of `gpu_step_lost_numel`
+    # parameters and `gpu_step_lost_large` at `gpu_step_lost_large_numel`, linear in the log of the
+    # size between, and flat outside (`step_lost`); 0: `gpu_step_lost` at every size.
     gpu_step_lost: float = 1.0
     gpu_step_pace: float = 0.0
+    gpu_step_lost_numel: int = 0
+    gpu_step_lost_large: float = 0.0
+    gpu_step_lost_large_numel: int = 0
     # The time of a fused stage's element-wise work over its eager time, where the runtime compiles
     # stage bodies with Inductor (NOTE: [Fused stage prices] in passes/fusion.py); 1.0: not known,
     # fused stages are priced eager.
@@ -165,6 +175,15 @@ class Hardware:
 
     def flops_for(self, dtype: str) -> float:
         return self.flops.get(dtype, self.flops["float32"]) * self.achieved_fraction
+
+    def step_lost(self, numel: int) -> float:
+        """The share of a device step's alone time that compute loses beside it, for a block of
+        `numel` parameters (NOTE: [Device steps beside compute])."""
+        small, large = self.gpu_step_lost_numel, self.gpu_step_lost_large_numel
+        if not self.gpu_step_lost_large or not 0 < small < large:
+            return self.gpu_step_lost
+        f = (math.log(max(numel, 1)) - math.log(small)) / (math.log(large) - math.log(small))
+        return self.gpu_step_lost + min(max(f, 0.0), 1.0) * (self.gpu_step_lost_large - self.gpu_step_lost)
 
     @property
     def bytes_per_s(self) -> float:

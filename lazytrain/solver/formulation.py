@@ -44,6 +44,13 @@ transfers run, so the window lasts max(compute + step, transfers + lag). Charged
 transfers as well, a window bound by its transfers paid the step twice: the 14B at 24 GiB (8-bit,
 bf16 masters, 45 GPU-stepped blocks) was predicted at 3.37 s and ran in 3.04 (H200, 2026-12-01);
 its events' own timeline said 3.02.
+The step also waits for the window's write-backs (`dlag`): the compute stream frees the previous
+stage's optimizer slot, after its forward, once D2H has copied the master and states out of it
+(NOTE: [Slots] in runtime/store.py), and D2H runs its copies in order. So the window lasts at
+least D2H + step as well, in either mode. The 14B at 24 GiB (fused, 8a9c84f, H200, 2026-12-04)
+ran each forward window in 33.9 ms, its events' timeline said 34.3 (a 12.6 ms step, then 21.6 ms
+of write-back and outputs on D2H), and the window model, which saw 30.0 ms of H2D bind, predicted
+the step 11 % short.
 
 NOTE: [State precision per stage]
 With `--optimizer-states 8bit` a stage's states are 8-bit wherever its step runs on the GPU
@@ -207,17 +214,17 @@ def _exposure(m: mip.Model, model: StepModel, hw: Hardware, v, cuts: bool):
     k = 1.0 / model.unit_s
     for t in range(len(model.cap)):
         e = m.add_var(f"exposed{t}", lb=0.0)
-        h, d, c, cap, lag = model.h2d[t], model.d2h[t], model.cpu[t], model.cap[t], model.lag[t]
+        h, d, c, cap, lag, dlag = model.h2d[t], model.d2h[t], model.cpu[t], model.cap[t], model.lag[t], model.dlag[t]
         m += e >= model.comm[t] * k - cap * k  # the ranks' collectives (NOTE: [Link bandwidth])
         m += e >= h * (k / hw.h2d_bandwidth) + lag * k - cap * k
-        m += e >= d * (k / hw.d2h_bandwidth) - cap * k
+        m += e >= d * (k / hw.d2h_bandwidth) + dlag * k - cap * k
         m += e >= (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k - cap * k
         m += e >= c * k - cap * k
         m += e >= model.disk_io[t] * k - cap * k  # NOTE: [Backward steps from disk] in disk_model.py
         if isinstance(model.beside[t], mip.LinExpr):  # NOTE: [Device steps beside compute]
             m += e >= model.beside[t] * k
         if cuts:  # NOTE: [Exposure cuts] in cuts.py
-            for load in (h * (k / hw.h2d_bandwidth) + lag * k, d * (k / hw.d2h_bandwidth),
+            for load in (h * (k / hw.h2d_bandwidth) + lag * k, d * (k / hw.d2h_bandwidth) + dlag * k,
                          (h + d) * (0.5 * k / hw.duplex_bandwidth) + lag * k):
                 cuts_.exposure_cut(m, v, e, load, cap * k, modes)
         exposed.append(e * model.unit_s)

@@ -89,6 +89,7 @@ class StepModel:
         self.comm = [0.0] * (T + 2)  # seconds of collectives on the ranks' link (NOTE: [Link bandwidth])
         self.lag = [0.0] * (T + 2)  # seconds of device work that must follow a window's H2D before its end
         self.d2h = [0.0] * (T + 2)
+        self.dlag = [0.0] * (T + 2)  # seconds of device work that must follow a window's D2H before its end
         self.cpu = [0.0] * (T + 2)
         self.released = [0.0] * (T + 2)  # host step seconds that may start in a window (NOTE: [Host step backlog] in backlog.py)
         self.due = [0.0] * (T + 2)  # host step seconds that must be done by a window's end (exact clipping)
@@ -100,6 +101,9 @@ class StepModel:
         # device steps: `serial` those in series with compute; the rest run on the optimizer stream
         # beside backward (NOTE: [Device steps beside compute])
         self.on_stream = n == 1 and not self.exact and hw.gpu_step_pace > 0
+        # what compute loses of a step beside it, at the size of the model's typical block (its blocks'
+        # median: the layers, not the embedding or the head)
+        self.lost = hw.step_lost(sorted(g.param_numel for g in stages)[len(stages) // 2])
         self.stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
         self.step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
         shared_step = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
@@ -257,7 +261,7 @@ class StepModel:
         """`beside`: seconds a window runs longer for the device steps beside or after it."""
         # NOTE: [Device steps beside compute] in hardware/__init__.py: the optimizer stream runs its
         # steps in the order released, at `gpu_step_pace` beside compute, and finishes after backward
-        # (the next forward's first stage waits for the last step); compute loses `gpu_step_lost` of
+        # (the next forward's first stage waits for the last step); compute loses `lost` (`Hardware.step_lost`) of
         # what runs beside it, and what is left after backward runs alone
         L, S, TAIL, hw = self.L, len(self.st), self.TAIL, self.hw
         self.beside = [0.0] * (2 * S + 2)
@@ -269,7 +273,7 @@ class StepModel:
                 self.beside[w] = done
             else:
                 self.m += done * (1.0 / self.unit_s) <= self.cap[w] * (hw.gpu_step_pace / self.unit_s)
-                self.beside[w] = done * hw.gpu_step_lost
+                self.beside[w] = done * self.lost
 
     def _host_memory(self, terms: list[StageTerms]):
         """Host bytes: masters, streamed stages' host copies and states, offloaded outputs."""

@@ -39,7 +39,7 @@ class InBackward(StreamedRule):
                 model.mem[t] = model.mem[t] + (g.param_bytes + st.staging) * x - st.staging * mdk
             model.mem[L.bw(s - 2)] = model.mem[L.bw(s - 2)] + g.param_bytes * x
         # on the optimizer stream beside backward's compute
-        model.serial = model.serial + x * (st.step_s * model.hw.gpu_step_lost)
+        model.serial = model.serial + x * (st.step_s * model.hw.step_lost(st.g.param_numel))
 
     def host_bytes(self, model, st, x):
         return -(x * st.g.param_bytes)  # no page-locked gradient buffer

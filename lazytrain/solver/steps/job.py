@@ -31,7 +31,7 @@ class Job(StreamedRule):
         # due only before its next prefetch (NOTE: [Disk-stepped stages] in disk_model.py)
         st.job_s = x * _job_s(stages, g, hw)
         st.job_disk_s = x * disk_io_s(disk_gpu_state_bytes(g.param_numel, stages.state_bytes), hw)
-        model.serial = model.serial + x * (st.step_s * hw.gpu_step_lost)  # beside compute
+        model.serial = model.serial + x * (st.step_s * hw.step_lost(g.param_numel))  # beside compute
 
     def step_seconds(self, stages, s, p, hw):
         return _job_s(stages, stages[s], hw)

@@ -46,6 +46,8 @@ class AtPrefetch(StreamedRule):
         # fetched one window ahead, it trails the fetch inside that window; two ahead, the
         # fetch is in by then. Transfers run beside it as beside compute (NOTE: [GPU-step lag] in formulation.py)
         model.lag[fetched] += (x - ahead) * st.step_s
+        # and it waits for the window's write-backs (NOTE: [GPU-step lag] in formulation.py)
+        model.dlag[fetched] += x * st.step_s
         model.cap[fetched] += x * st.step_s
 
     def tail_bytes(self, model):
