@@ -9,6 +9,7 @@ CUDA events it needs, then runs on the host while the GPU works on.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,36 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from lazytrain.errors import ResourceError
 from lazytrain.ir.events import Event, Stream
+
+
+# NOTE: [Host step threads] A host step is torch's CPU kernels on OpenMP teams of
+# `torch.get_num_threads()` threads (one a core), each splitting its work evenly: the team ends when
+# its slowest thread does. The main thread keeps a core busy beside it, issuing the GPU's work and
+# then waiting for the streams, so a team as large as the machine runs at the pace of the thread
+# that shares a core. On the H200 box (16 cores, 2026-12-04, 6791165) a Qwen2.5-1.5B layer's
+# fp32-master host step, 17 ms alone (`bench/host_step.py`), took 33-69 ms at the end of a fused
+# 1.5B step at 40 GiB. So the worker's teams are one thread short of the process's
+# (`LAZYTRAIN_HOST_THREADS` sets them), and the step's end waits on blocking events, which sleep,
+# where a stream's synchronize spins.
+HOST_THREADS_ENV = "LAZYTRAIN_HOST_THREADS"
+
+
+def host_threads() -> int:
+    """The OpenMP team a host step runs on (NOTE: [Host step threads])."""
+    given = os.environ.get(HOST_THREADS_ENV, "").strip()
+    if given:
+        try:
+            return max(1, int(given))
+        except ValueError:
+            raise ResourceError(f"{HOST_THREADS_ENV}={given!r} is not a number of threads; unset it or give one, "
+                             f"e.g. {HOST_THREADS_ENV}=15") from None
+    return max(1, torch.get_num_threads() - 1)
+
+
+def _host_worker_started(n: int) -> None:
+    torch.set_num_threads(n)
 
 
 # NOTE: [Host jobs by deadline] The plan counts the host worker's work against deadlines per
@@ -122,7 +152,8 @@ class CudaStreams:
         self.streams = {Stream.COMPUTE: torch.cuda.Stream(device),
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
                         Stream.COMM: torch.cuda.Stream(device)}
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu")
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu",
+                                         initializer=_host_worker_started, initargs=(host_threads(),))
         self.by_deadline = DeadlineJobs()
         self.aside = torch.cuda.default_stream(device)  # NOTE: [Optimizer stream]
         self.stepped: dict[int, torch.cuda.Event] = {}  # stage -> its step on the optimizer stream
@@ -226,10 +257,12 @@ class CudaStreams:
         return self.by_deadline.next_due()
 
     def finish(self):
-        if self.record:  # its events must have completed to be read
-            self.aside.synchronize()
-        for s in self.streams.values():
-            s.synchronize()
+        # blocking events: this thread sleeps while host steps may still run (NOTE: [Host step threads])
+        ends = [self.aside] if self.record else []  # its events must have completed to be read
+        for s in ends + list(self.streams.values()):
+            end = torch.cuda.Event(blocking=True)
+            end.record(s)
+            end.synchronize()
         if not self.record:
             return None
         gpu = [(i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3) for i, a, b in self.marks]
