@@ -1,5 +1,5 @@
-"""NOTE: [Host step threads] in runtime/streams.py: the host worker's OpenMP teams leave the main
-thread a core, and `LAZYTRAIN_HOST_THREADS` sets them."""
+"""NOTE: [Host step threads] in runtime/streams.py: the host worker's OpenMP teams are the
+process's, and `LAZYTRAIN_HOST_THREADS` sets them."""
 
 import pytest
 import torch
@@ -8,9 +8,9 @@ from lazytrain.errors import ResourceError
 from lazytrain.runtime.streams import HOST_THREADS_ENV, host_threads
 
 
-def test_host_steps_leave_the_main_thread_a_core(monkeypatch):
+def test_host_steps_take_the_process_threads(monkeypatch):
     monkeypatch.delenv(HOST_THREADS_ENV, raising=False)
-    assert host_threads() == max(1, torch.get_num_threads() - 1)
+    assert host_threads() == torch.get_num_threads()
 
 
 def test_the_environment_sets_the_host_steps_threads(monkeypatch):

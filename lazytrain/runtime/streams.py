@@ -21,15 +21,15 @@ from lazytrain.errors import ResourceError
 from lazytrain.ir.events import Event, Stream
 
 
-# NOTE: [Host step threads] A host step is torch's CPU kernels on OpenMP teams of
-# `torch.get_num_threads()` threads (one a core), each splitting its work evenly: the team ends when
-# its slowest thread does. The main thread keeps a core busy beside it, issuing the GPU's work and
-# then waiting for the streams, so a team as large as the machine runs at the pace of the thread
-# that shares a core. On the H200 box (16 cores, 2026-12-04, 6791165) a Qwen2.5-1.5B layer's
-# fp32-master host step, 17 ms alone (`bench/host_step.py`), took 33-69 ms at the end of a fused
-# 1.5B step at 40 GiB. So the worker's teams are one thread short of the process's
-# (`LAZYTRAIN_HOST_THREADS` sets them), and the step's end waits on blocking events, which sleep,
-# where a stream's synchronize spins.
+# NOTE: [Host step threads] A host step is torch's CPU kernels on OpenMP teams of one thread a
+# core, each team ending when its slowest thread does, so a core taken by another busy thread
+# slows the whole step. At a step's end the main thread waited for the streams with `synchronize`,
+# which spins on a core, while the last host steps ran: on the H200 box (16 cores, 2026-12-04) a
+# fused Qwen2.5-1.5B step at 40 GiB (fp32 masters, 8 host-stepped blocks) took 0.504 s against 0.365
+# predicted (6791165), its 17 ms host steps (`bench/host_step.py`) 33-69 ms; waiting on blocking
+# events, which sleep, it took 0.355 and 0.374 s (0db8bfb). Teams one thread short of the machine
+# made it worse, not better (0.553 and 0.579 s): the worker keeps the process's thread count.
+# `LAZYTRAIN_HOST_THREADS` sets it.
 HOST_THREADS_ENV = "LAZYTRAIN_HOST_THREADS"
 
 
@@ -41,8 +41,8 @@ def host_threads() -> int:
             return max(1, int(given))
         except ValueError:
             raise ResourceError(f"{HOST_THREADS_ENV}={given!r} is not a number of threads; unset it or give one, "
-                             f"e.g. {HOST_THREADS_ENV}=15") from None
-    return max(1, torch.get_num_threads() - 1)
+                                f"e.g. {HOST_THREADS_ENV}=8") from None
+    return torch.get_num_threads()
 
 
 def _host_worker_started(n: int) -> None:
