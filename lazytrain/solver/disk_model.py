@@ -199,7 +199,7 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
 # the prefetches read and the states to the staging buffer, and writes them to disk. All of it in
 # series (the next job's read may overlap it: NOTE: [Disk reads ahead] in runtime/disk_states.py, not
 # counted), so its seconds (`disk_gpu_job_s`, mostly the disk's) enter the host backlog; the step
-# itself runs beside compute, which loses `gpu_step_lost` of it. The job's own PCIe copies (a 32B
+# itself runs beside compute, which loses `Hardware.step_lost` of it. The job's own PCIe copies (a 32B
 # layer's 3 GB in and 2 GB out take 0.1 s against its disk's 1 s) are not in the windows' link
 # rows. The host keeps the master, the compute copy (none with fp32 masters: NOTE: [Weights from the
 # master] in footprint.py) and the gradient buffer; the disk the states.
