@@ -45,10 +45,6 @@ def host_threads() -> int:
     return torch.get_num_threads()
 
 
-def _host_worker_started(n: int) -> None:
-    torch.set_num_threads(n)
-
-
 # NOTE: [Host jobs by deadline] The plan counts the host worker's work against deadlines per
 # window (NOTE: [Host step backlog] in solver/backlog.py) as if the most urgent job ran first.
 # Disk-stepped stages' jobs (NOTE: [Disk-stepped stages] in solver/disk_model.py) are released in backward from the
@@ -153,7 +149,7 @@ class CudaStreams:
                         Stream.H2D: torch.cuda.Stream(device), Stream.D2H: torch.cuda.Stream(device),
                         Stream.COMM: torch.cuda.Stream(device)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-cpu",
-                                         initializer=_host_worker_started, initargs=(host_threads(),))
+                                         initializer=torch.set_num_threads, initargs=(host_threads(),))
         self.by_deadline = DeadlineJobs()
         self.aside = torch.cuda.default_stream(device)  # NOTE: [Optimizer stream]
         self.stepped: dict[int, torch.cuda.Event] = {}  # stage -> its step on the optimizer stream
