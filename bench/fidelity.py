@@ -130,17 +130,20 @@ def cmd_compile(args) -> None:
             options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
                                           disk=bool(case.host), tile_bytes=parse_size(case.tile) if case.tile else 0,
                                           fuse_stages=False)
-            compiled = compile_model(meta, b, hardware=hw_case, options=options, source=f"bench:{case.model}")
+            compiled = None if args.fused_only else compile_model(meta, b, hardware=hw_case, options=options,
+                                                                  source=f"bench:{case.model}")
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")
             continue
-        (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
+        if compiled is not None:
+            (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
         # NOTE: [Fused stage prices] in lazytrain/passes/fusion.py: `run --fuse-stages` is held to a
         # plan priced fused, the plain run to one priced eager (the options above)
         fused = compile_model(meta, b, hardware=hw_case, options=dataclasses.replace(options, fuse_stages=True),
                               source=f"bench:{case.model}")
         (CASE_DIR / f"{case.name}_fused.py").write_text(fused.source_text)
+        compiled = compiled or fused
         print(f"{case.name}: predicted {compiled.plan.step_s:.3f} s, peak {format_size(compiled.plan.peak_bytes)}, "
               f"host {format_size(compiled.plan.host_bytes)}, compiled in {time.perf_counter() - start:.0f} s")
 
@@ -488,6 +491,7 @@ def main(argv=None):
         if name == "compile":
             s.add_argument("--hardware", default="h200")
             s.add_argument("--time-limit", type=float, default=120.0)
+            s.add_argument("--fused-only", action="store_true", help="compile only the plan priced fused (`_fused.py`)")
         else:
             # the first two steps make the optimizer's states (the host's page-locked ones are registered
             # then: 0.3 s a GiB): they are warm-up, never timed

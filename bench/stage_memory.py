@@ -10,12 +10,14 @@ and prints, above what was allocated before each part:
   - backward from a random output gradient: its peak over what forward left, with the operator
     running at that peak (the plan's `backward_bytes` - `saved_bytes`, NOTE: [Backward memory]),
     for the saving forward and for the recompute (`remat=True`).
+With `--fused`, the stage's body runs compiled by Inductor, as a fused plan's runtime runs it.
 Shapes come from the schedule's comments (`# bfloat16[1,65536,3584]`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -65,7 +67,7 @@ def _args(module, stage, specs):
     return args
 
 
-def _measure(stage, args, remat: bool) -> dict[str, float]:
+def _measure(stage, args, remat: bool, compiled: bool = False) -> dict[str, float]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -83,12 +85,12 @@ def _measure(stage, args, remat: bool) -> dict[str, float]:
     grads = [torch.randn_like(o) for o in outs if o.requires_grad]
     after = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    probe = PeakOp()
+    probe = PeakOp() if not compiled else contextlib.nullcontext()  # a compiled backward dispatches no operators
     with probe:
         torch.autograd.backward([o for o in outs if o.requires_grad], grads)
     torch.cuda.synchronize()
     row["backward_peak"] = torch.cuda.max_memory_allocated() - after
-    row["backward_op"] = probe.op
+    row["backward_op"] = probe.op if not compiled else "compiled"
     for a in args:
         a.grad = None
     return row
@@ -98,11 +100,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("schedule")
     ap.add_argument("--stage", default="model.layers.1")
+    ap.add_argument("--fused", action="store_true", help="compile the stage's body as the runtime does (NOTE: [Fused stages])")
     args = ap.parse_args()
+    from lazytrain.runtime.fused import fuse
     from lazytrain.runtime.schedule import load_schedule
 
     module = load_schedule(args.schedule)
     stage = next(s for s in module.STAGES if s.name == args.stage)
+    if args.fused:
+        stage = fuse([stage])[0]
     inputs = _args(module, stage, _specs(Path(args.schedule).read_text()))
     tokens = max(torch.Size(t.shape[:2]).numel() for t in inputs[len(stage.placeholders):])
     print(f"{args.schedule}: stage {stage.name}, {tokens} tokens, backend flags: flash "
@@ -111,7 +117,7 @@ def main():
     print("| run | forward peak GiB | saving peak GiB | left GiB | backward peak GiB (B/token) | at |")
     print("|---|---|---|---|---|---|")
     for remat in (False, True, False):  # the first run warms the kernels up
-        r = _measure(stage, inputs, remat)
+        r = _measure(stage, inputs, remat, args.fused)
         print(f"| remat={remat} | {r['forward_peak'] / GiB:.3f} | {r['saving_peak'] / GiB:.3f} | {r['left'] / GiB:.3f} | "
               f"{r['backward_peak'] / GiB:.3f} ({r['backward_peak'] / tokens:.0f}) | {r['backward_op']} |")
 

@@ -42,11 +42,12 @@ def test_returned_values_are_made_and_held():
         return a, (a * 2).cos().sum()
     g = _graph(fn, (N, F))
     returned = peak_bytes(g, fused=True)
-    # `a` and cos(a * 2) (read by the sum, not element-wise) at the sum; a * 2 fused into the cos
-    assert returned == 2 * B + 4
-    # x dies at the sin, before the peak; held, it lives to the end
-    assert peak_bytes(g, fused=True, counted_inputs=frozenset({0})) == returned
-    assert peak_bytes(g, fused=True, counted_inputs=frozenset({0}), held=True) == returned + B
+    # `a` and the sum at the sum: a * 2 and its cos are computed inside the reduction's kernel
+    assert returned == B + 4
+    assert peak_bytes(g, fused=False) == 3 * B  # eager: a, a * 2 and the cos at the cos
+    # counted, x lives until the sin makes `a`; held, to the end
+    assert peak_bytes(g, fused=True, counted_inputs=frozenset({0})) == 2 * B
+    assert peak_bytes(g, fused=True, counted_inputs=frozenset({0}), held=frozenset({0})) == returned + B
 
 
 def test_fused_stages_peak_no_higher_than_eager():
@@ -68,3 +69,37 @@ def test_fused_stages_peak_no_higher_than_eager():
             assert (f.peak_bytes, f.backward_bytes) == (e.peak_bytes, e.backward_bytes)
         lower += ".layers." in e.name and f.peak_bytes < e.peak_bytes and f.saving_peak_bytes < e.saving_peak_bytes
     assert lower >= 2
+
+
+def _two_products(x0, a, b, w1, w2):
+    x = x0 @ w1
+    return (x * a.sigmoid()) @ w2, (x * b) @ w2
+
+
+def test_kernels_over_the_same_elements_join_and_write_into_donated_inputs():
+    """`x * sigmoid(a)` and `x * b` read `x` and run as one kernel once `x` is made (Inductor's
+    horizontal fusion): `x`, `a` and `b` are live while both products are written. A backward's
+    saved inputs are donated, so each product goes into the input that dies there (`a`, `b`); `x`,
+    read by both, takes neither. Not donated, both products are new buffers."""
+    g = _graph(_two_products, (N, H), (N, F), (N, F), (H, F), (F, H))
+    saved = frozenset({1, 2})
+    assert peak_bytes(g, fused=True, counted_inputs=saved, donated=saved) == 3 * B
+    assert peak_bytes(g, fused=True, counted_inputs=saved) == 5 * B
+    # eager: the sigmoid is made; a dies at it, x and b live on to the second product
+    assert peak_bytes(g, fused=False, counted_inputs=saved) == 4 * B
+
+
+def test_a_recompute_that_skips_work_saves_less_and_peaks_apart():
+    """A layer's recompute before backward runs its last linear as `grad_only_linear` (NOTE:
+    [Skipped recompute]): traced that way, the compiled body saves less than the saving forward's,
+    and the plan prices its recompute window from that trace (`remat_backward_bytes`)."""
+    from lazytrain.analysis.fused_saved import trace
+
+    hw = hardware.load("h200")
+    graph, stages = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=False)
+    layer = next(s for s in stages if ".layers." in s.name and s.skips)
+    saving = trace(graph, layer, stages.requires_grad)
+    remat = trace(graph, layer, stages.requires_grad, remat=True)
+    assert remat.compiled_saved < saving.compiled_saved
+    _, fused = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=True)
+    assert all((s.remat_backward_bytes > 0) == bool(s.skips and fusable(s)) for s in fused)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lazytrain.ir.evaluate import evaluate
+from lazytrain.ir.evaluate import decode, evaluate
 from lazytrain.ir.graph import Graph
 from lazytrain.ir.stages import Stage
 
@@ -51,20 +51,27 @@ class Traced:
         return _forward_saved(self.compiled[0], self.outputs)
 
 
-def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str]) -> Traced | None:
+def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str], remat: bool = False) -> Traced | None:
     """`stage`'s body traced on fake tensors, or None where it does not trace. `requires_grad`: the
-    values that take a gradient (`Stages`)."""
+    values that take a gradient (`Stages`). `remat`: its recompute before backward, which runs the
+    stage's `skips` as `grad_only_linear` (NOTE: [Skipped recompute] in analysis/remat.py)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from lazytrain.runtime.remat import grad_only_linear
+
     names = list(stage.placeholders) + list(stage.inputs)
+    skips = set(stage.skips) if remat else set()
 
     def body(*values):
         env = dict(zip(names, values))
         for n in stage.nodes:
-            evaluate(graph[n], env)
+            if n in skips:
+                env[n] = grad_only_linear(*decode(graph[n].args, env))
+            else:
+                evaluate(graph[n], env)
         return tuple(env[o] for o in stage.outputs)
 
     parts: dict = {}
@@ -117,8 +124,25 @@ def backward_inputs(forward: torch.fx.Graph, backward: torch.fx.Graph, n_outputs
     the stage's inputs and parameters (and views of them), and the output gradients."""
     saved = _saved_nodes(forward, n_outputs)
     own = {i for i, n in enumerate(saved) if isinstance(n, torch.fx.Node) and _base(n).op != "placeholder"}
+    return frozenset(own) | output_gradients(backward)
+
+
+def donated_inputs(forward: torch.fx.Graph, n_outputs: int) -> frozenset[int]:
+    """The positions of a backward's inputs that `forward` saved and nothing else holds: not the
+    stage's inputs, parameters or outputs, nor views of them. AOTAutograd hands these to the compiled
+    backward as donated buffers, which it frees at their last reader and may write into (NOTE:
+    [Fused transients] in fused_transients.py)."""
+    saved = _saved_nodes(forward, n_outputs)
+    out = next(n for n in forward.nodes if n.op == "output")
+    returned = {_base(n) for n in out.args[0][:n_outputs] if isinstance(n, torch.fx.Node)}
+    return frozenset(i for i, n in enumerate(saved) if isinstance(n, torch.fx.Node)
+                     and _base(n).op != "placeholder" and _base(n) not in returned)
+
+
+def output_gradients(backward: torch.fx.Graph) -> frozenset[int]:
+    """The positions of `backward`'s inputs that are the gradients of the stage's outputs."""
     places = [n for n in backward.nodes if n.op == "placeholder"]
-    return frozenset(own | {i for i, n in enumerate(places) if n.name.startswith("tangents")})
+    return frozenset(i for i, n in enumerate(places) if n.name.startswith("tangents"))
 
 
 def _forward_saved(graph: torch.fx.Graph, n_outputs: int) -> int:

@@ -1,8 +1,8 @@
 """What a stage's compiled body holds in flight, against its eager body (NOTE: [Fused transients]).
 
-    model.layers.4 (Qwen2.5-7B shape, 32 x 1024, bf16): compiled, a forward without autograd
-    peaks 0.94 GiB lower (2.75 GiB), a saving forward 2.47 GiB lower (5.44, with the partitioner's
-    saved bytes), its backward 1.40 GiB lower (8.16)
+    model.layers.1 (Qwen2.5-7B shape, 32 x 1024, bf16): compiled, a forward without autograd
+    peaks 0.94 GiB lower (2.75 GiB), a saving forward 2.69 GiB lower (5.22, with the partitioner's
+    saved bytes), its backward 2.91 GiB lower (6.66); recomputed, its recompute and backward 8.85
 
 NOTE: [Fused transients]
 Inductor turns a chain of element-wise operators into one kernel that writes only the chain's last
@@ -14,20 +14,43 @@ by a constant, 1.12 GiB in forward windows and 1.93-2.44 GiB in backward ones (H
 789563a, `bench/fidelity.py run --fuse-stages`): peaks 5-6 % over, outside the 5 % check.
 So the plan counts, per fusable kind, what the compiled body holds fewer. `peak_bytes` replays the
 graphs AOTAutograd hands Inductor (one joint graph traced on fake tensors by `fused_saved.trace`,
-partitioned twice): eager's with every operator's result made, the compiled ones with the results
-Inductor fuses away left out and in-place writes taken; the stage's peaks lose the difference. A
-forward without autograd is the eager partition's forward keeping only the stage's outputs. A result is fused away when it is
-element-wise (`torch.Tag.pointwise`), not returned, and its one reader (through views) is
-element-wise too; its inputs then live until that reader runs. Inductor fuses more (into
-reductions; values read twice), so the replay gives what it saves at least. A backward is replayed
-from its inputs (what the forward saved, and the output gradients): eager's from the partition that
-saves what the forward made (`default_partition`), freeing each at its last reader as autograd's
-nodes release theirs (this replay of a 7B layer gives 9.63 GiB, the plan's own count 9.57); the
-compiled one from the min-cut partition, holding them to its end, as its one autograd node does
-(freed at their last readers it would peak at 7.07 GiB, under the 7.64 the device implies).
-With it the same decisions of the six fused 24 GiB rows predict their peaks 0.9-3.4 % over the
-allocated peak (5.3-5.8 % for the 7B before), and the max-budget rows of 0d235c1 1.4 % (7B) and
-0.5 % (1.5B), all on the safe side.
+partitioned twice): eager's with every operator's result made, the compiled ones as Inductor runs
+them:
+  - an element-wise result (ATen's tag, or a dtype conversion) that is not returned and that only
+    element-wise operators and reductions read is computed inside their kernels, never made (where
+    several kernels read it, only if it reads at most `REALIZE_READS` buffers, Inductor's
+    `realize_reads_threshold`); its inputs live until the last of them runs;
+  - element-wise kernels over as many elements that read a common buffer run as one, where the
+    earlier one runs, once the later one's inputs are made (horizontal fusion): in a 7B layer's
+    backward the gated MLP's `mul` and `silu_backward` run together, and `gate` dies there;
+  - a kernel writes into a buffer of its size that dies there and that no kernel joined with it
+    reads: one it made, or a saved value AOTAutograd donates to the backward (`donated_inputs`).
+A forward without autograd is the eager partition's forward keeping only the stage's outputs. A
+backward is replayed from its inputs (what the forward saved, and the output gradients): eager's
+from the partition that saves what the forward made (`default_partition`), freeing each at its last
+reader as autograd's nodes release theirs (a 7B layer: 9.63 GiB, the plan's own count 9.57); the
+compiled one from the min-cut partition, each saved value freed at its last reader (the compiled
+backward `del`s its donated inputs as it goes), the output gradients, which the runtime holds, to
+its end. A recomputed stage whose recompute skips work (NOTE: [Skipped recompute] in
+analysis/remat.py) is traced as it runs there (`trace(remat=True)`): its forward saves a fraction
+(the 7B layer's 1.32 GiB against 5.00; the partitioner moves the gated MLP's matmuls, whose
+products only backward reads, into backward) and its backward peaks higher; the plan counts that
+pair at B(s) as `remat_backward_bytes`.
+One 7B, 14B and 1.5B layer each, run alone compiled on the H200 (`bench/stage_memory.py --fused`,
+2026-12-04, e5a3faf), against the plan's figures (GiB; a backward as saved plus its peak above
+what the forward left and the output gradient):
+
+  | layer, tokens | forward | saving forward | saved | backward, saved | recompute and backward |
+  |---|---|---|---|---|---|
+  | 7B, 32 x 1024 | 2.750 (2.750) | 5.222 (5.222) | 5.003 (5.004) | 6.29 (6.66) | 8.31 (8.85) |
+  | 14B, 8 x 1024 | 0.578 (0.578) | 1.259 (1.259) | 1.181 (1.181) | 1.57 (1.37) | 1.79 (1.66) |
+  | 1.5B, 16 x 1024 | 0.641 (0.641) | 1.196 (1.196) | 1.149 (1.149) | 1.45 (1.56) | 1.98 (2.08) |
+
+The measured backwards hold the weights' gradients they made, which the plan counts apart (its
+`g:S` buffers): a 14B layer's are 0.55 GiB and dominate at 8 x 1024 tokens. Before this replay the
+plan held a compiled backward's inputs to its end (8.16 GiB for the 7B layer, saved or recomputed),
+and every backward window of a fused stage that saves its internals stood 2.7 GiB over the
+allocator's peak (the 7B with 8-bit states at 24 GiB: peak +9 %, 9a7bace).
 """
 
 from __future__ import annotations
@@ -37,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lazytrain.analysis.fused_saved import Traced, backward_inputs
+from lazytrain.analysis.fused_saved import Traced, backward_inputs, donated_inputs, output_gradients
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -53,7 +76,21 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _pointwise(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+    """Element-wise: ATen's tag, or a dtype conversion (which Inductor lowers as one)."""
+    return node.op == "call_function" and (torch.Tag.pointwise in getattr(node.target, "tags", ())
+                                           or node.target is torch.ops.aten._to_copy.default)
+
+
+# Inductor's reductions: an element-wise value they read is computed inside their kernel
+REDUCTIONS = ("sum", "mean", "amax", "amin", "prod", "var", "var_mean", "std")
+REALIZE_READS = 4  # Inductor makes a value read by several kernels if it reads more buffers (`realize_reads_threshold`)
+
+
+def _inlinable(node: torch.fx.Node) -> bool:
+    """Whether Inductor computes an element-wise value inside `node`'s kernel rather than reading
+    it from memory: `node` is element-wise or a reduction."""
+    return _pointwise(node) or (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+                                and node.target.namespace == "aten" and node.target._opname in REDUCTIONS)
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -63,14 +100,16 @@ def _nbytes(node: torch.fx.Node) -> int:
 
 
 def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int] = frozenset(),
-               held: bool = False, outputs: int | None = None) -> int:
+               held: frozenset[int] = frozenset(), outputs: int | None = None,
+               donated: frozenset[int] = frozenset()) -> int:
     """The most bytes `graph`'s values hold at once when its nodes run in order: every operator's
     result (a view is its base's), freed after its last reader; what it returns, to its end. Its
     inputs are left out but for the positions in `counted_inputs`, from its start to their last
-    reader, or with `held` to its end. `fused`: the results Inductor fuses away are never made, and
-    a kernel writes into a buffer of its size that dies as it runs (NOTE: [Fused transients]).
-    `outputs`: only the first this many returned values are kept (a partitioned forward run without
-    autograd, whose values saved for backward die at their last reader)."""
+    reader, or for those also in `held` to its end. `fused`: the results Inductor fuses away are
+    never made, and a kernel writes into a buffer of its size that dies as it runs: one it made, or an
+    input whose position is in `donated` (NOTE: [Fused transients]). `outputs`: only the first this
+    many returned values are kept (a partitioned forward run without autograd, whose values saved
+    for backward die at their last reader)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out = next(n for n in nodes if n.op == "output")
@@ -88,27 +127,40 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     inputs = {n: _nbytes(n) for i, n in enumerate(places) if i in counted_inputs}
     made = {n: _nbytes(n) for n in nodes if n.op == "call_function" and not _is_view(n)}
     returned_bases = {_base(n) for n in returned}
-    if fused:
+    if fused:  # NOTE: [Fused transients]: what Inductor inlines into the kernels that read it
         for n in list(made):
             rs = list(readers(n))
-            if _pointwise(n) and n not in returned_bases and len(rs) == 1 and _pointwise(rs[0]):
+            if _pointwise(n) and n not in returned_bases and rs and all(map(_inlinable, rs)) and (
+                    len(rs) == 1 or len(_kernel_inputs(n, made)) <= REALIZE_READS):
                 del made[n]
-    # where each node's work runs: its own position if its result is made, else its reader's
+    at = _joined(nodes, made) if fused else pos  # where each made result's kernel runs
+    # where each node's work runs: its kernel's position if its result is made, else its reader's
     runs = {}
     for n in reversed(nodes):
         if n in made or n.op != "call_function" or _is_view(n):
-            runs[n] = pos[n]
+            runs[n] = at[n]
         else:
             runs[n] = max((runs[u] for u in readers(n)), default=pos[n])
     end = len(nodes)
-    last = {n: end if n in returned_bases or (held and n in inputs) else
-            max((runs[u] for u in readers(n)), default=pos[n]) for n in list(inputs) + list(made)}
+    kept = {places[i] for i in held}
+    last = {n: end if n in returned_bases or n in kept else
+            max((runs[u] for u in readers(n)), default=at[n]) for n in list(inputs) + list(made)}
     if fused:  # a kernel writes into a buffer of its size that dies as it runs
-        for n in sorted(made, key=pos.get):
+        given = {places[i] for i in donated} & inputs.keys()
+
+        def size(b):  # a buffer the kernel may write into, or None
+            return made[b] if b in made else inputs[b] if b in given else None
+
+        def kernels(r):  # the made results whose kernels compute r
+            return {r} if r in made or r.op != "call_function" else {k for u in readers(r) for k in kernels(u)}
+
+        def alone(b, n):  # n's kernel reads b, and no kernel joined with it does
+            return all(kernels(r) == {n} for r in readers(b))
+        for n in sorted(made, key=at.get):
             if not _pointwise(n):
                 continue
-            reused = next((b for b in _kernel_inputs(n, made) if b in made and last[b] == pos[n]
-                           and made[b] == made[n] and b is not n), None)
+            reused = next((b for b in _kernel_inputs(n, made) if last.get(b) == at[n]
+                           and size(b) == made[n] and b is not n and alone(b, n)), None)
             if reused is not None:
                 last[reused], made[n] = last[n], 0
     frees: dict[int, int] = {}
@@ -119,13 +171,29 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     peak = live
     starts: dict[int, int] = {}
     for n, nbytes in made.items():
-        starts[pos[n]] = starts.get(pos[n], 0) + nbytes
+        starts[at[n]] = starts.get(at[n], 0) + nbytes
         frees[last[n]] = frees.get(last[n], 0) + nbytes
     for i in range(end + 1):
         live += starts.get(i, 0)
         peak = max(peak, live)
         live -= frees.get(i, 0)
     return peak
+
+
+def _joined(nodes: list, made: dict) -> dict:
+    """Where each node runs once Inductor joins element-wise kernels into one: a made element-wise
+    result over as many elements as an earlier such kernel, reading a buffer it reads, whose inputs
+    are all made before that kernel runs, runs with it (NOTE: [Fused transients])."""
+    at = {n: i for i, n in enumerate(nodes)}
+    kernels: list[tuple[int, int, set]] = []  # the element-wise kernels so far: where, how many elements, what they read
+    for n in nodes:
+        if n not in made or not _pointwise(n) or not isinstance(val := n.meta.get("val"), torch.Tensor):
+            continue
+        reads = set(_kernel_inputs(n, made))
+        ready = max((at[b] for b in reads if b in made), default=-1)
+        at[n] = next((i for i, numel, read in kernels if i > ready and numel == val.numel() and read & reads), at[n])
+        kernels.append((at[n], val.numel(), reads))
+    return at
 
 
 def _kernel_inputs(n: torch.fx.Node, made: dict) -> list:
@@ -152,16 +220,27 @@ class HeldFewer:
     forward: int  # a forward without autograd
     saving: int  # a forward keeping what backward reads
     backward: int  # its backward, with what the forward saved
+    recompute: int | None  # its recompute and backward at B(s), where it skips work (None: `backward`)
 
 
-def fewer(t: Traced) -> HeldFewer:
+def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
     """Eager's graphs replayed unfused against the compiled ones fused (NOTE: [Fused transients]):
     a backward from what the forward saved, freed at each value's last reader in eager (autograd
-    releases a node's saved values once it ran) and held to the end compiled (one autograd node
-    holds them all until it returns)."""
+    releases a node's saved values once it ran) and compiled (AOTAutograd donates them to the
+    compiled backward), the output gradients held to the end (the runtime holds them). `remat`: the
+    body traced as its recompute runs it, which saves less and does more in backward."""
     (fe, be), (fc, bc) = t.saving, t.compiled
+    eager_backward = peak_bytes(be, False, backward_inputs(fe, be, t.outputs))
     return HeldFewer(
         forward=max(0, peak_bytes(fe, False, outputs=t.outputs) - peak_bytes(fe, True, outputs=t.outputs)),
         saving=max(0, peak_bytes(fe, False) - peak_bytes(fc, True)),
-        backward=max(0, peak_bytes(be, False, backward_inputs(fe, be, t.outputs))
-                     - peak_bytes(bc, True, backward_inputs(fc, bc, t.outputs), held=True)))
+        backward=max(0, eager_backward - _compiled_backward(fc, bc, t.outputs)),
+        recompute=None if remat is None else max(0, eager_backward - max(
+            peak_bytes(remat.compiled[0], True), _compiled_backward(*remat.compiled, remat.outputs))))
+
+
+def _compiled_backward(forward: torch.fx.Graph, backward: torch.fx.Graph, outputs: int) -> int:
+    """A compiled backward's peak: what its forward saved, donated, freed at its last reader and
+    written into; the output gradients to its end."""
+    return peak_bytes(backward, True, backward_inputs(forward, backward, outputs), held=output_gradients(backward),
+                      donated=donated_inputs(forward, outputs))

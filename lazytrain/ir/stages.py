@@ -45,6 +45,9 @@ class Stage:
     skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
     backward_bytes: int = 0  # most of its saved values and internal gradients live in its backward (NOTE: [Backward memory])
     saving_peak_bytes: int = 0  # its forward's peak with autograd keeping what it saves (a saving forward)
+    # its recompute and backward together at B(s) where they differ from a saved stage's backward (a
+    # compiled body recomputes under another partition, NOTE: [Fused transients]); 0: `backward_bytes`
+    remat_backward_bytes: int = 0
     # the share of `fwd_s` and `bwd_s` its element-wise operators take when run eager (NOTE: [Fused
     # stage prices] in passes/fusion.py); its recompute runs them all (skips are linears)
     elementwise_s: float = 0.0

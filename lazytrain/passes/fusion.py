@@ -63,7 +63,8 @@ def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
             if graph is not None:
                 if s.kind not in memory:
                     t = trace(graph, s, stages.requires_grad)
-                    memory[s.kind] = None if t is None else (t.eager_saved - t.compiled_saved, fewer(t))
+                    remat = trace(graph, s, stages.requires_grad, remat=True) if s.skips else None
+                    memory[s.kind] = None if t is None else (t.eager_saved - t.compiled_saved, fewer(t, remat))
                 if memory[s.kind] is not None:
                     s = _compiled_memory(s, *memory[s.kind])
         out.append(s)
@@ -83,7 +84,8 @@ def _compiled_memory(s: Stage, saved_fewer: int, transients: HeldFewer) -> Stage
         s, saved_bytes=kept,
         peak_bytes=lowered(s.peak_bytes, transients.forward, s.out_bytes),
         saving_peak_bytes=lowered(saving_peak, transients.saving, kept + s.out_bytes),
-        backward_bytes=lowered(s.backward_bytes, transients.backward, kept))
+        backward_bytes=lowered(s.backward_bytes, transients.backward, kept),
+        remat_backward_bytes=0 if transients.recompute is None else lowered(s.backward_bytes, transients.recompute, 0))
 
 
 def elementwise_share(stages: Stages) -> float:

@@ -16,7 +16,9 @@ class _GradOnlyLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return x.new_zeros((*x.shape[:-1], weight.shape[0]))
+        # zeros made from the shape alone: a traced graph then reads nothing of x in forward, and a
+        # compiled recompute moves x's own computation into backward (NOTE: [Fused transients])
+        return torch.zeros((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx, grad):

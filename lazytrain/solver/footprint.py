@@ -352,7 +352,7 @@ def recompute_workspace(g) -> int:
     the recompute's own forward peak, if larger."""
     if g.chunks > 1:
         return 0
-    return max(g.backward_bytes, g.saved_bytes, g.peak_bytes) - backward_workspace(g)
+    return max(g.remat_backward_bytes or g.backward_bytes, g.saved_bytes, g.peak_bytes) - backward_workspace(g)
 
 
 @dataclass(frozen=True)
