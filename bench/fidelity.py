@@ -423,7 +423,23 @@ def _line(r: dict) -> str:
     return (f"{head}: step {r['step_s']:.3f} s (pred {r['predicted_step_s']:.3f}), allocated "
             f"{r['allocated_peak_bytes'] / GiB:.1f} GiB (pred {r['predicted_peak_bytes'] / GiB:.1f}), reserved "
             f"{r['reserved_peak_bytes'] / GiB:.1f} of {r['budget_bytes'] / GiB:.1f} GiB, allocator retries "
-            f"{r.get('alloc_retries', '?')}")
+            f"{r.get('alloc_retries', '?')}{_host_steps(r)}")
+
+
+def _host_steps(r: dict) -> str:
+    """The host worker's optimizer steps in the timed step's events (`--events`): how long they took
+    against their price, and how far the last ended past the device's last event. A step whose
+    windows add up to the plan but whose wall time does not was waiting for these (2026-12-04: a
+    1.5B block's fp32 host step at 2.1-2.4x its price)."""
+    events = r.get("events") or []
+    host = [e for e in events if e["stream"] == "cpu" and e["kind"] == "opt_step"]
+    priced = sum(e["predicted_s"] for e in host)
+    if not host or priced <= 0:
+        return ""
+    took = sum(e["end_s"] - e["start_s"] for e in host)
+    device_end = max((e["end_s"] for e in events if e["stream"] != "cpu"), default=0.0)
+    past = max(e["end_s"] for e in host) - device_end
+    return f"; {len(host)} host steps at {took / priced:.2f}x their price, the last {past:+.3f} s past the device's work"
 
 
 def _checks(r: dict) -> str:
