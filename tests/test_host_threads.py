@@ -1,5 +1,7 @@
-"""NOTE: [Host step threads] in runtime/streams.py: the host worker's OpenMP teams are the
-process's, and `LAZYTRAIN_HOST_THREADS` sets them."""
+"""NOTE: [Host step threads] in runtime/streams.py: the host worker's OpenMP teams take every CPU
+the process may run on, but for a launcher's OMP_NUM_THREADS, and `LAZYTRAIN_HOST_THREADS` sets them."""
+
+import os
 
 import pytest
 import torch
@@ -8,9 +10,21 @@ from lazytrain.errors import ResourceError
 from lazytrain.runtime.streams import HOST_THREADS_ENV, host_threads
 
 
-def test_host_steps_take_the_process_threads(monkeypatch):
+def test_host_steps_take_every_cpu_the_process_may_use(monkeypatch):
+    for name in (HOST_THREADS_ENV, "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # torch's count: the physical cores
+    assert host_threads() == 16
+
+
+def test_a_launchers_thread_count_is_kept(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS to share the host between ranks: the worker keeps torch's count."""
     monkeypatch.delenv(HOST_THREADS_ENV, raising=False)
-    assert host_threads() == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert host_threads() == 4
 
 
 def test_the_environment_sets_the_host_steps_threads(monkeypatch):

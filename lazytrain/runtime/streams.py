@@ -27,9 +27,13 @@ from lazytrain.ir.events import Event, Stream
 # which spins on a core, while the last host steps ran: on the H200 box (16 cores, 2026-12-04) a
 # fused Qwen2.5-1.5B step at 40 GiB (fp32 masters, 8 host-stepped blocks) took 0.504 s against 0.365
 # predicted (6791165), its 17 ms host steps (`bench/host_step.py`) 33-69 ms; waiting on blocking
-# events, which sleep, it took 0.355 and 0.374 s (0db8bfb). Teams one thread short of the machine
-# made it worse, not better (0.553 and 0.579 s): the worker keeps the process's thread count.
-# `LAZYTRAIN_HOST_THREADS` sets it.
+# events, which sleep, with teams of 16 threads (`LAZYTRAIN_HOST_THREADS=16`) it took 0.374 s, with
+# teams of 15, 0.553 (0db8bfb). So the worker's teams take every CPU the process may run on
+# (`os.sched_getaffinity`), not torch's own count, which with MKL is the physical cores' and may
+# be fewer: at 5d2f71b, whose teams were torch's count, the same row took 0.551 s and its host
+# steps 2.2x their price (this default is not yet measured on the device). Where
+# OMP_NUM_THREADS or MKL_NUM_THREADS is set (a launcher sharing the host between ranks), torch's
+# count is kept; `LAZYTRAIN_HOST_THREADS` sets it outright.
 HOST_THREADS_ENV = "LAZYTRAIN_HOST_THREADS"
 
 
@@ -42,7 +46,12 @@ def host_threads() -> int:
         except ValueError:
             raise ResourceError(f"{HOST_THREADS_ENV}={given!r} is not a number of threads; unset it or give one, "
                                 f"e.g. {HOST_THREADS_ENV}=8") from None
-    return torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return torch.get_num_threads()
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity call on this platform
+        return os.cpu_count() or torch.get_num_threads()
 
 
 # NOTE: [Host jobs by deadline] The plan counts the host worker's work against deadlines per
