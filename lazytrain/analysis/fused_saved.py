@@ -119,30 +119,22 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def backward_inputs(forward: torch.fx.Graph, backward: torch.fx.Graph, n_outputs: int) -> frozenset[int]:
-    """The positions of `backward`'s inputs that are memory of its own: what `forward` saved but for
-    the stage's inputs and parameters (and views of them), and the output gradients."""
-    saved = _saved_nodes(forward, n_outputs)
-    own = {i for i, n in enumerate(saved) if isinstance(n, torch.fx.Node) and _base(n).op != "placeholder"}
-    return frozenset(own) | output_gradients(backward)
+def saved_inputs(forward: torch.fx.Graph, n_outputs: int) -> frozenset[int]:
+    """The positions of a backward's inputs that are memory of its own: what `forward` saved but for
+    the stage's inputs and parameters (and views of them). Not the output gradients, which the plan
+    counts as buffers of their own (NOTE: [Backward memory] in backward.py)."""
+    return frozenset(i for i, n in enumerate(_saved_nodes(forward, n_outputs))
+                     if isinstance(n, torch.fx.Node) and _base(n).op != "placeholder")
 
 
 def donated_inputs(forward: torch.fx.Graph, n_outputs: int) -> frozenset[int]:
-    """The positions of a backward's inputs that `forward` saved and nothing else holds: not the
-    stage's inputs, parameters or outputs, nor views of them. AOTAutograd hands these to the compiled
-    backward as donated buffers, which it frees at their last reader and may write into (NOTE:
-    [Fused transients] in fused_transients.py)."""
+    """Of `saved_inputs`, those nothing else holds: not the stage's outputs nor views of them.
+    AOTAutograd hands these to the compiled backward as donated buffers, which it frees at their last
+    reader and may write into (NOTE: [Fused transients] in fused_transients.py)."""
     saved = _saved_nodes(forward, n_outputs)
     out = next(n for n in forward.nodes if n.op == "output")
     returned = {_base(n) for n in out.args[0][:n_outputs] if isinstance(n, torch.fx.Node)}
-    return frozenset(i for i, n in enumerate(saved) if isinstance(n, torch.fx.Node)
-                     and _base(n).op != "placeholder" and _base(n) not in returned)
-
-
-def output_gradients(backward: torch.fx.Graph) -> frozenset[int]:
-    """The positions of `backward`'s inputs that are the gradients of the stage's outputs."""
-    places = [n for n in backward.nodes if n.op == "placeholder"]
-    return frozenset(i for i, n in enumerate(places) if n.name.startswith("tangents"))
+    return frozenset(i for i in saved_inputs(forward, n_outputs) if _base(saved[i]) not in returned)
 
 
 def _forward_saved(graph: torch.fx.Graph, n_outputs: int) -> int:

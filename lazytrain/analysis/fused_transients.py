@@ -2,7 +2,7 @@
 
     model.layers.1 (Qwen2.5-7B shape, 32 x 1024, bf16): compiled, a forward without autograd
     peaks 0.94 GiB lower (2.75 GiB), a saving forward 2.69 GiB lower (5.22, with the partitioner's
-    saved bytes), its backward 2.91 GiB lower (6.66); recomputed, its recompute and backward 8.85
+    saved bytes), its backward 2.91 GiB lower (6.66); recomputed, its recompute and backward 8.97
 
 NOTE: [Fused transients]
 Inductor turns a chain of element-wise operators into one kernel that writes only the chain's last
@@ -26,12 +26,13 @@ them:
   - a kernel writes into a buffer of its size that dies there and that no kernel joined with it
     reads: one it made, or a saved value AOTAutograd donates to the backward (`donated_inputs`).
 A forward without autograd is the eager partition's forward keeping only the stage's outputs. A
-backward is replayed from its inputs (what the forward saved, and the output gradients): eager's
-from the partition that saves what the forward made (`default_partition`), freeing each at its last
-reader as autograd's nodes release theirs (a 7B layer: 9.63 GiB, the plan's own count 9.57); the
-compiled one from the min-cut partition, each saved value freed at its last reader (the compiled
-backward `del`s its donated inputs as it goes), the output gradients, which the runtime holds, to
-its end. A recomputed stage whose recompute skips work (NOTE: [Skipped recompute] in
+backward is replayed from what the forward saved, as the plan counts a backward (NOTE: [Backward
+memory] in backward.py): without the gradients of the stage's outputs, inputs and parameters,
+buffers of their own. Eager's from the partition that saves what the forward made
+(`default_partition`), freeing each at its last reader as autograd's nodes release theirs (a 7B
+layer: 9.29 GiB, the plan's own count 9.57); the compiled one from the min-cut partition, each saved
+value freed at its last reader too (the compiled backward `del`s its donated inputs as it goes: 6.38
+GiB). A recomputed stage whose recompute skips work (NOTE: [Skipped recompute] in
 analysis/remat.py) is traced as it runs there (`trace(remat=True)`): its forward saves a fraction
 (the 7B layer's 1.32 GiB against 5.00; the partitioner moves the gated MLP's matmuls, whose
 products only backward reads, into backward) and its backward peaks higher; the plan counts that
@@ -42,12 +43,14 @@ what the forward left and the output gradient):
 
   | layer, tokens | forward | saving forward | saved | backward, saved | recompute and backward |
   |---|---|---|---|---|---|
-  | 7B, 32 x 1024 | 2.750 (2.750) | 5.222 (5.222) | 5.003 (5.004) | 6.29 (6.66) | 8.31 (8.85) |
-  | 14B, 8 x 1024 | 0.578 (0.578) | 1.259 (1.259) | 1.181 (1.181) | 1.57 (1.37) | 1.79 (1.66) |
-  | 1.5B, 16 x 1024 | 0.641 (0.641) | 1.196 (1.196) | 1.149 (1.149) | 1.45 (1.56) | 1.98 (2.08) |
+  | 7B, 32 x 1024 | 2.750 (2.750) | 5.222 (5.222) | 5.003 (5.004) | 6.29 (6.66) | 8.31 (8.97) |
+  | 14B, 8 x 1024 | 0.578 (0.578) | 1.259 (1.259) | 1.181 (1.181) | 1.57 (1.37) | 1.79 (1.79) |
+  | 1.5B, 16 x 1024 | 0.641 (0.641) | 1.196 (1.196) | 1.149 (1.149) | 1.45 (1.56) | 1.98 (2.10) |
 
-The measured backwards hold the weights' gradients they made, which the plan counts apart (its
-`g:S` buffers): a 14B layer's are 0.55 GiB and dominate at 8 x 1024 tokens. Before this replay the
+The measured backwards hold the weights' gradients they made by their peak, which the plan counts
+apart (its `g:S` buffers): a 14B layer's are 0.55 GiB in all, large beside its activations at 8 x
+1024 tokens. In the 7B layer's compiled backward (Inductor's code) the peak comes at the gated
+MLP's element-wise kernel, where one weight gradient (0.13 GiB) exists: 6.16 GiB as the plan counts. Before this replay the
 plan held a compiled backward's inputs to its end (8.16 GiB for the 7B layer, saved or recomputed),
 and every backward window of a fused stage that saves its internals stood 2.7 GiB over the
 allocator's peak (the 7B with 8-bit states at 24 GiB: peak +9 %, 9a7bace).
@@ -60,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lazytrain.analysis.fused_saved import Traced, backward_inputs, donated_inputs, output_gradients
+from lazytrain.analysis.fused_saved import Traced, donated_inputs, saved_inputs
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -101,7 +104,7 @@ def _nbytes(node: torch.fx.Node) -> int:
 
 def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int] = frozenset(),
                held: frozenset[int] = frozenset(), outputs: int | None = None,
-               donated: frozenset[int] = frozenset()) -> int:
+               donated: frozenset[int] = frozenset(), returned: bool = True) -> int:
     """The most bytes `graph`'s values hold at once when its nodes run in order: every operator's
     result (a view is its base's), freed after its last reader; what it returns, to its end. Its
     inputs are left out but for the positions in `counted_inputs`, from its start to their last
@@ -109,12 +112,13 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     never made, and a kernel writes into a buffer of its size that dies as it runs: one it made, or an
     input whose position is in `donated` (NOTE: [Fused transients]). `outputs`: only the first this
     many returned values are kept (a partitioned forward run without autograd, whose values saved
-    for backward die at their last reader)."""
+    for backward die at their last reader). Without `returned`, what it returns is not counted (a
+    backward's gradients of the stage's inputs and parameters: buffers the plan counts apart)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out = next(n for n in nodes if n.op == "output")
-    returned: set = set()
-    torch.fx.node.map_arg(out.args[0][:outputs] if outputs is not None else out.args, returned.add)
+    given_back: set = set()
+    torch.fx.node.map_arg(out.args[0][:outputs] if outputs is not None else out.args, given_back.add)
 
     def readers(n):  # the nodes that read n's memory, through views (what is returned is held apart)
         for u in n.users:
@@ -126,7 +130,10 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     places = [n for n in nodes if n.op == "placeholder"]
     inputs = {n: _nbytes(n) for i, n in enumerate(places) if i in counted_inputs}
     made = {n: _nbytes(n) for n in nodes if n.op == "call_function" and not _is_view(n)}
-    returned_bases = {_base(n) for n in returned}
+    returned_bases = {_base(n) for n in given_back}
+    if not returned:
+        for n in returned_bases & made.keys():
+            made[n] = 0
     if fused:  # NOTE: [Fused transients]: what Inductor inlines into the kernels that read it
         for n in list(made):
             rs = list(readers(n))
@@ -157,7 +164,7 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
         def alone(b, n):  # n's kernel reads b, and no kernel joined with it does
             return all(kernels(r) == {n} for r in readers(b))
         for n in sorted(made, key=at.get):
-            if not _pointwise(n):
+            if not _pointwise(n) or not made[n]:
                 continue
             reused = next((b for b in _kernel_inputs(n, made) if last.get(b) == at[n]
                            and size(b) == made[n] and b is not n and alone(b, n)), None)
@@ -227,10 +234,11 @@ def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
     """Eager's graphs replayed unfused against the compiled ones fused (NOTE: [Fused transients]):
     a backward from what the forward saved, freed at each value's last reader in eager (autograd
     releases a node's saved values once it ran) and compiled (AOTAutograd donates them to the
-    compiled backward), the output gradients held to the end (the runtime holds them). `remat`: the
-    body traced as its recompute runs it, which saves less and does more in backward."""
+    compiled backward); as the plan counts a backward (NOTE: [Backward memory] in backward.py),
+    without the gradients of the stage's outputs, inputs and parameters. `remat`: the body traced as
+    its recompute runs it, which saves less and does more in backward."""
     (fe, be), (fc, bc) = t.saving, t.compiled
-    eager_backward = peak_bytes(be, False, backward_inputs(fe, be, t.outputs))
+    eager_backward = peak_bytes(be, False, saved_inputs(fe, t.outputs), returned=False)
     return HeldFewer(
         forward=max(0, peak_bytes(fe, False, outputs=t.outputs) - peak_bytes(fe, True, outputs=t.outputs)),
         saving=max(0, peak_bytes(fe, False) - peak_bytes(fc, True)),
@@ -241,6 +249,6 @@ def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
 
 def _compiled_backward(forward: torch.fx.Graph, backward: torch.fx.Graph, outputs: int) -> int:
     """A compiled backward's peak: what its forward saved, donated, freed at its last reader and
-    written into; the output gradients to its end."""
-    return peak_bytes(backward, True, backward_inputs(forward, backward, outputs), held=output_gradients(backward),
-                      donated=donated_inputs(forward, outputs))
+    written into; neither the output gradients nor the gradients it returns."""
+    return peak_bytes(backward, True, saved_inputs(forward, outputs), donated=donated_inputs(forward, outputs),
+                      returned=False)
