@@ -103,3 +103,18 @@ def test_a_recompute_that_skips_work_saves_less_and_peaks_apart():
     assert remat.compiled_saved < saving.compiled_saved
     _, fused = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=True)
     assert all((s.remat_backward_bytes > 0) == bool(s.skips and fusable(s)) for s in fused)
+
+
+def test_a_recompute_that_does_not_trace_keeps_eager_bytes(monkeypatch):
+    """Where the recompute's own trace fails, its window is priced at eager's backward, never at the
+    saving partition's smaller one."""
+    from lazytrain.passes import fusion
+
+    real = fusion.trace
+    monkeypatch.setattr(fusion, "trace", lambda graph, s, rg, remat=False: None if remat else real(graph, s, rg))
+    hw = hardware.load("h200")
+    _, eager = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=False)
+    _, fused = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=True)
+    layers = [(e, f) for e, f in zip(eager, fused) if f.skips and fusable(f)]
+    assert layers
+    assert all(f.remat_backward_bytes == e.backward_bytes for e, f in layers)

@@ -93,7 +93,7 @@ def _inlinable(node: torch.fx.Node) -> bool:
     """Whether Inductor computes an element-wise value inside `node`'s kernel rather than reading
     it from memory: `node` is element-wise or a reduction."""
     return _pointwise(node) or (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-                                and node.target.namespace == "aten" and node.target._opname in REDUCTIONS)
+                                and node.target.namespace == "aten" and node.target.overloadpacket.__name__ in REDUCTIONS)
 
 
 def _nbytes(node: torch.fx.Node) -> int:

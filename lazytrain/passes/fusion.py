@@ -64,7 +64,10 @@ def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
                 if s.kind not in memory:
                     t = trace(graph, s, stages.requires_grad)
                     remat = trace(graph, s, stages.requires_grad, remat=True) if s.skips else None
-                    memory[s.kind] = None if t is None else (t.eager_saved - t.compiled_saved, fewer(t, remat))
+                    held = None if t is None else fewer(t, remat)
+                    if held is not None and s.skips and remat is None:  # its recompute keeps eager's bytes
+                        held = dataclasses.replace(held, recompute=0)
+                    memory[s.kind] = None if t is None else (t.eager_saved - t.compiled_saved, held)
                 if memory[s.kind] is not None:
                     s = _compiled_memory(s, *memory[s.kind])
         out.append(s)
