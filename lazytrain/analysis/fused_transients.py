@@ -38,7 +38,7 @@ analysis/remat.py) is traced as it runs there (`trace(remat=True)`): its forward
 products only backward reads, into backward) and its backward peaks higher; the plan counts that
 pair at B(s) as `remat_backward_bytes`.
 One 7B, 14B and 1.5B layer each, run alone compiled on the H200 (`bench/stage_memory.py --fused`,
-2026-12-04, e5a3faf), against the plan's figures (GiB; a backward as saved plus its peak above
+2026-12-04, the runtime of e5a3faf), against the plan's figures (GiB; a backward as saved plus its peak above
 what the forward left and the output gradient):
 
   | layer, tokens | forward | saving forward | saved | backward, saved | recompute and backward |
