@@ -297,38 +297,18 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     events = [{"id": i, "kind": kinds[i].kind.value, "stream": kinds[i].stream.value, "stage": kinds[i].stage,
                "device": kinds[i].device, "start_s": a, "end_s": b, "predicted_start_s": kinds[i].start_s,
                "predicted_s": kinds[i].duration_s} for i, a, b in trainer.timeline] if args.events else None
-    # one more step, untimed, with the allocator read as each event is issued (`--no-windows` leaves
-    # it out: at 1 x 524,288 tokens a step is about 8 minutes)
-    if args.windows:
-        from bench.trace import event_memory
-
-        loss, rows = event_memory(trainer, data)
-        losses.append(loss)
-        starts = {e.id: e.start_s for e in module.EVENTS}
-        seen: dict[str, int] = {}
-        for event_id, _, peak, _ in rows:
-            label = _window_of(module, starts[event_id])
-            seen[label] = max(seen.get(label, 0), peak)
-        for w in windows:
-            w["measured_bytes"] = seen.get(w["window"])
-    host_peak = _status_kib("VmHWM") * 1024 if cleared else None
-    if args.trace and args.windows:  # the trace reads the per-event memory of the step above
-        from bench.trace import traced_step
-
-        trace = traced_step(trainer, data, rows)
-        (Path(args.out or RESULTS) / f"{case.name}.trace.json").write_text(json.dumps(trace) + "\n")
-    trainer.sync_model()
     step_s = statistics.median(times[args.warmup:])
     from lazytrain.hardware import FUSED_HOST_RESERVE, HOST_RESERVE
     from lazytrain.runtime.fused import compile_seconds
 
-    return {
+    row = {
         "case": asdict(case), "budget_bytes": module.BUDGET, "predicted_peak_bytes": module.PREDICTED_PEAK,
         "predicted_step_s": module.PREDICTED_STEP_S, "predicted_host_bytes": module.PREDICTED["host_bytes"],
         # NOTE: [Compiler's host memory]: a plan priced fused leaves Inductor its share besides
         "host_reserve_bytes": HOST_RESERVE + (FUSED_HOST_RESERVE if getattr(module, "FUSED", False) else 0),
-        "step_s": step_s, "step_times_s": times[args.warmup:], "losses": losses, "bind_s": bind_s,
-        "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved, "host_peak_bytes": host_peak,
+        "step_s": step_s, "step_times_s": times[args.warmup:], "losses": list(losses), "bind_s": bind_s,
+        "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved,
+        "host_peak_bytes": _status_kib("VmHWM") * 1024 if cleared else None,
         "alloc_retries": retries, "pinned_bytes": trainer.pinned.reserved, "rss_bytes": _status_kib("VmRSS") * 1024,
         "predicted_disk_bytes": module.PREDICTED.get("disk_bytes", 0),
         "disk_read_bytes_per_step": disk_io[0] if disk_io else None,
@@ -338,6 +318,37 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         **({"disk_jobs": jobs} if jobs else {}), "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "commit": _commit(),
     }
+    if not args.windows:
+        trainer.sync_model()
+        return row
+    # The timed steps' row, written before the untimed step below: a run cut short there (a time
+    # limit; a 7B row at 40 GiB on 2026-12-04) keeps its timed steps. The full row replaces it.
+    _write_row(case, args, Path(args.out or RESULTS), {**row, "partial": "the untimed windows step did not finish"})
+    # one more step, untimed, with the allocator read as each event is issued (`--no-windows` leaves
+    # it out: at 1 x 524,288 tokens a step is about 8 minutes)
+    from bench.trace import event_memory
+
+    loss, rows = event_memory(trainer, data)
+    row["losses"].append(loss)
+    starts = {e.id: e.start_s for e in module.EVENTS}
+    seen: dict[str, int] = {}
+    for event_id, _, peak, _ in rows:
+        label = _window_of(module, starts[event_id])
+        seen[label] = max(seen.get(label, 0), peak)
+    for w in windows:
+        w["measured_bytes"] = seen.get(w["window"])
+    row["host_peak_bytes"] = _status_kib("VmHWM") * 1024 if cleared else None
+    if args.trace:  # the trace reads the per-event memory of the step above
+        from bench.trace import traced_step
+
+        trace = traced_step(trainer, data, rows)
+        (Path(args.out or RESULTS) / f"{case.name}.trace.json").write_text(json.dumps(trace) + "\n")
+    trainer.sync_model()
+    return row
+
+
+def _write_row(case: Case, args, out: Path, row: dict) -> None:
+    (out / f"{_row_name(case, args)}.json").write_text(json.dumps(row, indent=1) + "\n")
 
 
 def _schedule_path(case: Case, args) -> Path:
@@ -381,7 +392,7 @@ def cmd_run(args) -> None:
         del model, masters
         gc.collect()  # the trainer (and, after a failure, the frames that held it) is gone
         torch.cuda.empty_cache()
-        (out / f"{_row_name(case, args)}.json").write_text(json.dumps(row, indent=1) + "\n")
+        _write_row(case, args, out, row)
         rows.append(row)
         print(f"[fidelity] {_line(row)}", flush=True)
     print("\n".join(_table(rows)))
@@ -456,6 +467,8 @@ def _checks(r: dict) -> str:
     if r.get("host_peak_bytes"):  # the host's peak against the plan's host bytes and the reserve beside them
         ok.append("host in plan" if r["host_peak_bytes"] <= r["predicted_host_bytes"] + r["host_reserve_bytes"]
                   else "**host over plan**")
+    if r.get("partial"):
+        ok.append("timed steps only (" + r["partial"] + ")")
     return ", ".join(ok)
 
 
