@@ -143,9 +143,9 @@ def cmd_compile(args) -> None:
         fused = compile_model(meta, b, hardware=hw_case, options=dataclasses.replace(options, fuse_stages=True),
                               source=f"bench:{case.model}")
         (CASE_DIR / f"{case.name}_fused.py").write_text(fused.source_text)
-        compiled = compiled or fused
-        print(f"{case.name}: predicted {compiled.plan.step_s:.3f} s, peak {format_size(compiled.plan.peak_bytes)}, "
-              f"host {format_size(compiled.plan.host_bytes)}, compiled in {time.perf_counter() - start:.0f} s")
+        plan = (compiled or fused).plan
+        print(f"{case.name}: predicted {plan.step_s:.3f} s, peak {format_size(plan.peak_bytes)}, "
+              f"host {format_size(plan.host_bytes)}, compiled in {time.perf_counter() - start:.0f} s")
 
 
 # ---- run (on the GPU) ---------------------------------------------------------------------------------

@@ -62,16 +62,25 @@ def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
             s = dataclasses.replace(s, fwd_s=s.fwd_s - fwd, bwd_s=s.bwd_s - bwd, remat_s=max(s.remat_s - fwd, 0.0))
             if graph is not None:
                 if s.kind not in memory:
-                    t = trace(graph, s, stages.requires_grad)
-                    remat = trace(graph, s, stages.requires_grad, remat=True) if s.skips else None
-                    held = None if t is None else fewer(t, remat)
-                    if held is not None and s.skips and remat is None:  # its recompute keeps eager's bytes
-                        held = dataclasses.replace(held, recompute=0)
-                    memory[s.kind] = None if t is None else (t.eager_saved - t.compiled_saved, held)
+                    memory[s.kind] = _kind_memory(graph, s, stages.requires_grad)
                 if memory[s.kind] is not None:
                     s = _compiled_memory(s, *memory[s.kind])
         out.append(s)
     return dataclasses.replace(stages, stages=tuple(out))
+
+
+def _kind_memory(graph: Graph, s: Stage, requires_grad: frozenset[str]) -> tuple[int, HeldFewer] | None:
+    """What a fusable kind's compiled body saves fewer than eager, and holds fewer (NOTE: [Fused
+    transients]); None where its body does not trace (eager's bytes stand). A recompute that skips
+    work is traced apart, and where that trace fails its window keeps eager's backward bytes."""
+    t = trace(graph, s, requires_grad)
+    if t is None:
+        return None
+    remat = trace(graph, s, requires_grad, remat=True) if s.skips else None
+    held = fewer(t, remat)
+    if s.skips and remat is None:
+        held = dataclasses.replace(held, recompute=0)
+    return t.eager_saved - t.compiled_saved, held
 
 
 def _compiled_memory(s: Stage, saved_fewer: int, transients: HeldFewer) -> Stage:
