@@ -38,3 +38,21 @@ def test_a_thread_count_that_is_not_a_number_is_refused_with_the_fix(monkeypatch
     monkeypatch.setenv(HOST_THREADS_ENV, "many")
     with pytest.raises(ResourceError, match="LAZYTRAIN_HOST_THREADS='many' is not a number of threads; unset it"):
         host_threads()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
+def test_a_step_shortens_the_gil_switch_interval_and_puts_it_back():
+    """NOTE: [Host steps and the GIL]: host steps get the GIL back within `SWITCH_INTERVAL_S` while
+    a step runs; the caller's interval returns when its streams finish."""
+    import sys
+
+    from lazytrain.runtime.streams import SWITCH_INTERVAL_S, CudaStreams
+
+    before = sys.getswitchinterval()
+    streams = CudaStreams(torch.device("cuda"))
+    streams.begin(record=False)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+    finally:
+        streams.finish()
+    assert sys.getswitchinterval() == pytest.approx(before)

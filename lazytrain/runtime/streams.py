@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -147,6 +148,21 @@ class SerialStreams:
         return self.timeline
 
 
+# NOTE: [Host steps and the GIL] A host step is a few dozen torch calls per tensor, from Python
+# (and the bf16 rounding noise's pool threads), and each call needs the GIL back after its kernel.
+# While a step runs the main thread is in Python most of the time (the replay, the compiled
+# stages' wrappers), and a thread waiting for the GIL gets it only when the holder's switch
+# interval ends, 5 ms by default. On the H200 box (`bench/host_gil.py`, 2026-12-04) a Qwen2.5-7B
+# block's bf16-master host step took 0.278 s beside an idle main thread and 5.361 s beside one in
+# Python; 1.195 s at a 1 ms interval, 0.551 s at 0.2 ms (a 1.5B block's: 0.077, 1.947, 0.366,
+# 0.158 s; fp32 masters suffer less, having fewer calls: 7B 0.044, 0.063, 0.055, 0.054 s). In the
+# fused fidelity rows, host steps ran 1.4-2.4x their price; at 0.2 ms the 7B at 40 GiB ran 3.19 s
+# (3.09 predicted) against 4.05, with fp32 masters 3.53 (3.30) against 4.27, and the 1.5B at
+# 24 GiB 0.41 (0.43) against 0.56. So while a step runs the interval is `SWITCH_INTERVAL_S`; the
+# caller's is put back when the step's streams finish.
+SWITCH_INTERVAL_S = 2e-4
+
+
 class CudaStreams:
     cuda = True
 
@@ -165,12 +181,15 @@ class CudaStreams:
         self.done: dict[int, torch.cuda.Event] = {}
         self.record = False
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self.switch_interval = sys.getswitchinterval()
 
     def compute_context(self):
         """Work outside events that reads compute's results (the batch, the gradient norm)."""
         return torch.cuda.stream(self.streams[Stream.COMPUTE])
 
     def begin(self, record: bool):
+        self.switch_interval = sys.getswitchinterval()  # NOTE: [Host steps and the GIL]
+        sys.setswitchinterval(min(self.switch_interval, SWITCH_INTERVAL_S))
         self.done = {}
         self.record = record
         self.marks = []
@@ -268,6 +287,7 @@ class CudaStreams:
             end = torch.cuda.Event(blocking=True)
             end.record(s)
             end.synchronize()
+        sys.setswitchinterval(self.switch_interval)
         if not self.record:
             return None
         gpu = [(i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3) for i, a, b in self.marks]
