@@ -132,16 +132,16 @@ def cmd_compile(args) -> None:
                                           fuse_stages=False)
             compiled = None if args.fused_only else compile_model(meta, b, hardware=hw_case, options=options,
                                                                   source=f"bench:{case.model}")
-        except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded
+            if compiled is not None:
+                (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
+            # NOTE: [Fused stage prices] in lazytrain/passes/fusion.py: `run --fuse-stages` is held to a
+            # plan priced fused, the plain run to one priced eager (the options above)
+            fused = compile_model(meta, b, hardware=hw_case, options=dataclasses.replace(options, fuse_stages=True),
+                                  source=f"bench:{case.model}")
+        except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded, and the next case runs
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")
             continue
-        if compiled is not None:
-            (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
-        # NOTE: [Fused stage prices] in lazytrain/passes/fusion.py: `run --fuse-stages` is held to a
-        # plan priced fused, the plain run to one priced eager (the options above)
-        fused = compile_model(meta, b, hardware=hw_case, options=dataclasses.replace(options, fuse_stages=True),
-                              source=f"bench:{case.model}")
         (CASE_DIR / f"{case.name}_fused.py").write_text(fused.source_text)
         plan = (compiled or fused).plan
         print(f"{case.name}: predicted {plan.step_s:.3f} s, peak {format_size(plan.peak_bytes)}, "
