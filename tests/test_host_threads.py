@@ -56,3 +56,6 @@ def test_a_step_shortens_the_gil_switch_interval_and_puts_it_back():
     finally:
         streams.finish()
     assert sys.getswitchinterval() == pytest.approx(before)
+    streams.begin(record=False)  # a step that raised: the trainer abandons its streams
+    streams.abandon()
+    assert sys.getswitchinterval() == pytest.approx(before)

@@ -147,6 +147,9 @@ class SerialStreams:
     def finish(self):
         return self.timeline
 
+    def abandon(self):
+        pass
+
 
 # NOTE: [Host steps and the GIL] A host step is a few dozen torch calls per tensor, from Python
 # (and the bf16 rounding noise's pool threads), and each call needs the GIL back after its kernel.
@@ -280,6 +283,10 @@ class CudaStreams:
     def next_due(self) -> int | None:
         return self.by_deadline.next_due()
 
+    def abandon(self):
+        """A step that raised: the caller's switch interval back (NOTE: [Host steps and the GIL])."""
+        sys.setswitchinterval(self.switch_interval)
+
     def finish(self):
         # blocking events: this thread sleeps while host steps may still run (NOTE: [Host step threads])
         ends = [self.aside] if self.record else []  # its events must have completed to be read
@@ -287,7 +294,7 @@ class CudaStreams:
             end = torch.cuda.Event(blocking=True)
             end.record(s)
             end.synchronize()
-        sys.setswitchinterval(self.switch_interval)
+        self.abandon()
         if not self.record:
             return None
         gpu = [(i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3) for i, a, b in self.marks]

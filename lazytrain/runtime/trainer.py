@@ -229,23 +229,27 @@ class Trainer:
             self.sharding.begin(optimize)
         turn = self.stepping.begin(optimize)
         self.streams.begin(self.record_timeline)
-        self.replay.run(turn)
-        coef = self.stepping.after_backward(turn)
-        if optimize and (turn.deferred or self.stepper.params):
-            if coef is None:
-                self.stepping.skip()
-                self.zero_grad()
-            else:
-                for event in turn.in_order():
-                    self.stepping.run(event, coef)
-                    if event.stage in turn.gathers:
-                        g = turn.gathers[event.stage]
-                        self.streams.run(g, lambda g=g: self.sharding.gather(g))
-                self.stepping.record_gpu_steps(coef)
-                if self.stepping.serial:
-                    self.synchronize()
-        if optimize and not turn.deferred:  # host steps end inside their step (NOTE: [Host step deadlines])
-            self.stepping.wait_host_steps(disk_jobs=False)
+        try:
+            self.replay.run(turn)
+            coef = self.stepping.after_backward(turn)
+            if optimize and (turn.deferred or self.stepper.params):
+                if coef is None:
+                    self.stepping.skip()
+                    self.zero_grad()
+                else:
+                    for event in turn.in_order():
+                        self.stepping.run(event, coef)
+                        if event.stage in turn.gathers:
+                            g = turn.gathers[event.stage]
+                            self.streams.run(g, lambda g=g: self.sharding.gather(g))
+                    self.stepping.record_gpu_steps(coef)
+                    if self.stepping.serial:
+                        self.synchronize()
+            if optimize and not turn.deferred:  # host steps end inside their step (NOTE: [Host step deadlines])
+                self.stepping.wait_host_steps(disk_jobs=False)
+        except BaseException:
+            self.streams.abandon()  # the caller's GIL switch interval back (NOTE: [Host steps and the GIL])
+            raise
         timeline = self.streams.finish()
         loss = self.replay.end()
         if not optimize and keep_grads:
