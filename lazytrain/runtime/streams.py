@@ -31,8 +31,9 @@ from lazytrain.ir.events import Event, Stream
 # events, which sleep, with teams of 16 threads (`LAZYTRAIN_HOST_THREADS=16`) it took 0.374 s, with
 # teams of 15, 0.553 (0db8bfb). So the worker's teams take every CPU the process may run on
 # (`os.sched_getaffinity`), not torch's own count, which with MKL is the physical cores' and may
-# be fewer: at 5d2f71b, whose teams were torch's count, the same row took 0.551 s and its host
-# steps 2.2x their price (this default is not yet measured on the device). Where
+# be fewer. On the H200 box both counts are 16 (085b863, 2026-12-04), so this default changes
+# nothing there: the same row's 0.551 s at 5d2f71b, host steps at 2.2x their price, was the GIL's
+# (NOTE: [Host steps and the GIL]), and 16 against 15 threads above may be too. Where
 # OMP_NUM_THREADS or MKL_NUM_THREADS is set (a launcher sharing the host between ranks), torch's
 # count is kept; `LAZYTRAIN_HOST_THREADS` sets it outright.
 HOST_THREADS_ENV = "LAZYTRAIN_HOST_THREADS"
