@@ -93,6 +93,9 @@ class Hardware:
     # 1.13-1.42): 0.96. It was 0.75, from 1.5B traces of 2026-11-30, before host steps reused their
     # buffers (NOTE: [Host step buffers] in runtime/optim.py); with it the 7B's fp32 host steps were
     # priced 155 ms and took 105-129. Fewer torch threads make them slower (8 threads: 1.5x).
+    # Those steps waited for the GIL after each torch call (NOTE: [Host steps and the GIL] in
+    # runtime/streams.py); with that mended (c741a4d), three re-run rows' host steps took 1.03-1.19x
+    # their price at 0.96 (2026-12-04): too few to fit it again.
     host_fraction: float = 1.0
     # NOTE: [Link bandwidth] The data-parallel ranks' link, as NCCL's "algorithm bandwidth": a
     # reduce-scatter or all-gather of a B-byte buffer (the whole stage's gradients or weights) takes
