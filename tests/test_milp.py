@@ -379,3 +379,33 @@ def test_the_search_says_when_its_presolve_has_ended():
     calls = []
     r = milp._highs_run(m, 10.0, 0.0, None, presolve=True, presolved=lambda: calls.append(1))
     assert r.found and calls == [1]
+
+
+def test_a_refusal_the_least_memory_plan_contradicts_is_not_made(monkeypatch):
+    """NOTE: [A refusal the solver contradicts]: a search that wrongly answers "infeasible" at a budget
+    the least-memory plan fits gives that plan, not a refusal."""
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
+    real, calls = milp.optimize, []
+
+    def wrong_first(m, time_limit, gap, start=None):
+        calls.append(m)
+        if len(calls) <= 2:  # the searches without and with steps in backward
+            return milp.Result(milp.INFEASIBLE, (), float("nan"), float("nan"), "highs", 0.0, 0.0)
+        return real(m, time_limit, gap, start)
+    monkeypatch.setattr(milp, "optimize", wrong_first)
+    plan = solve(stages, HW, int(need * 1.5))
+    assert plan.peak_bytes + HW.allocator_reserve_bytes <= int(need * 1.5)
+    assert plan.solver.status == "fallback" and "least-memory plan" in plan.solver.message
+    monkeypatch.setattr(milp, "optimize", real)
+    assert solve(stages, HW, int(need * 1.5)).step_s <= plan.step_s * (1 + GAP) + 1e-12
+
+
+def test_a_refusal_below_the_least_memory_plan_stands(monkeypatch):
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
+    from lazytrain.errors import InfeasibleBudget
+
+    with pytest.raises(InfeasibleBudget) as refused:
+        solve(stages, HW, int(need * 0.9))
+    assert refused.value.smallest_feasible >= need * 0.99

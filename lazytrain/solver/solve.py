@@ -21,7 +21,7 @@ from lazytrain.ir.stages import Stages
 from lazytrain.passes.limits import limits
 from lazytrain.solver import milp
 from lazytrain.solver.footprint import disk_available
-from lazytrain.solver.formulation import SEARCH_BACKWARD_STEPS, _build, _plan, _start
+from lazytrain.solver.formulation import SEARCH_BACKWARD_STEPS, _build, _decisions, _plan, _start
 from lazytrain.solver.refusal import past_device
 from lazytrain.solver.shards import sharding
 from lazytrain.units import format_size
@@ -62,6 +62,11 @@ def _warm_start(stages: Stages, hw: Hardware, budget: int) -> tuple[str, Plan] |
 
 def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:
     """The least GPU memory any plan needs (a solve that minimises peak memory)."""
+    return _least_memory(stages, hw, time_limit)[0]
+
+
+def _least_memory(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> tuple[int, list[Placement]]:
+    """The least GPU memory any plan needs, and the decisions of a plan that needs it."""
     m, v, model, exposed = _build(stages, hw, None, minimise_memory=True, backward_steps=True)
     # Min-max objectives have many near-ties; proving the last 1% can take CBC minutes. The plan
     # found is feasible either way, so the budget it names always works.
@@ -77,7 +82,8 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
         raise PlanError(f"no plan fits even with unlimited GPU memory (solver: {r.status}); the host memory plans "
                         f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "
                         "states and offloaded tensors this model needs")
-    return max(int(round(milp.value(t, r))) for t in model.mem + [model.tail]) + hw.allocator_reserve_bytes
+    need = max(int(round(milp.value(t, r))) for t in model.mem + [model.tail]) + hw.allocator_reserve_bytes
+    return need, _decisions(v, len(stages), lambda e: milp.value(e, r))
 
 
 def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
@@ -95,6 +101,14 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
             f"{format_size(with_disk, round_up=True)}")
 
 
+# NOTE: [A refusal the solver contradicts] A refusal names the least memory any plan needs, from a
+# second solve (`_least_memory`). Should that plan fit the budget the search called infeasible, the
+# two solves contradict each other and the refusal would be false: a refused compile must rest on
+# a proof. So where the least-memory plan fits, it is the plan (its time priced by `evaluate`),
+# with a message saying why. This catches the contradiction only where it shows: on the 2-core
+# machine (2026-12-04, 085b863) a 14B at 24 GiB, compiled beside another compile, was refused once
+# with "smallest feasible budget: 77.8 GiB", a plan this check would not have questioned; alone it
+# plans 21.9 GiB, and the refusal did not come again in three tries.
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
 
 
@@ -124,7 +138,15 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
         return dataclasses.replace(plan, solver=dataclasses.replace(
             info, seconds=took + extract, times=times + (("plan", extract),)))
     if r.status == milp.INFEASIBLE:
-        need = smallest_budget(stages, hw)
+        need, least = _least_memory(stages, hw)
+        if need <= budget:  # NOTE: [A refusal the solver contradicts]
+            try:
+                plan = evaluate(stages, hw, budget, least, status="fallback", message=(
+                    "the search answered that no plan fits, but the least-memory plan does: it is this plan"))
+                return dataclasses.replace(plan, solver=dataclasses.replace(
+                    plan.solver, seconds=time.perf_counter() - start))
+            except PlanError:
+                pass
         have, want = format_size(budget), format_size(need, round_up=True)
         if have == want:  # one decimal cannot tell them apart: give bytes too
             have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
