@@ -401,11 +401,11 @@ def test_a_refusal_the_least_memory_plan_contradicts_is_not_made(monkeypatch):
     assert solve(stages, HW, int(need * 1.5)).step_s <= plan.step_s * (1 + GAP) + 1e-12
 
 
-def test_a_refusal_below_the_least_memory_plan_stands(monkeypatch):
-    stages = CASES[1]
-    need = smallest_budget(stages, HW)
+def test_a_refusal_below_the_least_memory_plan_stands():
     from lazytrain.errors import InfeasibleBudget
 
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
     with pytest.raises(InfeasibleBudget) as refused:
         solve(stages, HW, int(need * 0.9))
     assert refused.value.smallest_feasible >= need * 0.99
