@@ -177,6 +177,23 @@ def _clear_host_peak() -> bool:
         return False
 
 
+def _segments(trainer) -> dict[str, dict[str, int]]:
+    """What the caching allocator holds after the timed steps, per stream and pool: reserved bytes
+    beyond allocated ones are what a plan at its cap loses to the allocator (its retries)."""
+    import torch
+
+    names = {trainer.streams.aside.cuda_stream: "optimizer"}
+    names.update({s.cuda_stream: k.value for k, s in trainer.streams.streams.items()})
+    out: dict[str, dict[str, int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = f"{names.get(seg['stream'], seg['stream'])}/{seg['segment_type']}"
+        o = out.setdefault(key, {"segments": 0, "reserved": 0, "allocated": 0})
+        o["segments"] += 1
+        o["reserved"] += seg["total_size"]
+        o["allocated"] += seg["allocated_size"]
+    return out
+
+
 def _windows(module, timeline) -> list[dict]:
     """Per window of the plan: predicted bytes; and seconds from the window's first compute event
     to the next window's (the last: to the end of the compute stream), measured on `timeline` and
@@ -271,7 +288,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    times, losses = [], []
+    times, losses, step_retries = [], [], []
     jobs = _time_disk_jobs(trainer) if args.events else None
     io = None
     for i in range(args.warmup + args.steps):
@@ -281,17 +298,21 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         start = time.perf_counter()
         if jobs is not None:
             jobs.append(("step", i, start, start))
+        before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
+        step_retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - before)
         # a long row's steps take minutes: each is reported as it ends, so a run cut short still says them
         print(f"[fidelity] {case.name} step {i + 1} of {args.warmup + args.steps}: {times[-1]:.2f} s, "
-              f"loss {losses[-1]:.4f}, allocated peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB", flush=True)
+              f"loss {losses[-1]:.4f}, allocated peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB, "
+              f"allocator retries {step_retries[-1]}", flush=True)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     io_after = _io_bytes()
     # storage read and written per timed step (its last writes may land after it: `synchronize` drains them)
     disk_io = [(b - a) / args.steps for a, b in zip(io, io_after)] if io and io_after else None
     # the allocator freed its cache and retried (a device-wide sync): a plan at its cap stalls there
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+    segments = _segments(trainer)
     windows = _windows(module, trainer.timeline)
     kinds = {e.id: e for e in module.EVENTS}
     events = [{"id": i, "kind": kinds[i].kind.value, "stream": kinds[i].stream.value, "stage": kinds[i].stage,
@@ -309,7 +330,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "step_s": step_s, "step_times_s": times[args.warmup:], "losses": list(losses), "bind_s": bind_s,
         "allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved,
         "host_peak_bytes": _status_kib("VmHWM") * 1024 if cleared else None,
-        "alloc_retries": retries, "pinned_bytes": trainer.pinned.reserved, "rss_bytes": _status_kib("VmRSS") * 1024,
+        "alloc_retries": retries, "step_alloc_retries": step_retries, "segments": segments, "pinned_bytes": trainer.pinned.reserved, "rss_bytes": _status_kib("VmRSS") * 1024,
         "predicted_disk_bytes": module.PREDICTED.get("disk_bytes", 0),
         "disk_read_bytes_per_step": disk_io[0] if disk_io else None,
         "disk_written_bytes_per_step": disk_io[1] if disk_io else None,
