@@ -207,6 +207,25 @@ def test_bind_caps_the_allocator_at_the_budget():
 
 
 @needs_gpu
+def test_reloads_come_from_the_compute_pool():
+    """NOTE: [Reloads from the compute pool] in runtime/replay.py: nothing the steps allocate stays
+    cached in H2D's pool, where compute could not reuse it."""
+    import gc
+
+    from lazytrain.ir.events import Kind, Stream
+
+    gc.collect()
+    torch.cuda.empty_cache()  # streams come from a pool: no earlier test's cache on this one's H2D
+    trainer = bind("fp32_min", tiny_qwen())
+    assert any(e.kind is Kind.RELOAD for e in trainer.events)
+    for i in range(2):
+        trainer.step(tiny_batch(i))
+    torch.cuda.synchronize()
+    h2d = trainer.streams.stream(Stream.H2D).cuda_stream
+    assert [seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == h2d] == []
+
+
+@needs_gpu
 def test_clipped_steps_match_torch_adamw_on_gpu():
     _, model, ref = clipped_steps("fp32_min", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):

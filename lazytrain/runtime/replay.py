@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from lazytrain.ir.events import Event, Kind, Phase, Stream
+from lazytrain.ir.events import Event, Kind, Phase
 from lazytrain.ir.placement import Outputs
 from lazytrain.runtime import rng
 from lazytrain.runtime.chunked import chunked_backward
@@ -257,6 +257,13 @@ class Replay:
                         host = self.host_act[name] = self.pinned.empty(t.shape, t.dtype)
                     host.copy_(t, non_blocking=True)
 
+    # NOTE: [Reloads from the compute pool] A reloaded output is made from the compute stream's pool,
+    # as a slot is (NOTE: [Slots] in store.py), and filled on H2D. Made on H2D, as `.to` inside the
+    # event makes it, it came from H2D's own pool, where it stayed cached once freed: compute could
+    # not reuse it, and a plan at its cap paid for it in allocator retries, each a device-wide sync.
+    # On the H200 (2026-12-04, bfeee0f) the 7B at 24 GiB with fp32 masters held 0.68 GiB on H2D,
+    # none of it allocated, and retried 2-4 times a step: its two slowest windows (+51 and +67 ms)
+    # were the two whose reload took 20-28 ms, priced 4.2.
     def _reload(self, e: Event):
         if self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in solver/disk_model.py
             for name, host in self.act_disk.reload(e.stage).items():
@@ -269,11 +276,11 @@ class Replay:
 
     def _to_device(self, host: torch.Tensor, copy: bool = False) -> torch.Tensor:
         """A reloaded output on the device, for compute; `copy`: a tensor of its own even on a CPU
-        (where `.to` would return `host` itself)."""
-        t = host.to(self.device, non_blocking=True, copy=copy)
-        if self.cuda:
-            t.record_stream(self.streams.stream(Stream.COMPUTE))
-        return t
+        (where `.to` would return `host` itself). NOTE: [Reloads from the compute pool]"""
+        if not self.cuda:
+            return host.to(self.device, copy=copy)
+        t = self.streams.slot(host.numel() * host.element_size(), self.device).view(host.dtype).view(host.shape)
+        return t.copy_(host, non_blocking=True)
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
