@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import fnmatch
 import gc
 import json
 import os
@@ -29,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,68 +36,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench import _commit  # noqa: E402  (the GPU machine's copy has no .git: LAZYTRAIN_COMMIT)
-
-CASE_DIR = ROOT / ".bench" / "fidelity"
-RESULTS = HERE / "results" / "fidelity"
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Case:
-    model: str
-    batch: int
-    seq: int
-    states: str  # "32bit" or "8bit"
-    master: str  # "fp32" or "bf16"
-    budget: str  # "24GiB", "40GiB", "max" or "min" (the smallest feasible)
-    clipping: str = "off"  # the run clips at norm 1.0 unless "off" (NOTE: [Gradient clipping] in runtime/stepping.py)
-    host: str = ""  # compiled for the profile with this much host memory, with the disk tier (`--disk`)
-    tile: str = ""  # --tile-bytes: gated MLPs and RMSNorms in tiles of tokens (NOTE: [Tiled MLP], [Tiled RMSNorm])
-
-    @property
-    def name(self) -> str:
-        clip = "" if self.clipping == "off" else f"_clip-{self.clipping}"
-        host = f"_host{self.host}_disk" if self.host else ""
-        tile = f"_tile{self.tile}" if self.tile else ""
-        return f"{self.model}_b{self.batch}_s{self.seq}_{self.budget}_{self.states}_{self.master}{clip}{host}{tile}"
-
-
-def _cases() -> list[Case]:
-    out = []
-    for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32), ("qwen2.5-14b", 8)):
-        for states, master in (("32bit", "fp32"), ("8bit", "bf16"), ("8bit", "fp32"), ("32bit", "bf16")):
-            for budget in ("24GiB", "40GiB", "max"):
-                out.append(Case(model, batch, 1024, states, master, budget))
-    out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "min"), Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "max")]
-    for model, batch in (("qwen2.5-1.5b", 16), ("qwen2.5-7b", 32)):  # clipped runs: host steps after backward
-        out += [Case(model, batch, 1024, "8bit", "bf16", "24GiB", clip) for clip in ("exact", "previous-norm")]
-    # the disk tier where host memory binds (NOTE: [Disk-stepped stages] in solver/disk_model.py)
-    out += [Case("qwen2.5-7b", 32, 1024, "8bit", "bf16", "24GiB", host="44GB"),
-            Case("qwen2.5-32b", 16, 1024, "8bit", "bf16", "max", host="104GB")]
-    # stage outputs on disk (NOTE: [Activations on disk] in solver/disk_model.py): long rows on a small
-    # host, beside the same budget with the whole host, where they go to host memory
-    out += [Case("qwen2.5-7b", 1, 65536, "8bit", "bf16", "40GiB", host=host) for host in ("128GB", "36GB")]
-    # issue targets on the whole box (128 GB host, its 64 GB disk): fp32 masters of the 32B, the 72B
-    # fp32 masters on disk (NOTE: [Masters on disk] in solver/disk_model.py): a host too small for the
-    # 7B's fp32 masters at 24 GiB, beside the same budget with the whole host
-    out += [Case("qwen2.5-7b", 32, 1024, "8bit", "fp32", "24GiB", host=host) for host in ("128GB", "40GB")]
-    out += [Case("qwen2.5-32b", 32, 1024, "8bit", "fp32", "max", host="128GB"),
-            Case("qwen2.5-72b", 8, 1024, "8bit", "bf16", "max", host="128GB"),
-            Case("qwen2.5-72b", 16, 1024, "8bit", "bf16", "max", host="128GB"),
-            Case("qwen2.5-72b", 32, 1024, "8bit", "bf16", "max", host="128GB")]
-    # long rows with tiled MLPs (issue targets: 131,072 inside 24 GiB; 262,144's TFLOPS; 524,288 trains)
-    out += [Case("qwen2.5-7b", 1, 131072, "8bit", "bf16", "24GiB", tile="256MiB"),
-            Case("qwen2.5-7b", 1, 262144, "8bit", "bf16", "64GiB", tile="256MiB"),
-            Case("qwen2.5-7b", 1, 262144, "8bit", "bf16", "max", tile="256MiB"),
-            Case("qwen2.5-7b", 1, 524288, "8bit", "bf16", "max", host="128GB", tile="256MiB")]
-    return out
-
-
-CASES = _cases()
-
-
-def _selected(only: str | None) -> list[Case]:
-    return [c for c in CASES if only is None or any(fnmatch.fnmatch(c.name, g) for g in only.split(","))]
+from bench.fidelity_cases import CASE_DIR, RESULTS, Case, GiB, _selected  # noqa: E402
+from bench.fidelity_table import _line, _table, cmd_table  # noqa: E402
 
 
 # ---- compile (here) ---------------------------------------------------------------------------------
@@ -440,93 +379,6 @@ def _one_per_process(cases, args, out: Path) -> list[dict]:
         else:
             print(f"[fidelity] {case.name}: its process exited with {done.returncode}", flush=True)
     return rows
-
-
-# ---- table ------------------------------------------------------------------------------------------
-
-def _line(r: dict) -> str:
-    c = r["case"]
-    head = f"{c['model']} {c['batch']}x{c['seq']} {c['states']}/{c['master']} {c['budget']}" + (
-        " fused" if r.get("fused_stages") else "")
-    if "failed" in r:
-        return f"{head}: FAILED {r['failed'][:160]}"
-    if "refused" in r:
-        return f"{head}: refused at compile"
-    return (f"{head}: step {r['step_s']:.3f} s (pred {r['predicted_step_s']:.3f}), allocated "
-            f"{r['allocated_peak_bytes'] / GiB:.1f} GiB (pred {r['predicted_peak_bytes'] / GiB:.1f}), reserved "
-            f"{r['reserved_peak_bytes'] / GiB:.1f} of {r['budget_bytes'] / GiB:.1f} GiB, allocator retries "
-            f"{r.get('alloc_retries', '?')}{_host_steps(r)}")
-
-
-def _host_steps(r: dict) -> str:
-    """The host worker's optimizer steps in the timed step's events (`--events`): how long they took
-    against their price, and how far the last ended past the device's last event. A step whose
-    windows add up to the plan but whose wall time does not was waiting for these (2026-12-04: a
-    1.5B block's fp32 host step at 2.1-2.4x its price)."""
-    events = r.get("events") or []
-    host = [e for e in events if e["stream"] == "cpu" and e["kind"] == "opt_step"]
-    priced = sum(e["predicted_s"] for e in host)
-    if not host or priced <= 0:
-        return ""
-    took = sum(e["end_s"] - e["start_s"] for e in host)
-    device_end = max((e["end_s"] for e in events if e["stream"] != "cpu"), default=0.0)
-    past = max(e["end_s"] for e in host) - device_end
-    return f"; {len(host)} host steps at {took / priced:.2f}x their price, the last {past:+.3f} s past the device's work"
-
-
-def _checks(r: dict) -> str:
-    if "failed" in r:
-        return "**failed: " + r["failed"].split(":")[0] + "**"
-    if "refused" in r:
-        return "refused at compile"
-    ok = []
-    ok.append("in budget" if r["reserved_peak_bytes"] <= r["budget_bytes"] else "**over budget**")
-    peak_err = r["predicted_peak_bytes"] / r["allocated_peak_bytes"] - 1
-    ok.append(f"peak {peak_err:+.0%}" + ("" if abs(peak_err) <= 0.05 else " **>5%**"))
-    step_err = r["predicted_step_s"] / r["step_s"] - 1
-    ok.append(f"step {step_err:+.0%}" + ("" if abs(step_err) <= 0.10 else " **>10%**"))
-    if r.get("host_peak_bytes"):  # the host's peak against the plan's host bytes and the reserve beside them
-        ok.append("host in plan" if r["host_peak_bytes"] <= r["predicted_host_bytes"] + r["host_reserve_bytes"]
-                  else "**host over plan**")
-    if r.get("partial"):
-        ok.append("timed steps only (" + r["partial"] + ")")
-    return ", ".join(ok)
-
-
-def _table(rows: list[dict]) -> list[str]:
-    lines = ["| model | batch×seq | states / masters | budget GiB | step s (pred.) | allocated GiB (pred.) | reserved GiB "
-             "| host GiB (pred. + reserve) | checks | date, device, commit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c = r["case"]
-        stamp = f"{r.get('date', '')}, {r.get('device', '')}, {r.get('commit', '')}"
-        clip = f", clipped ({c['clipping']})" if c.get("clipping", "off") != "off" else ""
-        extra = (f", tiles {c['tile']}" if c.get("tile") else "") + (", fused stages" if r.get("fused_stages") else "")
-        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']}{clip}{extra} | "
-        if "failed" in r or "refused" in r:
-            why = r.get("refused", r.get("failed", ""))[:120].replace("|", "/")
-            lines.append(head + f"{c['budget']} | - | - | - | - | {_checks(r)}: {why} | {stamp} |")
-            continue
-        host = (f"{r['host_peak_bytes'] / GiB:.1f} ({(r['predicted_host_bytes'] + r['host_reserve_bytes']) / GiB:.1f})"
-                if r.get("host_peak_bytes") else f"- ({(r['predicted_host_bytes'] + r['host_reserve_bytes']) / GiB:.1f})")
-        lines.append(head + f"{r['budget_bytes'] / GiB:.1f} | {r['step_s']:.2f} ({r['predicted_step_s']:.2f}) | "
-                     f"{r['allocated_peak_bytes'] / GiB:.1f} ({r['predicted_peak_bytes'] / GiB:.1f}) | "
-                     f"{r['reserved_peak_bytes'] / GiB:.1f} | {host} | {_checks(r)} | {stamp} |")
-    return lines
-
-
-def cmd_table(args) -> None:
-    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if not p.name.endswith(".trace.json")]
-    rows += [json.loads(p.read_text()) for p in sorted(CASE_DIR.glob("*.refused.json"))
-             if not (RESULTS / p.name.replace(".refused", "")).is_file()]
-    order = {c.name: i for i, c in enumerate(CASES)}
-    rows.sort(key=lambda r: order.get(Case(**r["case"]).name, len(order)))
-    lines = _table(rows)
-    readme = HERE / "README.md"
-    text = readme.read_text()
-    start, end = text.index("<!-- fidelity -->"), text.index("<!-- /fidelity -->")
-    readme.write_text(text[:start] + "<!-- fidelity -->\n" + "\n".join(lines) + "\n" + text[end:])
-    print("\n".join(lines))
 
 
 def main(argv=None):

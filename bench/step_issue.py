@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fidelity import CASES, _schedule_path  # noqa: E402
+from bench.fidelity import _schedule_path  # noqa: E402
+from bench.fidelity_cases import CASES  # noqa: E402
 
 
 def main(argv=None) -> None:

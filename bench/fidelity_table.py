@@ -1,0 +1,94 @@
+"""The fidelity table: each row's checks (DESIGN.md: reserved peak within the budget, predicted
+peak within 5 % of the allocated one, predicted step within 10 %, host peak within the plan and
+its reserve), written into bench/README.md by `python bench/fidelity.py table`."""
+
+from __future__ import annotations
+
+import json
+
+from bench.fidelity_cases import CASE_DIR, CASES, HERE, RESULTS, Case, GiB
+
+
+def _line(r: dict) -> str:
+    c = r["case"]
+    head = f"{c['model']} {c['batch']}x{c['seq']} {c['states']}/{c['master']} {c['budget']}" + (
+        " fused" if r.get("fused_stages") else "")
+    if "failed" in r:
+        return f"{head}: FAILED {r['failed'][:160]}"
+    if "refused" in r:
+        return f"{head}: refused at compile"
+    return (f"{head}: step {r['step_s']:.3f} s (pred {r['predicted_step_s']:.3f}), allocated "
+            f"{r['allocated_peak_bytes'] / GiB:.1f} GiB (pred {r['predicted_peak_bytes'] / GiB:.1f}), reserved "
+            f"{r['reserved_peak_bytes'] / GiB:.1f} of {r['budget_bytes'] / GiB:.1f} GiB, allocator retries "
+            f"{r.get('alloc_retries', '?')}{_host_steps(r)}")
+
+
+def _host_steps(r: dict) -> str:
+    """The host worker's optimizer steps in the timed step's events (`--events`): how long they took
+    against their price, and how far the last ended past the device's last event. A step whose
+    windows add up to the plan but whose wall time does not was waiting for these (2026-12-04: a
+    1.5B block's fp32 host step at 2.1-2.4x its price)."""
+    events = r.get("events") or []
+    host = [e for e in events if e["stream"] == "cpu" and e["kind"] == "opt_step"]
+    priced = sum(e["predicted_s"] for e in host)
+    if not host or priced <= 0:
+        return ""
+    took = sum(e["end_s"] - e["start_s"] for e in host)
+    device_end = max((e["end_s"] for e in events if e["stream"] != "cpu"), default=0.0)
+    past = max(e["end_s"] for e in host) - device_end
+    return f"; {len(host)} host steps at {took / priced:.2f}x their price, the last {past:+.3f} s past the device's work"
+
+
+def _checks(r: dict) -> str:
+    if "failed" in r:
+        return "**failed: " + r["failed"].split(":")[0] + "**"
+    if "refused" in r:
+        return "refused at compile"
+    ok = []
+    ok.append("in budget" if r["reserved_peak_bytes"] <= r["budget_bytes"] else "**over budget**")
+    peak_err = r["predicted_peak_bytes"] / r["allocated_peak_bytes"] - 1
+    ok.append(f"peak {peak_err:+.0%}" + ("" if abs(peak_err) <= 0.05 else " **>5%**"))
+    step_err = r["predicted_step_s"] / r["step_s"] - 1
+    ok.append(f"step {step_err:+.0%}" + ("" if abs(step_err) <= 0.10 else " **>10%**"))
+    if r.get("host_peak_bytes"):  # the host's peak against the plan's host bytes and the reserve beside them
+        ok.append("host in plan" if r["host_peak_bytes"] <= r["predicted_host_bytes"] + r["host_reserve_bytes"]
+                  else "**host over plan**")
+    if r.get("partial"):
+        ok.append("timed steps only (" + r["partial"] + ")")
+    return ", ".join(ok)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| model | batch×seq | states / masters | budget GiB | step s (pred.) | allocated GiB (pred.) | reserved GiB "
+             "| host GiB (pred. + reserve) | checks | date, device, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["case"]
+        stamp = f"{r.get('date', '')}, {r.get('device', '')}, {r.get('commit', '')}"
+        clip = f", clipped ({c['clipping']})" if c.get("clipping", "off") != "off" else ""
+        extra = (f", tiles {c['tile']}" if c.get("tile") else "") + (", fused stages" if r.get("fused_stages") else "")
+        head = f"| {c['model']} | {c['batch']}×{c['seq']} | {c['states']} / {c['master']}{clip}{extra} | "
+        if "failed" in r or "refused" in r:
+            why = r.get("refused", r.get("failed", ""))[:120].replace("|", "/")
+            lines.append(head + f"{c['budget']} | - | - | - | - | {_checks(r)}: {why} | {stamp} |")
+            continue
+        host = (f"{r['host_peak_bytes'] / GiB:.1f} ({(r['predicted_host_bytes'] + r['host_reserve_bytes']) / GiB:.1f})"
+                if r.get("host_peak_bytes") else f"- ({(r['predicted_host_bytes'] + r['host_reserve_bytes']) / GiB:.1f})")
+        lines.append(head + f"{r['budget_bytes'] / GiB:.1f} | {r['step_s']:.2f} ({r['predicted_step_s']:.2f}) | "
+                     f"{r['allocated_peak_bytes'] / GiB:.1f} ({r['predicted_peak_bytes'] / GiB:.1f}) | "
+                     f"{r['reserved_peak_bytes'] / GiB:.1f} | {host} | {_checks(r)} | {stamp} |")
+    return lines
+
+
+def cmd_table(args) -> None:
+    rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if not p.name.endswith(".trace.json")]
+    rows += [json.loads(p.read_text()) for p in sorted(CASE_DIR.glob("*.refused.json"))
+             if not (RESULTS / p.name.replace(".refused", "")).is_file()]
+    order = {c.name: i for i, c in enumerate(CASES)}
+    rows.sort(key=lambda r: order.get(Case(**r["case"]).name, len(order)))
+    lines = _table(rows)
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    start, end = text.index("<!-- fidelity -->"), text.index("<!-- /fidelity -->")
+    readme.write_text(text[:start] + "<!-- fidelity -->\n" + "\n".join(lines) + "\n" + text[end:])
+    print("\n".join(lines))
