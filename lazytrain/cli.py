@@ -152,9 +152,11 @@ def train_options(args):
 
 def cmd_compile(args) -> int:
     from lazytrain.compile_file import compile_file
+    from lazytrain.progress import reporting
 
-    compiled = compile_file(args.model, args.output, compile_options(args), hardware=args.hardware, dump_dir=args.dump_ir,
-                            time_passes=args.time_passes)
+    with reporting():  # NOTE: [Compile progress] in progress.py
+        compiled = compile_file(args.model, args.output, compile_options(args), hardware=args.hardware,
+                                dump_dir=args.dump_ir, time_passes=args.time_passes)
     from lazytrain.runtime.schedule import load_schedule
     from lazytrain.summary import summary
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from lazytrain import hardware as hw_profiles
+from lazytrain import progress
 from lazytrain.codegen.render import render
 from lazytrain.errors import InfeasibleBudget, LazytrainError, PlanError, one_line
 from lazytrain.hardware import FUSED_HOST_RESERVE, Hardware
@@ -85,7 +86,8 @@ class _Hook:
     def run(self, name: str, fn, *args, **kwargs):
         start = time.perf_counter()
         try:
-            out = fn(*args, **kwargs)
+            with progress.stage(name):  # NOTE: [Compile progress] in progress.py
+                out = fn(*args, **kwargs)
         except LazytrainError:
             raise
         except Exception as exc:

@@ -71,6 +71,7 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
                             "--replicate-state`, or with --optimizer-states 32bit")
         return Path(args.schedule).read_text(), False
     from lazytrain.pipeline import compile_model  # the solver: only to compile here
+    from lazytrain.progress import reporting
 
     hw = hardware(args)
     batch = prep.batch(prep.rank_batch)
@@ -83,7 +84,8 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
     check_budget(options, hw)
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
-    compiled = compile_model(prep.meta_model, batch, hardware=hw, options=options, source=str(prep.source.path))
+    with reporting():  # NOTE: [Compile progress] in progress.py
+        compiled = compile_model(prep.meta_model, batch, hardware=hw, options=options, source=str(prep.source.path))
     return compiled.source_text, True
 
 
