@@ -409,3 +409,22 @@ def test_a_refusal_below_the_least_memory_plan_stands():
     with pytest.raises(InfeasibleBudget) as refused:
         solve(stages, HW, int(need * 0.9))
     assert refused.value.smallest_feasible >= need * 0.99
+
+
+def test_a_refusal_whose_least_memory_solve_ran_out_of_time_does_not_call_its_budget_the_smallest(monkeypatch):
+    """NOTE: [A refusal the solver contradicts]: a least-memory solve stopped at its time limit
+    found a plan, which is not the least one; the refusal names its budget as one that fits."""
+    from lazytrain.errors import InfeasibleBudget
+
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
+    real = milp.optimize
+
+    def stopped(m, time_limit, gap, start=None):
+        r = real(m, time_limit, gap, start)
+        return dataclasses.replace(r, status=milp.FEASIBLE) if r.status == milp.OPTIMAL else r
+    monkeypatch.setattr(milp, "optimize", stopped)
+    with pytest.raises(InfeasibleBudget) as refused:
+        solve(stages, HW, int(need * 0.9))
+    assert "smallest feasible budget" not in str(refused.value) and "less may do" in str(refused.value)
+    assert refused.value.smallest_feasible >= need * 0.99

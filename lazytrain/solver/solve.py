@@ -65,8 +65,9 @@ def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> i
     return _least_memory(stages, hw, time_limit)[0]
 
 
-def _least_memory(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> tuple[int, list[Placement]]:
-    """The least GPU memory any plan needs, and the decisions of a plan that needs it."""
+def _least_memory(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> tuple[int, list[Placement], bool]:
+    """The least GPU memory any plan needs, the decisions of a plan that needs it, and whether the
+    solve proved it least (within its gap) or stopped at its time limit with a plan that fits it."""
     m, v, model, exposed = _build(stages, hw, None, minimise_memory=True, backward_steps=True)
     # Min-max objectives have many near-ties; proving the last 1% can take CBC minutes. The plan
     # found is feasible either way, so the budget it names always works.
@@ -83,7 +84,7 @@ def _least_memory(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> tup
                         f"may use on '{hw.name}' ({format_size(hw.host_capacity)}) is too small for the optimizer "
                         "states and offloaded tensors this model needs")
     need = max(int(round(milp.value(t, r))) for t in model.mem + [model.tail]) + hw.allocator_reserve_bytes
-    return need, _decisions(v, len(stages), lambda e: milp.value(e, r))
+    return need, _decisions(v, len(stages), lambda e: milp.value(e, r)), r.status == milp.OPTIMAL
 
 
 def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
@@ -108,7 +109,9 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # with a message saying why. This catches the contradiction only where it shows: on the 2-core
 # machine (2026-12-04, 085b863) a 14B at 24 GiB, compiled beside another compile, was refused once
 # with "smallest feasible budget: 77.8 GiB", a plan this check would not have questioned; alone it
-# plans 21.9 GiB, and the refusal did not come again in three tries.
+# plans 21.9 GiB, and the refusal did not come again in three tries. A least-memory solve stopped
+# at its time limit names the peak of a plan it found, not the least any plan needs (whether the
+# 77.8 GiB came so is not known): such a refusal says that a plan fits that budget, and no more.
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
 
 
@@ -138,7 +141,7 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
         return dataclasses.replace(plan, solver=dataclasses.replace(
             info, seconds=took + extract, times=times + (("plan", extract),)))
     if r.status == milp.INFEASIBLE:
-        need, least = _least_memory(stages, hw)
+        need, least, proven = _least_memory(stages, hw)
         if need <= budget:  # NOTE: [A refusal the solver contradicts]
             try:
                 plan = evaluate(stages, hw, budget, least, status="fallback", message=(
@@ -150,8 +153,13 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
         have, want = format_size(budget), format_size(need, round_up=True)
         if have == want:  # one decimal cannot tell them apart: give bytes too
             have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
+        # NOTE: [A refusal the solver contradicts]: a least-memory solve stopped at its time limit
+        # names a budget a plan fits, not the least one
+        smallest = f"smallest feasible budget: {want}" if proven else (
+            f"a plan fits {want}, and less may do (the search for the least memory a plan needs stopped at its "
+            "time limit)")
         raise InfeasibleBudget(
-            f"no plan fits a GPU budget of {have}; smallest feasible budget: {want}. "
+            f"no plan fits a GPU budget of {have}; {smallest}. "
             + (past_device(stages, hw, need) or f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}"),
             need,
         )
