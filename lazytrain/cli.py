@@ -7,12 +7,12 @@ Errors from lazytrain's hierarchy, a bad flag, and a full disk print as one line
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
+from lazytrain import cli_flags as flags
 from lazytrain.errors import LazytrainError
-from lazytrain.units import format_size, parse_size
+from lazytrain.units import format_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,96 +30,10 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def _budget(text: str):
-    """A GPU budget: a size with a unit, min or max. A bare number is refused: `--budget 1.5` meant
-    1.5 GiB far more often than one byte."""
-    if text in ("min", "max"):
-        return text
-    valid = "write a size with a unit such as 24GiB or 512MiB, or min (the smallest that fits) or max (the whole device)"
-    try:
-        float(text)
-    except ValueError:
-        pass
-    else:
-        raise argparse.ArgumentTypeError(f"{text!r} has no unit; {valid}")
-    try:
-        size = parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a budget; {valid}") from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is no memory at all; {valid}")
-    return size
-
-
-MAX_STEPS = 10**9  # a billion steps: more is a typo, not a run
-MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed
-
-
-def _at_least(low: int, high: int | None = None):
-    """A whole number in [low, high]."""
-    bounds = f">= {low}" + (f" and <= {high:,}" if high is not None else "")
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass an integer {bounds}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}; pass an integer {bounds}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{value} is above {high:,}; pass an integer {bounds}")
-        return value
-    return parse
-
-
-def _path(text: str) -> str:
-    """A path flag's value: not empty (`--checkpoint-dir ''` would mean the current directory)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the path is empty; pass a file or directory name")
-    return text
-
-
-def _number(low: float, high: float = math.inf, low_open: bool = True):
-    """A finite float in (low, high] (or [low, high] when not `low_open`)."""
-    bounds = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass a number {bounds}") from None
-        if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; pass a number {bounds}")
-        return value
-    return parse
-
-
 _TILES = ("compute each gated MLP and RMSNorm (Qwen2, Llama, Gemma3) in tiles of tokens whose widest intermediate "
           "takes at most this (e.g. 256MiB), keeping only its input for backward, which recomputes each tile: for "
           "long sequences. 'auto' (default): in tiles where no untiled plan fits the budget, or where that lowers "
           "--budget min, of the size (64MiB, 256MiB or 1GiB) whose plan is fastest; 0 or 'off': never tile")
-
-
-def _tile_bytes(text: str) -> int | None:
-    """--tile-bytes: 'auto' (None), or a size as for --loss-chunk-bytes."""
-    return None if text.strip().lower() == "auto" else _chunk_bytes(text)
-
-
-def _chunk_bytes(text: str) -> int:
-    """--loss-chunk-bytes: a size with a unit, or 0 / off for no chunking. A bare number other than 0
-    is refused, as for --budget."""
-    if text.strip().lower() == "off":
-        return 0
-    try:
-        bare = float(text)
-    except ValueError:
-        bare = None
-    if bare is not None and bare != 0:
-        raise argparse.ArgumentTypeError(f"{text!r} has no unit; write a size such as 1GiB or 256MiB, or 0 or 'off'")
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{exc}, or 'off'") from None
 
 
 def compile_options(args):
@@ -216,12 +130,12 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile model.py into a static schedule.py")
     c.add_argument("model", help="a .py file defining build_model() and example_batch()")
-    c.add_argument("-o", "--output", type=_path, required=True, help="the schedule module to write")
-    c.add_argument("--budget", type=_budget, default="max",
+    c.add_argument("-o", "--output", type=flags.nonempty_path, required=True, help="the schedule module to write")
+    c.add_argument("--budget", type=flags.budget, default="max",
                    help="GPU memory budget, e.g. 24GiB; 'min' for the smallest feasible, 'max' (default) for the whole device")
     c.add_argument("--hardware", default=None, help="hardware profile: h200 (default), cpu, or a JSON file from `lazytrain profile`")
-    c.add_argument("--dump-ir", type=_path, metavar="DIR", default=None, help="write the IR after every stage into DIR")
-    c.add_argument("--time-limit", type=_number(0), default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
+    c.add_argument("--dump-ir", type=flags.nonempty_path, metavar="DIR", default=None, help="write the IR after every stage into DIR")
+    c.add_argument("--time-limit", type=flags.number(0), default=60.0, metavar="SECONDS", help="solver time limit (default 60)")
     c.add_argument("--time-passes", action="store_true", help="print each stage's time to stderr")
     c.add_argument("--optimizer-states", choices=["32bit", "8bit"], default="32bit",
                    help="AdamW state precision: 32bit (torch AdamW) or 8bit (bitsandbytes, blockwise quantised; "
@@ -231,11 +145,11 @@ def parser() -> argparse.ArgumentParser:
                         "rounding (half the host memory and traffic; the model's parameters become bf16)")
     c.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: the model's); master weights stay fp32 unless --master-weights bf16")
-    c.add_argument("--loss-chunk-bytes", type=_chunk_bytes, default=None, metavar="SIZE",
+    c.add_argument("--loss-chunk-bytes", type=flags.chunk_bytes, default=None, metavar="SIZE",
                    help="run the loss stage (final norm, lm_head, cross-entropy) in chunks of rows or tokens, each at most "
                         "this working set (default 1GiB); 0 or 'off' never chunks")
-    c.add_argument("--tile-bytes", type=_tile_bytes, default=None, metavar="SIZE", help=_TILES)
-    c.add_argument("--world-size", type=_at_least(1), default=1, metavar="N",
+    c.add_argument("--tile-bytes", type=flags.tile_bytes, default=None, metavar="SIZE", help=_TILES)
+    c.add_argument("--world-size", type=flags.at_least(1), default=1, metavar="N",
                    help="data-parallel ranks the schedule runs on (default 1); example_batch() is one rank's batch, "
                         "and every rank binds the same schedule (see README, Data parallel)")
     c.add_argument("--replicate-state", action="store_true",
@@ -266,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train a model with a schedule (default: the built-in tiny model on the shipped corpus)")
-    t.add_argument("--model", type=_path, default=None, help="model file, or Hugging Face model directory: config.json, safetensors "
+    t.add_argument("--model", type=flags.nonempty_path, default=None, help="model file, or Hugging Face model directory: config.json, safetensors "
                                                 "(one file or shards with their index), tokenizer (default: the bundled tiny Qwen2-style model)")
     t.add_argument("--weights", default=None, help="a .safetensors file or model.safetensors.index.json to start from "
                                                   "(default: the model directory's); 'random' for a fresh initialisation")
@@ -281,27 +195,27 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-data", nargs="+", default=None, metavar="FILES",
                    help="held-out data (the --data formats): its loss over learnt tokens is printed and logged as "
                         "eval_loss after the last step and every --eval-every steps")
-    t.add_argument("--eval-every", type=_at_least(1), default=None, metavar="N",
+    t.add_argument("--eval-every", type=flags.at_least(1), default=None, metavar="N",
                    help="with --eval-data: evaluate every N steps too (default: after the last step only)")
-    t.add_argument("--eval-steps", type=_at_least(1), default=None, metavar="K",
+    t.add_argument("--eval-steps", type=flags.at_least(1), default=None, metavar="K",
                    help="with --eval-data: batches an evaluation reads from the eval set's start (default: the whole "
                         "set, at most 50)")
-    t.add_argument("--batch-size", type=_at_least(1), default=None, help="for model directories (model files set their own)")
-    t.add_argument("--seq-len", type=_at_least(1), default=None, help="for model directories (model files set their own)")
-    t.add_argument("--schedule", type=_path, default=None, help="a compiled schedule (default: compile on the fly)")
-    t.add_argument("--budget", type=_budget, default="min", help="GPU budget when compiling on the fly: a size, min (default) or max")
+    t.add_argument("--batch-size", type=flags.at_least(1), default=None, help="for model directories (model files set their own)")
+    t.add_argument("--seq-len", type=flags.at_least(1), default=None, help="for model directories (model files set their own)")
+    t.add_argument("--schedule", type=flags.nonempty_path, default=None, help="a compiled schedule (default: compile on the fly)")
+    t.add_argument("--budget", type=flags.budget, default="min", help="GPU budget when compiling on the fly: a size, min (default) or max")
     t.add_argument("--hardware", default=None, help="hardware profile for compiling (default: cpu without a GPU, else h200)")
-    t.add_argument("--time-limit", type=_number(0), default=60.0, help="solver time limit in seconds")
+    t.add_argument("--time-limit", type=flags.number(0), default=60.0, help="solver time limit in seconds")
     t.add_argument("--optimizer-states", choices=["32bit", "8bit"], default=None,
                    help="AdamW state precision when compiling on the fly (default 32bit; a given --schedule has its own)")
     t.add_argument("--master-weights", choices=["fp32", "bf16"], default=None,
                    help="master weight precision when compiling on the fly (default: bf16 for a model whose config "
                         "says bfloat16, else fp32; bf16 rounds stochastically); a given --schedule has its own")
-    t.add_argument("--max-grad-norm", type=_number(0), default=None, help="clip gradients to this global norm (default off)")
+    t.add_argument("--max-grad-norm", type=flags.number(0), default=None, help="clip gradients to this global norm (default off)")
     t.add_argument("--clipping", choices=["exact", "previous-norm"], default=None,
                    help="with --max-grad-norm: clip by this step's global norm (exact, default) or the previous step's "
                         "(previous-norm: faster where optimizer steps run on the host); a given --schedule has its own")
-    t.add_argument("--tile-bytes", type=_tile_bytes, default=None, metavar="SIZE",
+    t.add_argument("--tile-bytes", type=flags.tile_bytes, default=None, metavar="SIZE",
                    help=_TILES + "; when compiling on the fly")
     t.add_argument("--fuse-stages", choices=["auto", "on", "off"], default="auto",
                    help="run each block kind's stage body compiled by torch.compile (Inductor), fusing its "
@@ -311,48 +225,48 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--disk", action="store_true",
                    help="when compiling on the fly: let the plan keep optimizer states, and stage outputs between "
                         "forward and backward, on disk where host memory runs short")
-    t.add_argument("--offload-dir", type=_path, default=None,
+    t.add_argument("--offload-dir", type=flags.nonempty_path, default=None,
                    help="an existing directory for what a schedule keeps on disk (default: the run "
                         "directory's offload/); the file is preallocated before training and removed at the end")
-    t.add_argument("--steps", type=_at_least(1, MAX_STEPS), default=None,
+    t.add_argument("--steps", type=flags.at_least(1, flags.MAX_STEPS), default=None,
                    help="steps the run ends at (default 200; on --resume, the run's own)")
-    t.add_argument("--lr", type=_number(0, 1), default=None,
+    t.add_argument("--lr", type=flags.number(0, 1), default=None,
                    help="peak learning rate, at most 1 (default 3e-3; on --resume, the run's own)")
-    t.add_argument("--warmup-steps", type=_at_least(0, MAX_STEPS), default=None,
+    t.add_argument("--warmup-steps", type=flags.at_least(0, flags.MAX_STEPS), default=None,
                    help="linear warm-up steps (default: 10%% of --steps; on --resume, the run's own)")
-    t.add_argument("--min-lr-ratio", type=_number(0, 1, low_open=False), default=None,
+    t.add_argument("--min-lr-ratio", type=flags.number(0, 1, low_open=False), default=None,
                    help="cosine decay ends at this fraction of --lr (default 0.1; on --resume, the run's own)")
     t.add_argument("--new-lr-schedule", action="store_true",
                    help="with --resume: follow the LR schedule these flags give from the checkpoint's step on, "
                         "instead of the one the run was started with")
-    t.add_argument("--weight-decay", type=_number(0, 10, low_open=False), default=0.01,
+    t.add_argument("--weight-decay", type=flags.number(0, 10, low_open=False), default=0.01,
                    help="AdamW's decoupled weight decay, at most 10 (default 0.01)")
-    t.add_argument("--seed", type=_at_least(0, MAX_SEED), default=0,
+    t.add_argument("--seed", type=flags.at_least(0, flags.MAX_SEED), default=0,
                    help="seed of the starting weights (with --weights random), the data order and dropout (default 0)")
     t.add_argument("--no-shuffle", action="store_true",
                    help="read the data in file order every epoch (default: each epoch shuffled from --seed; a resumed "
                         "run keeps the order it started with)")
-    t.add_argument("--checkpoint-dir", type=_path, default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
-    t.add_argument("--checkpoint-every", type=_at_least(1), default=50,
+    t.add_argument("--checkpoint-dir", type=flags.nonempty_path, default=None, help="run directory: schedule.py, log.jsonl, checkpoints/")
+    t.add_argument("--checkpoint-every", type=flags.at_least(1), default=50,
                    help="save a checkpoint every N steps, and after the last (default 50; needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
-    t.add_argument("--log", type=_path, default=None,
+    t.add_argument("--log", type=flags.nonempty_path, default=None,
                    help="JSONL log, one record per step (default: CHECKPOINT_DIR/log.jsonl); rewritten from the run's start")
     t.add_argument("--overwrite-log", action="store_true",
                    help="let a new run (no --resume) replace an existing --log file other than its run directory's "
                         "log.jsonl (refused by default)")
-    t.add_argument("--export-hf", type=_path, default=None, metavar="DIR",
+    t.add_argument("--export-hf", type=flags.nonempty_path, default=None, metavar="DIR",
                    help="after training, save a Hugging Face model directory (weights and the training tokenizer)")
     t.add_argument("--overwrite-export", action="store_true",
                    help="let --export-hf replace the --model directory, or a directory that holds other files than "
                         "an earlier export, whole (refused by default)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per step")
-    t.add_argument("--print-every", type=_at_least(1), default=10, help="print a loss line every N steps (default 10)")
-    t.add_argument("--nproc-per-node", type=_at_least(1), default=None, metavar="N",
+    t.add_argument("--print-every", type=flags.at_least(1), default=10, help="print a loss line every N steps (default 10)")
+    t.add_argument("--nproc-per-node", type=flags.at_least(1), default=None, metavar="N",
                    help="train data parallel on N ranks of this host (GPUs, or CPU processes), started through torch's "
                         "launcher; the batch is the global batch, split over the ranks (or launch with `torchrun "
                         "--nproc-per-node N -m lazytrain train ...`; see README, Training on several ranks)")
-    t.add_argument("--dist-timeout", type=_number(0), default=600.0, metavar="SECONDS",
+    t.add_argument("--dist-timeout", type=flags.number(0), default=600.0, metavar="SECONDS",
                    help="on several ranks: how long a rank waits for the others in any collective, rank 0's compile "
                         "included, before it fails (default 600)")
     t.set_defaults(fn=cmd_train)
