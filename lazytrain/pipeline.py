@@ -1,6 +1,6 @@
 """The compiler pipeline: one straight-line function of named stages.
 
-    capture -> causal -> costs -> liveness -> blocks -> chunk -> fusion -> solve -> lower -> verify -> codegen
+    capture -> causal -> gqa -> costs -> liveness -> blocks -> chunk -> fusion -> solve -> lower -> verify -> codegen
 
 Where the compile chooses the tile size (NOTE: [Tiles where nothing else fits]), `retile` rewrites
 the captured graph for each size searched, and costs through solve run once a size.
@@ -51,6 +51,7 @@ from lazytrain.passes.causal import causal
 from lazytrain.passes.chunk import chunk, decide
 from lazytrain.passes.costs import costs
 from lazytrain.passes.fusion import fusion
+from lazytrain.passes.gqa import gqa
 from lazytrain.passes.limits import limits, limits_text
 from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import lower
@@ -117,7 +118,7 @@ def analyse(model: torch.nn.Module, batch: dict, hw: Hardware, source: str = "",
 
 def _captured(model: torch.nn.Module, batch: dict, hw: Hardware, source: str, hook: _Hook,
               options: CompileOptions) -> Graph:
-    """Capture (in the options' dtype and tiles), then pass `causal`."""
+    """Capture (in the options' dtype and tiles), then passes `causal` and `gqa`."""
     if options.dtype is not None:
         model = model.to(options.dtype)
     with tiled(model, options.tile_bytes):  # NOTE: [Tiled MLP], [Tiled RMSNorm] in kernels/
@@ -129,6 +130,9 @@ def _captured(model: torch.nn.Module, batch: dict, hw: Hardware, source: str, ho
     graph = hook.run("causal", causal, graph)
     lint(graph)
     hook.dump(1, "causal", dump.text(graph))
+    graph = hook.run("gqa", gqa, graph)  # NOTE: [Grouped-query attention unrepeated] in passes/gqa.py
+    lint(graph)
+    hook.dump(1, "gqa", dump.text(graph))
     return graph
 
 

@@ -60,7 +60,7 @@ def test_dump_ir_writes_every_stage(tmp_path, capsys, in_root):
                      "--dump-ir", str(tmp_path / "ir"))
     assert code == 0
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
-    assert names == ["00-capture.json", "00-capture.txt", "01-causal.txt", "02-costs.txt", "03-liveness.txt",
+    assert names == ["00-capture.json", "00-capture.txt", "01-causal.txt", "01-gqa.txt", "02-costs.txt", "03-liveness.txt",
                      "04-blocks.txt", "05-chunk.txt", "06-solve.txt", "07-lower.txt"]
 
 

@@ -76,10 +76,11 @@ def test_attention_with_a_boolean_mask_counts_its_bias():
 
 def test_grouped_query_attention_at_the_bench_shape_saves_what_the_plan_counts():
     """A Qwen2.5-1.5B layer's attention (12 heads over 2 KV heads, head size 128, bf16) as the
-    schedule runs it, fused on the CPU as on the GPU: the captured graph repeats k and v into copies
-    that attention keeps, and the `contiguous` of its transposed output copies nothing (NOTE:
-    [Layouts that decide a copy] in passes/costs.py). Counted the other way the plan was 2 KiB a
-    token short per layer, which ran a 7B plan out of memory on the H200."""
+    schedule runs it, fused on the CPU as on the GPU: attention reads k and v unrepeated and keeps
+    them as they were made (NOTE: [Grouped-query attention unrepeated] in passes/gqa.py), and the
+    `contiguous` of its transposed output copies nothing (NOTE: [Layouts that decide a copy] in
+    passes/costs.py). Counted the other way the plan was 2 KiB a token short per layer, which ran a
+    7B plan out of memory on the H200, when the graph still repeated them."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lazytrain.pipeline import compile_model

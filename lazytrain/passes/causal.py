@@ -37,7 +37,7 @@ from lazytrain.ir.evaluate import decode, evaluate, operator
 from lazytrain.ir.graph import Graph, Node, OpKind, Sym, value_bytes
 
 SDPA = "aten.scaled_dot_product_attention.default"
-_SCHEMA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+SDPA_SCHEMA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 EVAL_LIMIT = 1 << 30  # bytes: larger constant masks are not evaluated (and not rewritten)
 
 
@@ -48,7 +48,7 @@ def causal(graph: Graph) -> Graph:
     for node in graph.of(OpKind.CALL):
         if node.target != SDPA:
             continue
-        args = dict(zip(_SCHEMA, node.args)) | dict(node.kwargs)
+        args = dict(zip(SDPA_SCHEMA, node.args)) | dict(node.kwargs)
         mask = args.get("attn_mask")
         if not isinstance(mask, Sym) or args.get("is_causal", False):
             continue
@@ -65,7 +65,7 @@ def causal(graph: Graph) -> Graph:
         return graph
     nodes = [rewritten.get(n.name, n) for n in graph]
     producers = {n.name for m in masks for n in _ancestors(graph, m)}
-    return dataclasses.replace(graph, nodes=tuple(_without_dead(nodes, graph.output, producers)))
+    return dataclasses.replace(graph, nodes=tuple(without_dead(nodes, graph.output, producers)))
 
 
 def _proven(graph: Graph, name: str, n_queries: int, n_keys: int) -> bool:
@@ -195,7 +195,7 @@ def _is_causal(mask: torch.Tensor | None, n_queries: int, n_keys: int) -> bool:
     return False
 
 
-def _without_dead(nodes: list[Node], output: str, candidates: set[str]) -> list[Node]:
+def without_dead(nodes: list[Node], output: str, candidates: set[str]) -> list[Node]:
     """Drop the candidates (the removed masks' producers) that nothing reads any more."""
     reads = {n.name: set(n.inputs()) for n in nodes}
     count = {n.name: 0 for n in nodes}

@@ -226,7 +226,8 @@ def _gradient_sums_s(node: Node, users: list[str], rg: frozenset[str], hw: Hardw
 # strides of what it reads, which the graph does not carry. Two cases in every decoder layer:
 #   - grouped-query attention repeats k and v as `expand` then `reshape` ([B, KV, n, T, D] to
 #     [B, KV*n, T, D]); the expanded dimension has stride 0, so the reshape copies, and attention's
-#     backward keeps the copies (not the KV-sized values they came from);
+#     backward keeps the copies (not the KV-sized values they came from). Pass `gqa` removes the
+#     repeats where attention has no mask (NOTE: [Grouped-query attention unrepeated]);
 #   - fused attention (flash, memory-efficient, the CPU's flash) lays its output out as [B, T, H, D]
 #     and returns it transposed, so the `contiguous` after the layer's `transpose(1, 2)` copies
 #     nothing, and the o-projection's saved input is attention's own output.
