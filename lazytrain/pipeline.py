@@ -127,12 +127,22 @@ def _captured(model: torch.nn.Module, batch: dict, hw: Hardware, source: str, ho
     hook.dump(0, "capture", dump.text(graph))
     if hook.dir:
         (hook.dir / "00-capture.json").write_text(dump.to_json(graph))
-    graph = hook.run("causal", causal, graph)
-    lint(graph)
-    hook.dump(1, "causal", dump.text(graph))
-    graph = hook.run("gqa", gqa, graph)  # NOTE: [Grouped-query attention unrepeated] in passes/gqa.py
-    lint(graph)
-    hook.dump(1, "gqa", dump.text(graph))
+    return rewritten(graph, hook)
+
+
+# The passes that rewrite the captured graph, in order: a schedule's FINGERPRINT is of the graph
+# they leave, which resuming on another number of ranks captures again (train/loop.py)
+REWRITES = (("causal", causal), ("gqa", gqa))
+
+
+def rewritten(graph: Graph, hook: _Hook | None = None) -> Graph:
+    """The captured `graph` after the passes that rewrite it (`REWRITES`): the graph a schedule of it
+    is fingerprinted by."""
+    hook = hook or _Hook(None, False)
+    for name, rewrite in REWRITES:
+        graph = hook.run(name, rewrite, graph)
+        lint(graph)
+        hook.dump(1, name, dump.text(graph))
     return graph
 
 

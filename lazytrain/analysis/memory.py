@@ -92,8 +92,8 @@ def _attention(node: Node, graph: Graph) -> int:
 @rule_backward("aten.scaled_dot_product_attention.default")
 def _attention_backward(node: Node, graph: Graph) -> int:
     """Its forward's internals, and with `enable_gqa` the key's and value's gradients at the query's
-    heads, which the kernel makes before it sums them down to the key-value heads (NOTE: [Grouped-
-    query attention unrepeated] in passes/gqa.py: 1.75 GiB of a 7B layer's 5.53 at 131,072 tokens)."""
+    heads, which the kernel makes before it sums them down to the key-value heads: 1.75 GiB of a 7B
+    layer's 5.53 at 131,072 tokens (NOTE: [Grouped-query attention unrepeated] in passes/gqa.py)."""
     extra = 0
     if dict(node.kwargs).get("enable_gqa", False):
         q, k, v = (_spec(graph, a) for a in node.args[:3])

@@ -10,7 +10,9 @@ and where the bytes go (NOTE: [Past the device])."""
 # its weights and their gradients), and the 28 layers' 7 GiB outputs (196 GiB) do not fit beside
 # the optimizer's host memory (128 GB) and the disk (64 GB), so the plan keeps some of them on the
 # GPU. The refusal gives those figures from the plan's own stages, and the smallest GPU that would
-# do: the budget plus what the device keeps outside any plan.
+# do: the budget plus what the device keeps outside any plan. (Since attention reads its key-value
+# heads unrepeated, NOTE: [Grouped-query attention unrepeated] in passes/gqa.py, the same row's
+# least is 131.5 GiB, inside the device: CPU plans, 2026-12-04.)
 
 from __future__ import annotations
 

@@ -122,10 +122,10 @@ def _checkpoint_fingerprint(prep: Prepared, found, schedule) -> str:
     if theirs == tuple(schedule.BATCH["input_ids"][0]):
         return schedule.FINGERPRINT
     from lazytrain.ir.capture import capture
-    from lazytrain.passes.causal import causal
+    from lazytrain.pipeline import rewritten
 
-    return causal(capture(prep.meta_model, zeros(schedule.BATCH, theirs), str(prep.source.path),
-                          schedule.DEVICE)).fingerprint()
+    return rewritten(capture(prep.meta_model, zeros(schedule.BATCH, theirs), str(prep.source.path),
+                             schedule.DEVICE)).fingerprint()
 
 
 def _check_schedule(args, schedule, prep: Prepared) -> None:
