@@ -9,10 +9,11 @@ prices the device's time, is short by the difference.
     python bench/step_issue.py [--case NAME] [--steps 3] [--warmup 2]     (on the GPU; schedules from
                                                                            `bench/fidelity.py compile`)
 
-Per timed step it prints the deferred steps issued, the host seconds spent issuing them (from the
-coefficient's read to the last one issued), the device's seconds after that until the step's
-work is done, and the host worker's jobs that overlapped the issue. Each switch interval given
-(`--intervals`, NOTE: [Host steps and the GIL] in runtime/streams.py) is run in turn.
+Per timed step it prints the deferred steps issued, the host seconds spent issuing them (their sum
+and median, and from the coefficient's read to the last one issued), the host's seconds from
+then until `step` returns, the device's seconds after that until its work is done, and the step's.
+Each GIL switch interval given (`--intervals`, NOTE: [Host steps and the GIL] in
+runtime/streams.py) is run in turn.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def main(argv=None) -> None:
 
     rows = []
     for interval in (float(x) for x in args.intervals.split(",")):
-        streams.SWITCH_INTERVAL_S = interval
-        sys.setswitchinterval(max(interval, 0.005))
+        streams.SWITCH_INTERVAL_S = interval  # a step runs at the smaller of this and the caller's:
+        sys.setswitchinterval(max(interval, 0.005))  # the caller's at least Python's default
         for i in range(args.warmup + args.steps):
             issue_log.clear()
             marks.clear()

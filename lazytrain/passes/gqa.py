@@ -48,10 +48,12 @@ def gqa(graph: Graph) -> Graph:
         if args.get("attn_mask") is not None or args.get("enable_gqa", False):
             continue
         q = graph[args["query"].value].value
-        found = [_repeated(graph, args[k], q) for k in ("key", "value")]
-        if not isinstance(q, TensorSpec) or None in found or found[0][1] != found[1][1]:
+        if not isinstance(q, TensorSpec) or len(q.shape) != 4:
             continue
-        (key, _, k_nodes), (value, _, v_nodes) = found
+        found = [_repeated(graph, args[k], q.shape[1]) for k in ("key", "value")]
+        if None in found:
+            continue
+        (key, k_nodes), (value, v_nodes) = found
         repeats.update(k_nodes + v_nodes)
         kwargs = tuple((n, v) for n, v in node.kwargs if n != "enable_gqa") + (("enable_gqa", True),)
         rewritten[node.name] = dataclasses.replace(node, args=(node.args[0], key, value) + tuple(node.args[3:]),
@@ -62,10 +64,10 @@ def gqa(graph: Graph) -> Graph:
     return dataclasses.replace(graph, nodes=tuple(without_dead(nodes, graph.output, repeats)))
 
 
-def _repeated(graph: Graph, arg, q: TensorSpec | None) -> tuple[Sym, int, list[str]] | None:
-    """Where `arg` is `repeat_kv(x, n)` of a [B, KV, S, D] `x` to q's heads: (x, n, the repeat's
-    nodes); else None."""
-    if not isinstance(arg, Sym) or arg.kind != "ref" or not isinstance(q, TensorSpec):
+def _repeated(graph: Graph, arg, heads: int) -> tuple[Sym, list[str]] | None:
+    """Where `arg` is `repeat_kv` of a [B, KV, S, D] `x` to `heads` heads: (x, the repeat's nodes);
+    else None."""
+    if not isinstance(arg, Sym) or arg.kind != "ref":
         return None
     reshape = graph[arg.value]
     if reshape.target not in _RESHAPES or not isinstance(reshape.args[0], Sym):
@@ -77,13 +79,11 @@ def _repeated(graph: Graph, arg, q: TensorSpec | None) -> tuple[Sym, int, list[s
     if unsqueeze.target != "aten.unsqueeze.default" or tuple(unsqueeze.args[1:]) != (2,) or \
             not isinstance(unsqueeze.args[0], Sym):
         return None
-    x = graph[unsqueeze.args[0].value].value
-    out = reshape.value
-    if not isinstance(x, TensorSpec) or not isinstance(out, TensorSpec) or len(x.shape) != 4 or len(q.shape) != 4:
+    x, out = graph[unsqueeze.args[0].value].value, reshape.value
+    if not isinstance(x, TensorSpec) or not isinstance(out, TensorSpec) or len(x.shape) != 4:
         return None
     b, kv, s, d = x.shape
-    heads = q.shape[1]
     if kv == 0 or heads % kv or heads == kv or out.shape != (b, heads, s, d) or \
             expand.value is None or tuple(expand.value.shape) != (b, kv, heads // kv, s, d):
         return None
-    return unsqueeze.args[0], heads // kv, [reshape.name, expand.name, unsqueeze.name]
+    return unsqueeze.args[0], [reshape.name, expand.name, unsqueeze.name]
