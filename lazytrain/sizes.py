@@ -34,6 +34,15 @@ def region_bytes(out_bytes: int, outputs: int) -> int:
     return aligned(out_bytes + (DISK_ALIGN - 1) * (outputs - 1), DISK_ALIGN) if outputs else 0
 
 
+def disk_region_bytes(out_bytes: int, outputs: int, split=None) -> int:
+    """A stage's outputs on disk (`region_bytes`): all of them, or with a `Split` (NOTE: [Boundary
+    tiles] in solver/boundary.py) its disk's share, the last floor(n * disk / of) elements of each
+    tensor (at most ceil(out_bytes * disk / of) bytes)."""
+    if split is None:
+        return region_bytes(out_bytes, outputs)
+    return region_bytes(-(-out_bytes * split.disk // split.of), outputs) if split.disk else 0
+
+
 # NOTE: [Backward steps from disk] in solver/disk_model.py: one buffer being read, one whose states
 # are on the GPU for the step, one being written back, so the disk never waits on the ring
 STATE_RING_SIZE = 3

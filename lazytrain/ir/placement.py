@@ -2,7 +2,8 @@
 
     weights    resident on the device, or streamed from the host with a forward lookahead
     internals  saved by autograd from forward to backward, or recomputed in backward
-    outputs    kept on the device, offloaded to the host, offloaded on to disk, or dropped and recomputed
+    outputs    kept on the device, offloaded to the host, offloaded on to disk (whole, or split by
+               the tile between device, host and disk: `Split`), or dropped and recomputed
     step       where its optimizer step runs (device or host), when (beside its backward, at the next
                step's forward prefetch, or as a job of its own), and where its master and optimizer
                states live between steps (device, host or disk)
@@ -198,6 +199,37 @@ KINDS = {
 
 
 @dataclass(frozen=True, slots=True)
+class Split:
+    """Offloaded outputs cut in `of` tiles (NOTE: [Boundary tiles] in solver/boundary.py): `device`
+    of them stay on the device, `disk` go on to the offload file, and the rest to host memory. Each
+    output tensor is cut in its memory order: the device's elements first, then the host's, then the
+    disk's (`numels`)."""
+    device: int
+    disk: int
+    of: int
+
+    def __post_init__(self):
+        if not (0 <= self.device and 0 <= self.disk and self.device + self.disk <= self.of) \
+                or self.device == self.of or (self.device == 0 and self.disk in (0, self.of)):
+            raise PlacementError(f"outputs split {self.device} on the device and {self.disk} on disk of {self.of} tiles: "
+                                 "a split keeps part of them apart from the rest (all or none on the device, or all on "
+                                 "disk, is no split)")
+
+    @property
+    def host(self) -> int:
+        return self.of - self.device - self.disk
+
+    def numels(self, n: int) -> tuple[int, int, int]:
+        """Of a tensor of n elements: how many stay on the device (the first ceil(n * device / of)),
+        go to the host, and go to disk (the last floor(n * disk / of))."""
+        device, disk = -(-n * self.device // self.of), n * self.disk // self.of
+        return device, n - device - disk, disk
+
+    def __repr__(self) -> str:
+        return f"Split({self.device}, {self.disk}, {self.of})"
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """One stage's decisions. Rules that depend on the stage's neighbours (a streamed stage before
     the last must recompute; dropped outputs need a recomputing consumer) are the planner's: pass
@@ -206,9 +238,15 @@ class Placement:
     internals: Internals = Internals.SAVED
     outputs: Outputs = Outputs.KEEP
     step: Step = Step.resident()
+    # offloaded outputs only: where their tiles go; None: all of them to the host (OFFLOAD) or to disk
+    # (DISK) (NOTE: [Boundary tiles] in solver/boundary.py)
+    split: Split | None = None
 
     def __post_init__(self):
         streamed, kind = self.weights.streamed, self.step.kind
+        if self.split is not None and (not self.outputs.offloaded or (self.split.disk > 0) != (self.outputs is Outputs.DISK)):
+            raise PlacementError(f"outputs {self.outputs.value} cannot be split {self.split!r}: a split is of offloaded "
+                                 "outputs, with tiles on disk where they are Outputs.DISK and only there")
         if streamed == (kind == "resident"):
             raise PlacementError(f"{'streamed' if streamed else 'resident'} weights cannot take a {kind} optimizer step: "
                                  "a resident stage steps on the device beside its master, a streamed one elsewhere")
@@ -250,10 +288,11 @@ class Placement:
         return "32bit" if self.step.on is On.HOST else chosen
 
     def __repr__(self) -> str:
-        return f"Placement({self.weights!r}, {self.internals!r}, {self.outputs!r}, {self.step!r})"
+        split = f", split={self.split!r}" if self.split is not None else ""
+        return f"Placement({self.weights!r}, {self.internals!r}, {self.outputs!r}, {self.step!r}{split})"
 
 
-NAMESPACE = {c.__name__: c for c in (Placement, Weights, Internals, Outputs, Step, Tier, On, When)}
+NAMESPACE = {c.__name__: c for c in (Placement, Weights, Internals, Outputs, Split, Step, Tier, On, When)}
 
 
 def describe(p: Placement, device: str = "cuda", states: str = "32bit", from_master: bool = False,
@@ -269,6 +308,9 @@ def describe(p: Placement, device: str = "cuda", states: str = "32bit", from_mas
             f"optimizer on {where}")
     step = p.step
     extra = [f"{p.states(states)} states"] if states != "32bit" else []
+    if p.split is not None:
+        split = p.split
+        extra.append(f"outputs' {split.of} tiles: {split.device} kept, {split.host} to host, {split.disk} to disk")
     extra += {"prefetch": ["at its prefetch"], "backward": ["in its backward"], "job": ["in a job of its own"]}.get(step.kind, [])
     if p.weights.lookahead == 2:
         extra.append("fetched 2 windows ahead")

@@ -16,11 +16,13 @@ rule's hooks (solver/steps/), called at fixed points of the walk with the `Lower
 from __future__ import annotations
 
 from lazytrain.hardware import Hardware
-from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
+from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.placement import Outputs
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
 from lazytrain.ir.stages import Stages
+from lazytrain.passes.lower_events import EventBuilder
+from lazytrain.solver.boundary import copy_s, kept_bytes, moved_bytes
 from lazytrain.solver.footprint import (
     backward_workspace,
     cast_s,
@@ -51,57 +53,6 @@ from lazytrain.solver.shards import (
 from lazytrain.solver.steps import RULES, StepRule
 
 
-class _Builder:
-    def __init__(self):
-        self.events: list[Event] = []
-        self.buffers: dict[str, Buffer] = {}
-        self.last_writer: dict[str, int] = {}
-        self.readers: dict[str, list[int]] = {}
-        self.t = 0.0  # start of the current window
-        self.stream_free: dict[Stream, float] = {}
-        self.end: list[float] = []
-        self.duration = lambda kind, stage, phase, moved: 0.0
-
-    def buffer(self, name, pool, nbytes, persistent=False):
-        self.buffers.setdefault(name, Buffer(name, pool, int(nbytes), persistent))
-        return name
-
-    def emit(self, stream, kind, stage, phase=None, reads=(), allocs=(), frees=(), workspace=0, device="", moved=None,
-             after=(), writes=()):
-        eid = len(self.events)
-        waits = set(after)
-        for b in reads:
-            if b in self.last_writer:
-                waits.add(self.last_writer[b])
-        for b in writes:  # overwriting in place: after what made it and everything that read it
-            waits.update(self.readers.get(b, ()))
-            if b in self.last_writer:
-                waits.add(self.last_writer[b])
-        for b in frees:
-            waits.update(self.readers.get(b, ()))
-            if b in self.last_writer:
-                waits.add(self.last_writer[b])
-        for b in allocs:  # reusing a name: wait until its previous life is over
-            waits.update(self.readers.get(b, ()))
-        # same-stream order is implicit: keep only cross-stream waits
-        waits = tuple(sorted(w for w in waits if self.events[w].stream is not stream))
-        # predicted timing: after the window opens, the stream is free and what it waits on is done
-        start = max([self.t, self.stream_free.get(stream, 0.0)] + [self.end[w] for w in waits])
-        if moved is None:
-            moved = self.buffers[(allocs or reads or ("fixed",))[0]].bytes
-        duration = self.duration(kind, stage, phase, moved)
-        self.stream_free[stream] = start + duration
-        self.end.append(start + duration)
-        self.events.append(Event(eid, stream, kind, stage, phase, tuple(reads), tuple(allocs), tuple(frees),
-                                 waits, tuple(writes), int(workspace), device, round(start, 9), round(duration, 9)))
-        for b in reads:
-            self.readers.setdefault(b, []).append(eid)
-        for b in tuple(allocs) + tuple(writes):
-            self.last_writer[b] = eid
-            self.readers[b] = []
-        return eid
-
-
 def _durations(stages: Stages, plan: Plan, hw: Hardware):
     """Predicted seconds per event, from the same rates the solver used."""
     def duration(kind: Kind, stage: int, phase: Phase | None, moved: int) -> float:
@@ -119,6 +70,8 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return moved / hw.h2d_bandwidth
         if kind is Kind.OFFLOAD:
             return moved / hw.d2h_bandwidth
+        if kind is Kind.FREE:  # a kept part's copy (NOTE: [Boundary tiles] in solver/boundary.py)
+            return copy_s(moved, hw)
         if kind in (Kind.REDUCE, Kind.GATHER):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
@@ -137,7 +90,7 @@ class Lowering:
     def __init__(self, stages: Stages, plan: Plan, hw: Hardware):
         self.stages, self.plan, self.hw = stages, plan, hw
         self.dec = dec = plan.decisions
-        self.b = _Builder()
+        self.b = EventBuilder()
         self.b.duration = _durations(stages, plan, hw)
         self.M = stages.master_bytes
         self.n = sharding(stages)  # NOTE: [Sharded state] in runtime/sharding.py
@@ -153,6 +106,7 @@ class Lowering:
         if stages.shared_params:
             self.rgrads[-1] = "rgrad:shared"
         self.stepped: dict[int, int] = {}  # stage -> its OPT_STEP event, for the step's write-back
+        self.parts_out: set[int] = set()  # stages whose kept part is apart from their outputs (NOTE: [Boundary tiles])
 
     def rule(self, s: int) -> StepRule:
         """Stage `s`'s optimizer-step rule."""
@@ -183,6 +137,33 @@ class Lowering:
 
     def acts_in(self, s: int) -> tuple[str, ...]:
         return tuple(f"act:{p}" for p in self.producers[s])
+
+    # ---- NOTE: [Boundary tiles] in solver/boundary.py ---------------------------------------------
+    def part_away(self, p: int) -> None:
+        """At stage p's last forward reader: its outputs go from the device, all of them or all but
+        the device's part of a split, which is copied into `part:p` first."""
+        split = self.dec[p].split
+        if split is None or not split.device:
+            self.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
+            return
+        self.emit(Stream.COMPUTE, Kind.FREE, p, reads=(f"act:{p}",), allocs=(f"part:{p}",), frees=(f"act:{p}",),
+                  moved=kept_bytes(self.stages[p], split))
+        self.parts_out.add(p)
+
+    def reload(self, p: int) -> None:
+        """Stage p's offloaded outputs back into a whole buffer; the device's part of a split goes
+        back in before the first compute that reads them (`part_back`)."""
+        self.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",),
+                  moved=moved_bytes(self.stages[p], self.dec[p].split))
+
+    def part_back(self, readers: tuple[int, ...]) -> None:
+        """Before a backward-side compute that reads the outputs of `readers`' stages: the device's
+        parts of those reloaded copied into them, on the compute stream, and freed."""
+        for p in readers:
+            if p in self.parts_out:
+                self.parts_out.discard(p)
+                self.emit(Stream.COMPUTE, Kind.FREE, p, reads=(f"part:{p}",), writes=(f"act:{p}",),
+                          frees=(f"part:{p}",), moved=kept_bytes(self.stages[p], self.dec[p].split))
 
     def step_out_bytes(self, s: int) -> int:
         """What a GPU step of stage `s` writes back (and a step in backward fetches): weights, master, states."""
@@ -256,8 +237,11 @@ def _buffers(lo: Lowering, hw: Hardware) -> None:
         lo.buffer(f"act:{s}", "gpu", g.out_bytes if g.consumers else 0)
         lo.buffer(f"saved:{s}", "gpu", g.saved_bytes)
         lo.buffer(f"grad:{s}", "gpu", g.grad_out_bytes)
+        split = lo.dec[s].split
         if lo.dec[s].outputs.offloaded:
-            lo.buffer(f"host:act:{s}", "host", g.out_bytes)
+            lo.buffer(f"host:act:{s}", "host", moved_bytes(g, split))
+        if split is not None and split.device:  # NOTE: [Boundary tiles] in solver/boundary.py
+            lo.buffer(f"part:{s}", "gpu", kept_bytes(g, split))
     for rule in RULES.values():
         rule.shared_buffers(lo)
 
@@ -305,7 +289,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         for p in lo.producers[s]:
             mode = dec[p].outputs
             if (mode.offloaded and stages[p].consumers[-1] == s) or (mode is Outputs.DROP and s == p + 1):
-                b.emit(Stream.COMPUTE, Kind.FREE, p, frees=(f"act:{p}",))
+                lo.part_away(p)
 
     # ---- backward ---------------------------------------------------------------------------
     for s in reversed(range(S)):
@@ -315,7 +299,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             lo.rule(s - 1).backward_prefetch(lo, s - 1)
         for p in range(S):
             if dec[p].outputs.offloaded and stages[p].consumers[-1] + 1 == s:
-                b.emit(Stream.H2D, Kind.RELOAD, p, reads=(f"host:act:{p}",), allocs=(f"act:{p}",))
+                lo.reload(p)
         if s + 1 < S and n > 1:  # the last backward's stage: its gradient reduce-scattered beside this backward
             lo.reduce(s + 1)
         elif s + 1 < S:
@@ -325,6 +309,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
             while j - 1 >= 0 and dec[j - 1].outputs is Outputs.DROP:
                 j -= 1
             for i in range(j, s):  # regenerate the dropped segment bottom-up
+                lo.part_back(lo.producers[i])
                 b.emit(Stream.COMPUTE, Kind.COMPUTE, i, Phase.RECOMPUTE, reads=("fixed",) + lo.weights(i) + lo.acts_in(i),
                        allocs=(f"act:{i}",), workspace=forward_workspace(stages[i]))
         save = not dec[s].recomputed and g.chunks == 1
@@ -333,6 +318,7 @@ def lower(stages: Stages, plan: Plan, hw: Hardware) -> Schedule:
         allocs = tuple(f"grad:{p}" for p in lo.producers[s] if stages[p].grad_outputs and stages.grad_maker(p) == s) + \
             ((f"g:{s}",) if dec[s].streamed else (lo.rgrads[s],)) + (("rgrad:shared",) if s == S - 1 and -1 in lo.rgrads else ())
         # a chunked stage's workspace is one chunk's forward and backward (its peak_bytes)
+        lo.part_back(lo.producers[s])
         lo.cast(s)
         b.emit(Stream.COMPUTE, Kind.COMPUTE, s, Phase.BWD, reads=reads, allocs=allocs,
                workspace=chunk_workspace(stages, s) + backward_workspace(g) if g.chunks > 1

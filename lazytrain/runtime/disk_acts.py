@@ -25,7 +25,7 @@ from lazytrain.errors import ScheduleMismatch
 from lazytrain.runtime.carve import Carver, nbytes
 from lazytrain.runtime.disk import OffloadFile, Worker, staging_buffer
 from lazytrain.runtime.pinned import PinnedArena
-from lazytrain.sizes import ACT_RING_SIZE, DISK_ALIGN, aligned, region_bytes
+from lazytrain.sizes import ACT_RING_SIZE, DISK_ALIGN, aligned, disk_region_bytes
 
 _ABANDONED = -1  # in place of a buffer: the step that queued the wait has ended
 
@@ -36,7 +36,8 @@ class DiskActivations:
     def __init__(self, stages, order: list[int], directory, pinned: PinnedArena | None, size: int = ACT_RING_SIZE):
         """`stages`: the schedule's stages whose outputs go to disk (`out_bytes`, `outputs`);
         `order`: their indices in the order backward reloads them."""
-        self.sizes = {s.index: region_bytes(s.out_bytes, len(s.outputs)) for s in stages}
+        # a split's disk part alone (NOTE: [Boundary tiles] in solver/boundary.py)
+        self.sizes = {s.index: disk_region_bytes(s.out_bytes, len(s.outputs), s.placement.split) for s in stages}
         self.order = list(order)
         self.last = max(self.sizes)  # the forward offloads stages in index order: this one comes last
         self.file = OffloadFile(directory, {self._region(s): n for s, n in self.sizes.items()})

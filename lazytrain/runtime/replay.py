@@ -15,11 +15,12 @@ Swapping `.data` does not bump the version counter, so autograd accepts it.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from lazytrain.ir.events import Event, Kind, Phase
-from lazytrain.ir.placement import Outputs
+from lazytrain.ir.placement import Outputs, Split
 from lazytrain.runtime import rng
 from lazytrain.runtime.chunked import chunked_backward
 from lazytrain.runtime.gpu_step import GpuStepper
@@ -47,6 +48,10 @@ class Replay:
         self.pinned, self.device = pinned, device
         self.cuda = device.type == "cuda"
         self.host_act: dict[str, torch.Tensor] = {}  # page-locked copies of offloaded outputs, kept across steps
+        # NOTE: [Boundary tiles] in solver/boundary.py: an output split by the tile, its shape, dtype
+        # and elements on the device, the host and disk; and the device's parts while the rest is away
+        self.whole: dict[str, tuple] = {}
+        self.parts: dict[str, torch.Tensor] = {}
         self.env = self.act_grads = self.saved = self.rng = None
         self.loss = self.loss_scale = None
 
@@ -89,6 +94,7 @@ class Replay:
         if self.dp is not None and loss is not None:
             loss = self.dp.mean_loss(loss)
         self.env = self.act_grads = self.saved = self.rng = None
+        self.parts = {}
         return loss
 
     def _weight(self, name):
@@ -245,17 +251,39 @@ class Replay:
                 self.ring.store(e.stage, self._landed())
         elif buf.startswith(("g:", "sg:")):  # gradients of streamed weights (sharded: this rank's shard) to the host
             self.gradients.offload(e.stage)
+        elif self.stages[e.stage].placement.split is not None:  # NOTE: [Boundary tiles] in solver/boundary.py
+            self._offload_split(e.stage)
         elif self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in solver/disk_model.py
             outputs = {name: self.env[name] for name in self.stages[e.stage].outputs if name in self.env}
             self.act_disk.offload(e.stage, outputs, self._landed)
         else:
             for name in self.stages[e.stage].outputs:
                 if name in self.env:
-                    t = self.env[name]
-                    host = self.host_act.get(name)
-                    if host is None:
-                        host = self.host_act[name] = self.pinned.empty(t.shape, t.dtype)
-                    host.copy_(t, non_blocking=True)
+                    self._to_host(name, self.env[name])
+
+    def _to_host(self, name: str, t: torch.Tensor) -> None:
+        """`t` (an output, or its host part) into its page-locked host buffer, kept across steps."""
+        host = self.host_act.get(name)
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = self.host_act[name] = self.pinned.empty(t.shape, t.dtype)
+        host.copy_(t, non_blocking=True)
+
+    def _offload_split(self, stage: int) -> None:
+        """NOTE: [Boundary tiles] in solver/boundary.py: each output's host part to its host buffer and
+        its disk part through the ring; its device part stays until the FREE after its last reader."""
+        split, disk = self.stages[stage].placement.split, {}
+        for name in self.stages[stage].outputs:
+            if name in self.env:
+                t = self.env[name]
+                self.whole[name] = (t.shape, t.dtype) + _numels(t, split)
+                kept, host, _ = self.whole[name][2:]
+                flat = t.view(-1) if t.is_contiguous() else t
+                if host:
+                    self._to_host(name, flat[kept:kept + host] if t.is_contiguous() else t)
+                if kept + host < t.numel():
+                    disk[name] = flat[kept + host:]
+        if split.disk:
+            self.act_disk.offload(stage, disk, self._landed)
 
     # NOTE: [Reloads from the compute pool] A reloaded output is made from the compute stream's pool,
     # as a slot is (NOTE: [Slots] in store.py), and filled on H2D. Made on H2D, as `.to` inside the
@@ -265,6 +293,21 @@ class Replay:
     # none of it allocated, and retried 2-4 times a step: its two slowest windows (+51 and +67 ms)
     # were the two whose reload took 20-28 ms, priced 4.2.
     def _reload(self, e: Event):
+        split = self.stages[e.stage].placement.split
+        if split is not None:  # NOTE: [Boundary tiles] in solver/boundary.py: the whole, its device part copied in later
+            disk = self.act_disk.reload(e.stage) if split.disk else {}
+            for name in self.stages[e.stage].outputs:
+                if name in self.whole:
+                    shape, dtype, kept, host, _ = self.whole[name]
+                    flat = self._empty(shape, dtype).view(-1)
+                    if host:
+                        flat[kept:kept + host].copy_(self.host_act[name].view(-1), non_blocking=True)
+                    if name in disk:
+                        flat[kept + host:].copy_(disk[name], non_blocking=True)
+                    self.env[name] = flat.view(shape)
+            if split.disk:
+                self.act_disk.release(e.stage, self._landed())
+            return
         if self.stages[e.stage].placement.outputs is Outputs.DISK:  # NOTE: [Activations on disk] in solver/disk_model.py
             for name, host in self.act_disk.reload(e.stage).items():
                 self.env[name] = self._to_device(host, copy=True)  # the buffer goes back to the ring
@@ -279,8 +322,15 @@ class Replay:
         (where `.to` would return `host` itself). NOTE: [Reloads from the compute pool]"""
         if not self.cuda:
             return host.to(self.device, copy=copy)
-        t = self.streams.slot(host.numel() * host.element_size(), self.device).view(host.dtype).view(host.shape)
-        return t.copy_(host, non_blocking=True)
+        return self._empty(host.shape, host.dtype).copy_(host, non_blocking=True)
+
+    def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A reloaded output's device buffer, from the compute pool on a GPU (NOTE: [Reloads from
+        the compute pool])."""
+        if not self.cuda:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.streams.slot(nbytes, self.device).view(dtype).view(shape)
 
     def _free(self, e: Event):
         kind, _, idx = e.frees[0].partition(":")
@@ -302,8 +352,16 @@ class Replay:
         elif kind == "g":
             self.gradients.parked.pop(stage.index, None)
         elif kind == "act":
+            if e.allocs:  # NOTE: [Boundary tiles] in solver/boundary.py: the kept part first
+                for name in stage.outputs:
+                    if self.whole.get(name, (0, 0, 0))[2]:
+                        self.parts[name] = self.env[name].view(-1)[:self.whole[name][2]].clone()
             for name in stage.outputs:
                 self.env.pop(name, None)
+        elif kind == "part":  # NOTE: [Boundary tiles]: back into the reloaded whole
+            for name in stage.outputs:
+                if name in self.parts:
+                    self.env[name].view(-1)[:self.whole[name][2]].copy_(self.parts.pop(name))
         elif kind == "saved":
             self.saved.pop(stage.index, None)
         elif kind == "grad":
@@ -327,3 +385,10 @@ class Replay:
             self.store.work[p].data = torch.empty(0, device=self.device, dtype=self.store.dtype[p])
         self.store.release_slot(f"w:{stage}")
 
+
+
+def _numels(t: torch.Tensor, split: Split) -> tuple[int, int, int]:
+    """Of output `t`, the elements that stay on the device, go to the host and go to disk (NOTE:
+    [Boundary tiles] in solver/boundary.py), in memory order. An output not laid out in one piece
+    goes to the host whole: the device and the disk then hold less than the plan, the host more."""
+    return split.numels(t.numel()) if t.is_contiguous() else (0, t.numel(), 0)

@@ -28,9 +28,9 @@ from typing import Callable
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.ir.events import Buffer, Event, Kind, Phase, Stream
-from lazytrain.ir.placement import Internals, On, Outputs, Placement, Step, Tier, Weights, When
+from lazytrain.ir.placement import Internals, On, Outputs, Placement, Split, Step, Tier, Weights, When
 
-__all__ = ["Buffer", "Event", "Internals", "Kind", "On", "Outputs", "Phase", "Placement", "Stage", "Step", "Stream", "Tier",
+__all__ = ["Buffer", "Event", "Internals", "Kind", "On", "Outputs", "Phase", "Placement", "Split", "Stage", "Step", "Stream", "Tier",
            "Weights", "When", "bind_module", "check_integrity", "load_schedule", "load_source"]
 
 # 2: per-stage optimizer-state precision (`Stage.states`); 3: `Stage.skips` and `remat`; 4: `DEVICE`, the
@@ -56,8 +56,10 @@ __all__ = ["Buffer", "Event", "Internals", "Kind", "On", "Outputs", "Phase", "Pl
 # gradients (NOTE: [Data parallel] in data_parallel.py); 17: `Stage.placement`, each stage's decisions as one typed
 # value (ir/placement.py), in place of the flags versions 8 to 15 added one at a time; 18: `SHARDED_WEIGHTS`,
 # each rank's host keeps 1/N of the streamed weights, gathered at every prefetch (NOTE: [Sharded host weights]
-# in host_weights.py): an older runtime would read a whole host copy that is not there
-FORMAT_VERSION = 18
+# in host_weights.py): an older runtime would read a whole host copy that is not there; 19: `Placement.split`,
+# offloaded outputs split by the tile between the device, host memory and disk (`part:S` buffers; NOTE:
+# [Boundary tiles] in solver/boundary.py)
+FORMAT_VERSION = 19
 
 
 _CHECKSUM_LINE = re.compile(r'^CHECKSUM = ".*"$', re.MULTILINE)

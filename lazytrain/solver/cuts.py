@@ -56,7 +56,8 @@ def exposure_cut(m, v, e, load, cap, modes):
     coef: dict = {}
     for var, a in load.expr.items():
         if var.idx not in modes:
-            if var.var_type != mip.CONTINUOUS or var.lb < 0 or a < 0:
+            # an integer count (NOTE: [Boundary tiles] in boundary.py) is as nonnegative as a part
+            if var.var_type == mip.BINARY or var.lb < 0 or a < 0:
                 return
             continue  # a nonnegative part: leaving it out only weakens the row
         group, key = modes[var.idx]

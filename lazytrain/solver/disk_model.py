@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import mip
 
+from lazytrain.solver import boundary
 from lazytrain.solver.backlog import backlog
 from lazytrain.solver.footprint import (
     ACT_RING,
     DISK_RING,
     can_put_outputs_on_disk,
-    disk_act_bytes,
     disk_gpu_state_bytes,
     disk_io_s,
     disk_master_bytes,
@@ -39,7 +39,8 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
     in_ring = [disk_gpu_state_bytes(g.param_numel, st.state_bytes) * bdk[s] for s, g in enumerate(st)]
     states = mip.xsum(x * (1.0 / unit) for x in on_disk + in_ring) * unit  # all of it leaves the host
     masters = mip.xsum(disk_master_bytes(g) * mdk[s] for s, g in enumerate(st))  # NOTE: [Masters on disk]
-    model.disk = states + masters + mip.xsum(disk_act_bytes(g) * adk[s] for s, g in enumerate(st))  # NOTE: [Activations on disk]
+    acts = [boundary.outputs_on_disk(model.v, s, g) for s, g in enumerate(st)]  # NOTE: [Activations on disk], by the tile
+    model.disk = states + masters + mip.xsum(on for on, _ in acts)
     model.disk_io = [0.0] * (TAIL + 1)  # seconds of disk reads and writes in a window
     if not disk_ok:
         for x in bdk + adk + mdk:
@@ -56,7 +57,7 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
     for s, g in enumerate(st):
         m += ahead >= (disk_gpu_state_bytes(g.param_numel, st.state_bytes) / unit) * dst[s]
     # the host gives up what went to disk (outputs: only what offloading them had put there)
-    model.host = model.host + (staging + ahead) * unit - states - mip.xsum(g.out_bytes * adk[s] for s, g in enumerate(st))
+    model.host = model.host + (staging + ahead) * unit - states - mip.xsum(left for _, left in acts)
     # NOTE: [Disk-stepped stages] one GPU slot the jobs take turns in, for the whole step
     slot = m.add_var("disk_step_slot", lb=0.0)  # in units of `unit` bytes
     model.floors.append(slot)
@@ -77,7 +78,7 @@ def _rings(model: StepModel, bdk, adk, mdk) -> None:
     for name, size, passing in (
             ("disk_ring", DISK_RING, lambda s, g: disk_gpu_state_bytes(g.param_numel, st.state_bytes) * bdk[s]
              + disk_master_bytes(g) * mdk[s]),
-            ("act_ring", ACT_RING, lambda s, g: disk_act_bytes(g) * adk[s])):
+            ("act_ring", ACT_RING, lambda s, g: boundary.outputs_on_disk(model.v, s, g)[0])):
         ring = m.add_var(name, lb=0.0)  # one buffer, in units of `unit` bytes
         model.floors.append(ring)
         for s, g in enumerate(st):
@@ -99,10 +100,11 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
         due[L.bw(min(s + 2, S - 1))] += io
         if can_put_outputs_on_disk(st, s):  # `formulation._vars` allows no other
             last = g.consumers[-1]
-            write = disk_act_bytes(g) / hw.disk_write_bandwidth * adk[s]
+            on_disk = boundary.outputs_on_disk(model.v, s, g)[0]
+            write = on_disk * (1.0 / hw.disk_write_bandwidth)
             released[L.fw(s + 1)] += write
             due[L.fw(min(s + ACT_RING, S - 1))] += write
-            read = disk_act_bytes(g) / hw.disk_read_bandwidth * adk[s]
+            read = on_disk * (1.0 / hw.disk_read_bandwidth)
             released[L.bw(S - 1)] += read
             due[L.bw(last + 2)] += read
     windows = list(range(S)) + [L.bw(w) for w in range(S - 1, -1, -1)] + [TAIL]

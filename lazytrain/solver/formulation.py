@@ -76,17 +76,17 @@ if getattr(_cbc, "has_cbc", False):
     _cbc.cbclib.Cbc_deleteModel  # noqa: B018
 
 from lazytrain.hardware import Hardware
-from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Tier, Weights
+from lazytrain.ir.placement import Internals, Outputs, Placement, Split, Step, Tier, Weights
 from lazytrain.ir.plan import Plan, SolverInfo
 from lazytrain.ir.stages import Stages
 from lazytrain.passes.limits import limits
+from lazytrain.solver import boundary
 from lazytrain.solver import cuts as cuts_
 from lazytrain.solver import milp
 from lazytrain.solver.backlog import job_intervals
 from lazytrain.solver.footprint import (
     can_put_outputs_on_disk,
     deferred_step_bytes,
-    disk_act_bytes,
     disk_gpu_state_bytes,
     disk_io_s,
     disk_master_bytes,
@@ -122,8 +122,12 @@ from lazytrain.solver.step_model import StepModel, byte_unit
 # NOTE: [Backward steps where nothing else fits]
 # Steps in backward (NOTE: [Backward steps] in step_model.py), and with the disk tier their states on
 # disk (NOTE: [Backward steps from disk] in disk_model.py), are searched only where no plan without them fits
-# the budget (then also by `smallest_budget`, so a refusal names the least with them), and stage
-# outputs on disk with them (NOTE: [Activations on disk] there). On
+# the budget (then also by `smallest_budget`, so a refusal names the least with them). Stage outputs
+# on disk (NOTE: [Activations on disk] there) were searched with them until their tiles were (NOTE:
+# [Boundary tiles] in boundary.py): at 1 x 1,048,576 tokens with `--disk` the first search, without
+# them, spent the whole time limit (60 s, HiGHS then CBC, 2026-12-04) failing to show that no plan
+# fits, where with them it proves its plan in 0.15 s. They are priced like the rest (the disk's
+# seconds in every window), so the search takes them where they are faster, with `--disk` only. On
 # the H200 box (2026-12-01, bench/results/backward_steps) the 32B at max (16 x 1024, bf16 masters),
 # where host memory does not bind, measured 8.97 s with them against 8.16 predicted, and the plan
 # without them 8.72 s against 8.74: slower, and 10 % off their plan, where the windows are short for
@@ -198,6 +202,7 @@ def _vars(m: mip.Model, stages: Stages, hw: Hardware):
             m += drop <= 1 - sig
             for p in g.producers:
                 m += drop <= 1 - v["off"][p]
+    boundary.tile_variables(m, v, stages)  # NOTE: [Boundary tiles] in boundary.py
     m += v["R"][0] == 0
     # Without drop[c-1] the row must leave R[c] free: the least R[c-1] is at most the outputs of the
     # stages before c-1, so those and out[c-1] are a big enough M (a tighter one, a tighter relaxation).
@@ -243,11 +248,12 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[Placement] | N
     # NOTE: [Disk steps not searched], NOTE: [Backward steps where nothing else fits]: bounds at 0, as for the
     # choices a stage cannot take (`_vars`)
     backward_steps = SEARCH_BACKWARD_STEPS if backward_steps is None else backward_steps
-    unsearched = ["dstep"] + ([] if backward_steps else ["bstep", "bdisk", "adisk", "mdisk"])
+    unsearched = ["dstep"] + ([] if backward_steps else ["bstep", "bdisk", "mdisk"])
     if fixed is None:
         for key in unsearched:
             for x in v[key]:
-                x.ub = 0.0
+                if x is not None:
+                    x.ub = 0.0
     if fixed is not None:
         for x, value in _start(v, fixed).items():
             m += x == value
@@ -286,11 +292,11 @@ def _build(stages, hw, budget, minimise_memory: bool, fixed: list[Placement] | N
 
 
 def _decisions(v, S, val) -> list[Placement]:
-    """The placements the binaries' values name (`_start` is the inverse)."""
-    return [_placement({k: val(v[k][s]) > 0.5 for k in KEYS}) for s in range(S)]
+    """The placements the variables' values name (`_start` is the inverse)."""
+    return [_placement({k: val(v[k][s]) > 0.5 for k in KEYS}, boundary.split_of(v, s, val)) for s in range(S)]
 
 
-def _placement(on: dict[str, bool]) -> Placement:
+def _placement(on: dict[str, bool], split: Split | None = None) -> Placement:
     """One stage's placement from its binaries: `stream` picks resident or streamed weights, and a
     streamed stage's step kind is `dstep` (a job), `gstep` with `bstep` (in backward) or alone (at the
     prefetch), else a host step."""
@@ -298,7 +304,7 @@ def _placement(on: dict[str, bool]) -> Placement:
     outputs = (Outputs.DISK if on["adisk"] else Outputs.OFFLOAD) if on["off"] else Outputs.DROP if on["drop"] else Outputs.KEEP
     tier = {False: Tier.HOST, True: Tier.DISK}
     if not on["stream"]:
-        return Placement(Weights(cast_on_use=on["cast"]), internals, outputs, Step.resident(frees_grads=on["free"]))
+        return Placement(Weights(cast_on_use=on["cast"]), internals, outputs, Step.resident(frees_grads=on["free"]), split)
     if on["dstep"]:
         step = Step.job()
     elif on["gstep"] and on["bstep"]:
@@ -307,13 +313,14 @@ def _placement(on: dict[str, bool]) -> Placement:
         step = Step.at_prefetch()
     else:
         step = Step.host(tier[on["disk"]])
-    return Placement(Weights(streamed=True, lookahead=2 if on["ahead"] else 1), internals, outputs, step)
+    return Placement(Weights(streamed=True, lookahead=2 if on["ahead"] else 1), internals, outputs, step, split)
 
 
 def _start(v, decisions: list[Placement]) -> dict:
     """Each binary's value in `decisions` (a warm start, or the pinned values of a fixed plan): the
     inverse of `_decisions`."""
-    return {v[key][s]: float(value) for s, p in enumerate(decisions) for key, value in _binaries(p).items()}
+    values = {v[key][s]: float(value) for s, p in enumerate(decisions) for key, value in _binaries(p).items()}
+    return values | boundary.tile_values(v, decisions)
 
 
 def _binaries(p: Placement) -> dict[str, bool]:
@@ -354,7 +361,7 @@ def disk_bytes(stages: Stages, s: int, p: Placement) -> int:
     outputs between forward and backward (NOTE: [Activations on disk] there), and the master of a
     step in backward from disk (NOTE: [Masters on disk] there)."""
     g = stages[s]
-    acts = disk_act_bytes(g) if p.outputs is Outputs.DISK else 0
+    acts = boundary.disk_part_bytes(g, p.split) if p.outputs is Outputs.DISK else 0  # NOTE: [Boundary tiles]
     if p.step.states is not Tier.DISK:
         return acts
     master = disk_master_bytes(g) if p.step.master is Tier.DISK else 0

@@ -15,6 +15,7 @@ import mip
 from lazytrain.hardware import Hardware
 from lazytrain.ir.stages import Stage, Stages
 from lazytrain.solver.backlog import backlog
+from lazytrain.solver import boundary
 from lazytrain.solver.disk_model import disk_tier
 from lazytrain.solver.footprint import (
     CPU_STATE_BYTES,
@@ -240,8 +241,10 @@ class StepModel:
         for t in range(L.bw(self.st.grad_maker(s)), L.bw(s) + 1):
             mem[t] = mem[t] + g.grad_out_bytes
         if cmax < S - 1:
-            self.spread(self.d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], off * g.out_bytes, f"off{s}")
-            self.h2d[L.bw(cmax + 1)] += g.out_bytes * off
+            moved = boundary.moved_out(self.v, s, g)
+            self.spread(self.d2h, [L.fw(w) for w in range(s + 1, cmax + 1)], moved, f"off{s}")
+            self.h2d[L.bw(cmax + 1)] += moved
+            boundary.kept_part(self, s, g, cmax)  # NOTE: [Boundary tiles] in boundary.py
 
     def _host_steps(self) -> None:
         """The host worker's seconds per window: its backlog over the windows its jobs may run in."""
@@ -278,7 +281,7 @@ class StepModel:
     def _host_memory(self, terms: list[StageTerms]):
         """Host bytes: masters, streamed stages' host copies and states, offloaded outputs."""
         stages, v, M = self.st, self.v, self.st.master_bytes
-        sig, gst, dst, off, mdk = v["stream"], v["gstep"], v["dstep"], v["off"], v["mdisk"]
+        sig, gst, dst, mdk = v["stream"], v["gstep"], v["dstep"], v["mdisk"]
         if self.n > 1:  # the model's parameters hold the full weights in the compute dtype; the rest is shards
             n = self.n
             # NOTE: [Sharded host weights] in runtime/host_weights.py: a streamed stage's, a shard
@@ -286,15 +289,15 @@ class StepModel:
                         if self.zero3 else g.param_bytes for s, g in enumerate(stages))
             return whole + stages.shared_bytes + sum(
                 sig[s] * host_shard_bytes(g.param_bytes, g.param_numel, len(g.params), stages.state_bytes, M, n)
-                - gst[s] * piece(M * g.param_numel, g.param_numel, len(g.params), n) + off[s] * g.out_bytes
+                - gst[s] * piece(M * g.param_numel, g.param_numel, len(g.params), n) + boundary.moved_out(v, s, g)
                 + (sig[s] - gst[s]) * piece((CPU_STATE_BYTES - stages.state_bytes) * g.param_numel, g.param_numel,
                                             len(g.params), n)
                 for s, g in enumerate(stages))
         placed = self.hw.device == "cuda"  # NOTE: [Resident masters on the device]
         return sum(M * g.param_numel * (sig[s] if placed else 1) for s, g in enumerate(stages)) + sum(
-            self._stage_host(st, sig[st.s], gst[st.s] + dst[st.s], off[st.s], mdk[st.s]) for st in terms)
+            self._stage_host(st, sig[st.s], gst[st.s] + dst[st.s], boundary.moved_out(v, st.s, st.g), mdk[st.s]) for st in terms)
 
-    def _stage_host(self, st: StageTerms, sig, device, off, mdk):
+    def _stage_host(self, st: StageTerms, sig, device, offloaded, mdk):
         """A stage's host bytes, without sharded state: a streamed stage's; a stage stepped on the
         device (`device`: gstep + dstep) keeps no fp32 master there, nor the compute-dtype copy where
         its prefetches read the master; its kind's own (solver/steps/); its offloaded outputs; and a
@@ -304,7 +307,7 @@ class StepModel:
             - device * (M * g.param_numel + st.copy)
         for rule in RULES.values():
             host = host + rule.host_bytes(self, st, rule.indicator(self.v, st.s))
-        return host + off * g.out_bytes - mdk * (M * g.param_numel - g.param_bytes)
+        return host + offloaded - mdk * (M * g.param_numel - g.param_bytes)
 
     def _sharded(self, s, g, mem, comm, h2d, d2h, sig, gst):
         """Stage `s` with sharded state (NOTE: [Sharded state] in runtime/sharding.py): its
