@@ -20,7 +20,9 @@ CASES = {"fp32_max": (None, 1 << 40), "fp32_min": (None, "min"), "bf16_min": (to
          "fp32_gpu_step": (None, "gpu_step"),  # every stage streamed, optimizer steps on the GPU
          "fp32_min_chunked": (None, "min"), "bf16_min_chunked": (torch.bfloat16, "min"),  # loss stage in chunks
          # bf16 masters with 8-bit states: resident, and streamed with GPU steps (the 7B bench's plans)
-         "bf16master_max_8bit": (torch.bfloat16, 1 << 40), "bf16master_min_8bit": (torch.bfloat16, "min")}
+         "bf16master_max_8bit": (torch.bfloat16, 1 << 40), "bf16master_min_8bit": (torch.bfloat16, "min"),
+         # offloaded outputs split by the tile between the device, host memory and disk (NOTE: [Boundary tiles])
+         "fp32_split": (None, "split")}
 
 
 def tiny_qwen():
@@ -63,6 +65,8 @@ def schedule_source(case: str, fused: bool = True) -> str:
         meta = meta.to(dtype)
     if budget == "gpu_step":
         return _gpu_stepped(meta, fused)
+    if budget == "split":
+        return _split(meta, fused)
     opts = {"fuse_stages": fused, "optimizer_states": "8bit" if case.endswith("8bit") else "32bit",
             "master_weights": "bf16" if case.startswith("bf16master") else "fp32"}
     if case.endswith("chunked"):  # the loss stage in one chunk per token (NOTE: [Chunked loss])
@@ -89,6 +93,40 @@ def _gpu_stepped(meta, fused: bool) -> str:
     return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name)
 
 
+# tiny Qwen's stages: the prologue, 4 layers, the loss. The prologue's and first layers' outputs
+# (last read by stage S-3 or before) may go to disk; each is cut in 4 tiles.
+SPLITS = {0: ("o", (1, 0)), 1: ("f", (1, 2)), 2: ("f", (0, 1)), 3: ("o", (3, 0))}
+
+
+def _split(meta, fused: bool) -> str:
+    """A forced plan whose offloaded outputs are split by the tile (NOTE: [Boundary tiles] in
+    lazytrain/solver/boundary.py): kept and host; kept, host and disk; host and disk; kept and host."""
+    import dataclasses
+
+    from lazytrain import hardware
+    from lazytrain.codegen.render import render
+    from lazytrain.ir.placement import Split
+    from lazytrain.passes.lower import lower
+    from lazytrain.pipeline import analyse
+    from lazytrain.solver import boundary
+    from lazytrain.solver.solve import evaluate
+    from models import decisions
+
+    hw = hardware.load("h200")
+    graph, stages = analyse(meta, tiny_batch(), hw, fuse_stages=fused)
+    stages = dataclasses.replace(stages, disk=True)
+    old, boundary.TILE_BYTES = boundary.TILE_BYTES, -(-stages[1].out_bytes // 4)
+    try:
+        last = len(stages) - 1
+        spec = ["-R" + SPLITS.get(s, ("k",))[0] if s != last else "-rk" for s in range(len(stages))]
+        decs = [dataclasses.replace(d, split=Split(*SPLITS[s][1], boundary.tiles(stages[s]))) if s in SPLITS else d
+                for s, d in enumerate(decisions(spec))]
+        plan = evaluate(stages, hw, 1 << 40, decs)
+        return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name)
+    finally:
+        boundary.TILE_BYTES = old
+
+
 def bind(case: str, model, **kw):
     from lazytrain.runtime.schedule import load_source
 
@@ -109,7 +147,7 @@ def exact_fp32():
 
 @needs_gpu
 @pytest.mark.parametrize("fuse", [False, True], ids=["eager", "fused"])
-@pytest.mark.parametrize("case", ["fp32_max", "fp32_min", "fp32_min_chunked"])
+@pytest.mark.parametrize("case", ["fp32_max", "fp32_min", "fp32_min_chunked", "fp32_split"])
 def test_gradients_match_eager_on_gpu(case, fuse):
     """fused: the stage bodies compiled by Inductor (NOTE: [Fused stages] in runtime/fused.py)."""
     from lazytrain.runtime import fused
@@ -230,6 +268,16 @@ def test_reloads_come_from_the_compute_pool():
 @needs_gpu
 def test_clipped_steps_match_torch_adamw_on_gpu():
     _, model, ref = clipped_steps("fp32_min", adamw, lr=1e-3, weight_decay=0.1)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.detach().cpu(), q.detach().cpu(), atol=1e-4), name
+
+
+@needs_gpu
+def test_split_outputs_match_torch_adamw_on_gpu():
+    """NOTE: [Boundary tiles]: each split output's device part copied out and back on the compute
+    stream, its host part through page-locked memory, its disk part through the ring: eager AdamW's
+    weights after clipped steps."""
+    _, model, ref = clipped_steps("fp32_split", adamw, lr=1e-3, weight_decay=0.1)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.detach().cpu(), q.detach().cpu(), atol=1e-4), name
 
