@@ -126,7 +126,7 @@ from lazytrain.solver.step_model import StepModel, byte_unit
 # on disk (NOTE: [Activations on disk] there) were searched with them until their tiles were (NOTE:
 # [Boundary tiles] in boundary.py): at 1 x 1,048,576 tokens with `--disk` the first search, without
 # them, spent the whole time limit (60 s, HiGHS then CBC, 2026-12-04) failing to show that no plan
-# fits, where with them it proves its plan in 0.15 s. They are priced like the rest (the disk's
+# fits, where with them it proves its plan in 0.26 s. They are priced like the rest (the disk's
 # seconds in every window), so the search takes them where they are faster, with `--disk` only. On
 # the H200 box (2026-12-01, bench/results/backward_steps) the 32B at max (16 x 1024, bf16 masters),
 # where host memory does not bind, measured 8.97 s with them against 8.16 predicted, and the plan
