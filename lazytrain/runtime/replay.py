@@ -63,6 +63,7 @@ class Replay:
         self.saved: dict[int, tuple] = {}
         self.rng: dict[int, rng.RngState] = {}  # random stage -> generator states its forward began from
         self.loss = None
+        self.parts = {}  # NOTE: [Boundary tiles]: none left by a step that failed halfway
         self.loss_scale = None  # with ranks: world / their learnt targets, once per step (NOTE: [Data parallel])
         if self.act_disk is not None:  # NOTE: [Activations on disk] in solver/disk_model.py
             self.act_disk.begin()
