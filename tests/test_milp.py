@@ -11,6 +11,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from lazytrain import hardware
+from lazytrain.errors import PlanError
 from lazytrain.ir.placement import Internals, Outputs, Placement, PlacementError, Step, Weights
 from lazytrain.pipeline import analyse
 from lazytrain.solver import milp
@@ -399,6 +400,34 @@ def test_a_refusal_the_least_memory_plan_contradicts_is_not_made(monkeypatch):
     assert plan.solver.status == "fallback" and "least-memory plan" in plan.solver.message
     monkeypatch.setattr(milp, "optimize", real)
     assert solve(stages, HW, int(need * 1.5)).step_s <= plan.step_s * (1 + GAP) + 1e-12
+
+
+def test_a_refusal_whose_least_memory_plan_is_then_rejected_names_no_smallest_budget(monkeypatch):
+    """NOTE: [A refusal the solver contradicts]: the search answers "infeasible", the least-memory plan
+    fits the budget, and the step model rejects it: the refusal says the three disagree, and names no
+    budget (the 2026-12-04 review's contradiction: "smallest feasible budget" under the one refused)."""
+    from lazytrain.errors import InfeasibleBudget
+    from lazytrain.solver import solve as solve_module
+
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
+    real = milp.optimize
+
+    def infeasible_search(m, time_limit, gap, start=None):
+        if m.objective.expr and any(v.name == "peak" for v in m.objective.expr):  # the least-memory solve
+            return real(m, time_limit, gap, start)
+        return milp.Result(milp.INFEASIBLE, (), float("nan"), float("nan"), "highs", 0.0, 0.0)
+
+    def rejected(*args, **kwargs):
+        raise PlanError("the given decisions are not a valid plan (solver: infeasible)")
+    monkeypatch.setattr(milp, "optimize", infeasible_search)
+    monkeypatch.setattr(solve_module, "evaluate", rejected)
+    budget = int(need * 1.5)
+    with pytest.raises(InfeasibleBudget) as refused:
+        solve(stages, HW, budget)
+    text = str(refused.value)
+    assert "smallest feasible budget" not in text and "disagree" in text and "not a valid plan" in text
+    assert refused.value.smallest_feasible == budget + 1
 
 
 def test_a_refusal_below_the_least_memory_plan_stands():

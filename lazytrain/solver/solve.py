@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from lazytrain.errors import InfeasibleBudget, PlanError
+from lazytrain.errors import InfeasibleBudget, PlanError, one_line
 from lazytrain.hardware import Hardware
 from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Weights
 from lazytrain.ir.plan import Plan, SolverInfo
@@ -112,6 +112,9 @@ def _disk_hint(stages: Stages, hw: Hardware, need: int) -> str:
 # plans 21.9 GiB, and the refusal did not come again in three tries. A least-memory solve stopped
 # at its time limit names the peak of a plan it found, not the least any plan needs (whether the
 # 77.8 GiB came so is not known): such a refusal says that a plan fits that budget, and no more.
+# Where the least-memory plan fits the budget but the step model then rejects it (`evaluate`), all
+# three disagree: the refusal says so and names no budget as the least, carrying the budget plus a
+# byte (the least any plan could need, for the caller that compares refusals).
 GAP = 1e-2  # the relative gap a solve stops at; reported in the plan (NOTE: [HiGHS beside CBC] in milp.py)
 
 
@@ -148,8 +151,13 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
                     "the search answered that no plan fits, but the least-memory plan does: it is this plan"))
                 return dataclasses.replace(plan, solver=dataclasses.replace(
                     plan.solver, seconds=time.perf_counter() - start))
-            except PlanError:
-                pass
+            except PlanError as rejected:
+                # the two searches and the step model disagree: no budget the refusal could name is proven
+                raise InfeasibleBudget(
+                    f"no plan fits a GPU budget of {format_size(budget)}: the search found none, and the plan the "
+                    f"least-memory search found within it ({format_size(need, round_up=True)}) was then rejected "
+                    f"({one_line(rejected)}). The solvers disagree on this model; raise --time-limit, or --budget",
+                    budget + 1) from None
         have, want = format_size(budget), format_size(need, round_up=True)
         if have == want:  # one decimal cannot tell them apart: give bytes too
             have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
