@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lazytrain import hardware
 from lazytrain.ir.events import Kind, Phase
 from lazytrain.pipeline import analyse, compile_model
-from lazytrain.solver.footprint import backward_workspace, forward_workspace
+from lazytrain.solver.workspace import backward_workspace, forward_workspace
 from models import hf_config, model_pair, token_batch
 
 HW = hardware.load("cpu")

@@ -24,18 +24,13 @@ from lazytrain.ir.stages import Stages
 from lazytrain.passes.lower_events import EventBuilder
 from lazytrain.solver.boundary import copy_s, kept_bytes, moved_bytes
 from lazytrain.solver.footprint import (
-    backward_workspace,
     cast_s,
-    chunk_workspace,
     deferred_step_bytes,
     fixed_bytes,
-    forward_workspace,
     gpu_step_out_bytes,
     gpu_step_s,
     prefetches_from_master,
-    recompute_workspace,
     resident_bytes,
-    saving_workspace,
     shared_grad_bytes,
     shared_step_bytes,
 )
@@ -51,6 +46,13 @@ from lazytrain.solver.shards import (
     sharding,
 )
 from lazytrain.solver.steps import RULES, StepRule
+from lazytrain.solver.workspace import (
+    backward_workspace,
+    chunk_workspace,
+    forward_workspace,
+    recompute_workspace,
+    saving_workspace,
+)
 
 
 def _durations(stages: Stages, plan: Plan, hw: Hardware):

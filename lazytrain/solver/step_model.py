@@ -20,18 +20,13 @@ from lazytrain.solver.disk_model import disk_tier
 from lazytrain.solver.footprint import (
     CPU_STATE_BYTES,
     Layout,
-    backward_workspace,
-    chunk_workspace,
     deferred_step_bytes,
     disk_available,
     fixed_bytes,
-    forward_workspace,
     gpu_step_s,
     host_bytes_streamed,
     master_staging_bytes,
-    recompute_workspace,
     resident_bytes,
-    saving_workspace,
     shared_grad_bytes,
     step_bytes,
     weights_from_master,
@@ -51,6 +46,13 @@ from lazytrain.solver.shards import (
     sharding,
 )
 from lazytrain.solver.steps import RULES, StageTerms
+from lazytrain.solver.workspace import (
+    backward_workspace,
+    chunk_workspace,
+    forward_workspace,
+    recompute_workspace,
+    saving_workspace,
+)
 
 
 class StepModel:

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 from lazytrain.ir.events import Kind, Stream
 from lazytrain.solver.footprint import (
-    backward_workspace,
     cast_s,
-    chunk_workspace,
     resident_bytes,
     resident_grad_bytes,
     step_bytes,
 )
 from lazytrain.solver.shards import resident_sharded_bytes, shard_grad_bytes
 from lazytrain.solver.steps.base import StepRule, rule
+from lazytrain.solver.workspace import backward_workspace, chunk_workspace
 
 
 @rule
