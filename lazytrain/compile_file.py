@@ -8,7 +8,8 @@ from pathlib import Path
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import LazytrainError
 from lazytrain.files import write_atomic
-from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+from lazytrain.ir.capture import check_batch
+from lazytrain.ir.model_file import build_on_meta, load_model_file
 from lazytrain.options import CompileOptions, check_budget
 from lazytrain.pipeline import Compiled, compile_model
 

@@ -101,7 +101,8 @@ def builtin_schedule(tmp_path, spec, hw, compute: torch.dtype | None = None):
     from pathlib import Path
 
     import lazytrain.examples
-    from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+    from lazytrain.ir.capture import check_batch
+    from lazytrain.ir.model_file import build_on_meta, load_model_file
     from lazytrain.pipeline import analyse
 
     path = Path(lazytrain.examples.__file__).parent / "tiny_qwen.py"

@@ -23,7 +23,8 @@ SEEDS = ("1", "2", "3", "4")
 
 CAPTURE = """
 import json, torch, transformers as T
-from lazytrain.ir.capture import build_on_meta, capture
+from lazytrain.ir.capture import capture
+from lazytrain.ir.model_file import build_on_meta
 from lazytrain.ir.dump import structural_text
 
 common = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

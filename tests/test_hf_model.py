@@ -280,7 +280,7 @@ def test_resident_masters_load_straight_onto_their_device(tmp_path):
     in for a GPU), one tensor at a time; the streamed ones in host memory, with the checkpoint's
     values; tied names stay one parameter."""
     from lazytrain import hardware
-    from lazytrain.ir.capture import build_on_meta
+    from lazytrain.ir.model_file import build_on_meta
     from lazytrain.pipeline import analyse
     from lazytrain.runtime.schedule import load_source
     from lazytrain.runtime.store import resident_targets

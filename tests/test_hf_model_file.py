@@ -9,7 +9,8 @@ import json
 import torch
 
 from lazytrain.cli import main
-from lazytrain.ir.capture import build_on_meta, capture, load_model_file
+from lazytrain.ir.capture import capture
+from lazytrain.ir.model_file import build_on_meta, load_model_file
 
 MODEL = '''
 import torch

@@ -27,7 +27,7 @@ from lazytrain import examples
 from lazytrain import hardware as hw_profiles
 from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import cannot_write, nearest_existing
-from lazytrain.ir.capture import build_on_meta
+from lazytrain.ir.model_file import build_on_meta
 from lazytrain.runtime.disk import check_directory
 from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.checkpoint_load import holds_checkpoints, load_latest

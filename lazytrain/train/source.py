@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from lazytrain.errors import DataError, TraceError, one_line
-from lazytrain.ir.capture import build_on_meta, check_batch, load_model_file
+from lazytrain.ir.capture import check_batch
+from lazytrain.ir.model_file import build_on_meta, load_model_file
 from lazytrain.train import weights as ckpt_weights
 
 RANDOM = "random"  # --weights random: train from a fresh initialisation
