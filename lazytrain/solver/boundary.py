@@ -15,7 +15,8 @@ step) and put 8 on disk, and its search stopped at the 60 s limit at a 1.63 % ga
 1994.0 s. With the shares on disk continuous the same search proved 1933.0 s within 0.76 % in
 0.21 s: that relaxation, which tiles make real, was what the search could not close. A whole
 boundary's disk decision was the hard one: with tiles kept and offloaded but disk whole, the search
-still stopped at its limit (1994.1 s, 1.42 %).
+still stopped at its limit (1994.1 s, 1.42 %). With tiles on disk too the plan is 1933.0 s, proven
+in 0.27 s, and the whole compile takes 1.70x its capture (bench/README.md, long sequences).
 At runtime (runtime/replay.py) the FREE after the last forward reader copies the device's part of
 each output into a buffer of its own (`part:S`) and frees the whole; the RELOAD fills a new whole
 from host memory and the disk's ring, and before the first compute that reads it in backward (by

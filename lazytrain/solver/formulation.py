@@ -10,6 +10,8 @@ F0) and `tail` (after B0), which hide nothing. Per stage s:
                 `remat_s`, less than `fwd_s` where backward reads nothing of some linears (NOTE: [Skipped recompute])
   off[s]        outputs offloaded during F(s+1)..F(cmax), reloaded during B(cmax+1)
   drop[s]       outputs freed after F(s+1) and recomputed at the top of their drop segment
+  moved[s], dtiles[s]  integers, where the outputs are more than one tile: the tiles offloaded and,
+                of those, the tiles on disk; the rest stay on the device (NOTE: [Boundary tiles] in boundary.py)
 A chunked last stage (`chunks` > 1, pass `chunk`) runs forward and backward together, chunk by
 chunk, at B(s): its compute moves there, it saves nothing from F(s) (saved_bytes 0, recompute 0)
 and its working set at B(s) is one chunk's (its peak_bytes); the full-size gradient of its input is
