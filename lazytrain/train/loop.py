@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lazytrain.errors import CheckpointError, DataError, LazytrainError
+from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.options import FUSE_STAGES, CompileOptions, check_budget
@@ -34,21 +34,18 @@ from lazytrain.runtime.optim import master_dtype
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.runtime.store import resident_targets
 from lazytrain.summary import summary
-from lazytrain.train import checkpoint as ckpt
 from lazytrain.train.checkpoint_load import check_fingerprint
-from lazytrain.train.export import export_hf
 from lazytrain.train import distributed
 from lazytrain.train.distributed import PeerFailed, Ranks, from_rank0, together
 from lazytrain.train.lock import RunLock
 from lazytrain.train.preflight import Prepared, device_type, hardware, prepare
-from lazytrain.train.finite import check_loaded, check_restored, labelled_state, param_names, refuse_nonfinite
-from lazytrain.train.resume import LrSchedule, check_structure, lr_lambda, trim_log
-from lazytrain.train import report
+from lazytrain.train.finite import check_loaded
+from lazytrain.train.resume import check_structure, lr_lambda, trim_log
+from lazytrain.train import report, run_state
 from lazytrain.train.boundaries import POSITIONS
 from lazytrain.train.evaluation import evaluate
 from lazytrain.train.flops import attention_layers
 from lazytrain.train.packing import UNPACKED
-from lazytrain.train.room import Room
 from lazytrain.train.run_data import zeros
 from lazytrain.train.source import ModelSource
 from lazytrain.units import format_size
@@ -216,7 +213,7 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     masters = DiskMasters(schedule, offload_dir) if masters_on_disk(schedule) else None  # loaded straight there
     model = _materialize(source, schedule, masters)
     if found is not None:  # weights first: binding copies them to the GPU
-        _restore_weights(found, model)
+        run_state.restore_weights(found, model)
     elif source.weights is not None:  # NOTE: [Finite state] in finite.py
         check_loaded(model, source.weights.origin)
     trainer = schedule.bind(model, lr=lr.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
@@ -228,7 +225,8 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     start = 0
     if found is not None:
         with together(ranks, "restoring the checkpoint"):  # a refusal on one rank stops every rank
-            _restore_state(found, trainer, scheduler, data, lr if prep.lr_notice else None, ranks.rank if ranks else 0)
+            run_state.restore_state(found, trainer, scheduler, data, lr if prep.lr_notice else None,
+                                    ranks.rank if ranks else 0)
         start = found.step
         was = found.extra.get("world_size", 1)
         print(f"resumed from {found.path} at step {start}" + (f" (saved on {was} rank{'s' if was > 1 else ''})"
@@ -237,7 +235,7 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     on = f" (each of {prep.world} ranks)" if ranks else ""
     print(f"runtime on {trainer.device}{on}: weight and optimizer slots (at most) {format_size(memory['slot_bytes'])}, "
           f"page-locked host buffers {format_size(memory['pinned_bytes'])}", flush=True)
-    room = _room(args, run_dir, model, schedule, start, lr, ranks)  # NOTE: [Checkpoint room] in room.py
+    room = run_state.room_for(args, run_dir, model, schedule, start, lr, ranks)  # NOTE: [Checkpoint room] in room.py
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers = attention_layers(prep.meta_model)  # NOTE: [Model FLOPs] in flops.py
@@ -278,9 +276,8 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
         done = step + 1
         if run_dir is not None and (done % args.checkpoint_every == 0 or done == lr.steps):
             if done < lr.steps or not args.export_hf:  # with an export, the final weights go there first
-                _save_in_room(room, done, done == lr.steps, ranks,
-                              lambda: _save(run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT, lr,
-                                            prep, ranks))
+                run_state.save_in_room(room, done, done == lr.steps, ranks, lambda: run_state.save(
+                    run_dir, done, model, trainer, scheduler, data, schedule.FINGERPRINT, lr, prep, ranks))
     bar.close()
     if run_dir is not None and trainer.timeline and main:
         from lazytrain.timeline import save_measured
@@ -292,62 +289,9 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
         log.close()
     if args.export_hf:
         final = None if run_dir is None or start >= lr.steps else (
-            lambda: _save(run_dir, lr.steps, model, trainer, scheduler, data, schedule.FINGERPRINT, lr, prep, ranks))
-        _export(args, model, trainer, prep, ranks, room, max(start, lr.steps), final)
+            lambda: run_state.save(run_dir, lr.steps, model, trainer, scheduler, data, schedule.FINGERPRINT, lr, prep, ranks))
+        run_state.export(args, model, trainer, prep, ranks, room, max(start, lr.steps), final)
     return record
-
-
-def _room(args, run_dir, model, schedule, start: int, lr: LrSchedule, ranks: Ranks | None) -> Room | None:
-    """The checkpoints' disk checked before the first step (NOTE: [Checkpoint room] in room.py): a
-    line for saves that will not fit, and a refusal where the final state fits nowhere."""
-    if run_dir is None:
-        return None
-    room = Room.of(run_dir / "checkpoints", model, schedule, args.export_hf)
-    saves = [d for d in range(start + 1, lr.steps + 1) if d % args.checkpoint_every == 0 or d == lr.steps]
-    for line in from_rank0(ranks, lambda: room.check(saves, lr.steps), "checking the checkpoints' disk"):
-        print(line, flush=True)
-    return room
-
-
-def _save_in_room(room: Room, step: int, final: bool, ranks: Ranks | None, save) -> None:
-    """`save()` where the checkpoint of `step` fits, else the line saying it is skipped."""
-    skipped = from_rank0(ranks, lambda: room.final(step) if final else room.periodic(step), "making room for a checkpoint")
-    if skipped:
-        print(skipped, flush=True)
-    else:
-        save()
-
-
-def _export(args, model, trainer, prep: Prepared, ranks: Ranks | None, room: Room | None, step: int,
-            save_final) -> None:
-    """--export-hf: the weights, tokenizer and marker, written whole (export.py), then the final
-    checkpoint (`save_final`; None without a run directory or a step trained). An export that
-    fails leaves the final state to the checkpoint: it is saved as in a run without an export,
-    then the export's error is raised, naming the checkpoint that holds the trained state."""
-    out = Path(args.export_hf)
-    trainer.sync_model()
-    try:
-        with together(ranks, "the export"):
-            if ranks is None or ranks.main:
-                if room is not None:
-                    room.before_export()
-                about = {"step": step, "model": str(prep.source.path), "checkpoint_dir": args.checkpoint_dir}
-                refuse_nonfinite(step, model.state_dict().items(), "export")  # NOTE: [Finite state] in finite.py
-                export_hf(model, out, tokenizer=prep.tokenizer, about=about)
-    except Exception as failed:  # every rank: the final checkpoint is a collective save
-        if room is None:
-            raise
-        held = f"the newest checkpoint in {room.root}"
-        if save_final is not None:  # as in a run without an export: never skipped for it
-            _save_in_room(replace(room, export=None), step, True, ranks, save_final)
-            held = f"the checkpoint {room.root / ckpt.dir_name(step)}"
-        if not isinstance(failed, LazytrainError) or isinstance(failed, PeerFailed):
-            raise
-        raise type(failed)(f"{failed}; the trained state (step {step}) is in {held}: rerun with --resume to export it "
-                           "from there") from None
-    print(f"exported the weights of step {step} to {out}", flush=True)
-    if save_final is not None:
-        _save_in_room(room, step, True, ranks, save_final)
 
 
 def _offload_dir(args, run_dir, schedule) -> str | None:
@@ -361,46 +305,3 @@ def _offload_dir(args, run_dir, schedule) -> str | None:
         return None
     (run_dir / "offload").mkdir(parents=True, exist_ok=True)
     return str(run_dir / "offload")
-
-
-def _save(run_dir, step, model, trainer, scheduler, data, fingerprint, lr: LrSchedule, prep: Prepared,
-          ranks: Ranks | None):
-    extra = {"data": data.state_dict(), "scheduler": scheduler.state_dict(), "lr_schedule": lr.record(),
-             "world_size": prep.world, "rank_batch": list(prep.rank_batch)}
-    if ranks is not None:  # NOTE: [Distributed checkpoints]
-        from lazytrain.train import dist_checkpoint
-
-        dist_checkpoint.save(run_dir / "checkpoints", step, ranks, trainer=trainer, model=model, extra=extra,
-                             fingerprint=fingerprint)
-        return
-    trainer.sync_model()  # weights stepped on the GPU back into the model's masters
-    model_state, optimizer_state = {k: v.detach() for k, v in model.state_dict().items()}, trainer.state_dict()
-    refuse_nonfinite(step, labelled_state(model_state, optimizer_state, param_names(trainer.m)))  # NOTE: [Finite state]
-    ckpt.save_checkpoint(run_dir / "checkpoints", step, model_state=model_state, optimizer_state=optimizer_state,
-                         fingerprint=fingerprint, extra=extra)
-
-
-def _restore_weights(found, model):
-    with torch.no_grad():
-        own = model.state_dict()
-        for name, tensor in found.model_state.items():
-            own[name].copy_(tensor)
-
-
-def _restore_state(found, trainer, scheduler, data, new_lr: LrSchedule | None, rank: int = 0):
-    from lazytrain.train.dist_checkpoint import DEFERRED, SHARDED, restore_optimizer
-
-    # First, so that a position over other data is refused before any state is set; it counts the
-    # global rows consumed, the same at any world size.
-    data.load_state_dict(found.extra["data"])
-    restore_optimizer(trainer, found.optimizer_state, found.model_state)
-    if DEFERRED in found.optimizer_state.get(SHARDED, {}):  # moments read only now: NOTE: [Finite state]
-        check_restored(trainer, found.path)
-    scheduler.load_state_dict(found.extra["scheduler"])
-    if new_lr is not None:  # --new-lr-schedule: the new peak and curve from the checkpoint's step on
-        scheduler.base_lrs = [new_lr.lr for _ in scheduler.base_lrs]
-        factor = lr_lambda(new_lr.warmup_steps, new_lr.steps, new_lr.min_lr_ratio)(found.step)
-        for group in trainer.optimizer.param_groups:
-            group["initial_lr"], group["lr"] = new_lr.lr, new_lr.lr * factor
-        scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
-    ckpt.restore_rng(found, rank)
