@@ -24,21 +24,18 @@ allocator's reserved peak went 6-8 MiB past a cap at the budget on the H200 (202
 
 from __future__ import annotations
 
-import tempfile
 from types import ModuleType
 
 import torch
 
 from lazytrain.errors import ScheduleMismatch
-from lazytrain.ir.events import Event, Kind
-from lazytrain.ir.placement import Outputs, Tier
+from lazytrain.ir.events import Event
 from lazytrain.runtime import host_weights, model_sync
 from lazytrain.runtime.binding import (bind_tensors, check_batch, check_device, indexed, pin_streamed_masters,
                                        place_resident_masters, shard)
 from lazytrain.runtime.data_parallel import DataParallel
-from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
-from lazytrain.runtime.disk_states import DiskStates
+from lazytrain.runtime.disk_tier import bind_disk_tier
 from lazytrain.runtime.fused import choose, fuse
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.gradients import Gradients
@@ -48,7 +45,7 @@ from lazytrain.runtime.pinned import PinnedArena
 from lazytrain.runtime.replay import Replay
 from lazytrain.runtime.sharded_state import ShardedCheckpoint
 from lazytrain.runtime.sharding import Sharding
-from lazytrain.runtime.store import OPT_SLACK, ParamStore
+from lazytrain.runtime.store import ParamStore
 from lazytrain.runtime.stepping import Stepping
 from lazytrain.runtime.streams import CudaStreams, SerialStreams
 
@@ -142,36 +139,19 @@ class Trainer:
             param_groups.append(group)
         self.optimizer = staged_optimizer(chosen, param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           foreach=foreach)
-        # NOTE: [Disk-resident states] and [Disk-stepped stages] in solver/disk_model.py: under
-        # `offload_dir` (default: the temp directory); NOTE: [Backward steps from disk] there: through a ring
-        on_disk = {s.index: [self.store.home[p] for p in s.params] for s in self.stages if s.placement.step.states is Tier.DISK}
-        in_backward = frozenset(s.index for s in self.stages if s.placement.kind == "backward")
-        disk_stepped = {s: ps for s, ps in ((s.index, s.params) for s in self.stages if s.placement.step.states is Tier.DISK
-                                            and s.placement.device_stepped) if s not in in_backward}
-        self.disk_states = DiskStates(self.optimizer, on_disk, offload_dir or tempfile.gettempdir(), self.pinned,
-                                      always_fresh=frozenset(disk_stepped), ahead=frozenset(disk_stepped),
-                                      ring=frozenset(on_disk) & in_backward, masters=disk_masters,
-                                      names={s.index: s.params for s in self.stages}) if on_disk else None
-        if self.disk_states is not None:  # NOTE: [Masters on disk] in solver/disk_model.py
-            self.store.staged = self.disk_states.staged
-        # NOTE: [Activations on disk] in solver/disk_model.py: outputs through a ring of their own
-        acts = [s for s in self.stages if s.placement.outputs is Outputs.DISK]
-        acts_on_disk = {s.index for s in acts}
-        reloads = [e.stage for e in self.events if e.kind is Kind.RELOAD and e.stage in acts_on_disk]
-        self.act_disk = DiskActivations(acts, reloads, offload_dir or tempfile.gettempdir(), self.pinned) if acts else None
+        tier = bind_disk_tier(module, self.stages, self.optimizer, self.store, self.pinned, self.device, offload_dir,
+                              disk_masters)
+        self.disk_states, self.act_disk = tier.states, tier.acts
         self.stepper = GpuStepper(self.store, self.optimizer, {s.index: s.params for s in self.stages
-                                                               if s.placement.device_stepped and s.index not in disk_stepped},
-                                  self.gradients.host, self.pinned, in_backward)
+                                                               if s.placement.device_stepped and s.index not in tier.stepped},
+                                  self.gradients.host, self.pinned, tier.in_backward)
         # disk-stepped stages' jobs, one at a time in one GPU slot (the schedule's `dstep` buffer)
-        self.disk_stepper = GpuStepper(self.store, self.optimizer, disk_stepped, self.gradients.host, self.pinned)
-        dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if disk_stepped else []
-        slack = OPT_SLACK * 2  # one tensor's weights and optimizer slot at a time
-        disk_slot = torch.empty(dstep[0] + slack, dtype=torch.uint8, device=self.device) if dstep else None
+        self.disk_stepper = GpuStepper(self.store, self.optimizer, tier.stepped, self.gradients.host, self.pinned)
         # the parts
         self.sharding = Sharding(self.stages, self.groups, self.store, self.dp, self.streams, self.gradients,
                                  frozenset(self.stepper.params), self.device) if self.sharded else None
         self.stepping = Stepping(self.stages, self.groups, self.store, self.optimizer, self.streams, self.gradients,
-                                 self.sharding, self.dp, self.stepper, self.disk_stepper, self.disk_states, disk_slot,
+                                 self.sharding, self.dp, self.stepper, self.disk_stepper, self.disk_states, tier.slot,
                                  self.device, max_grad_norm=max_grad_norm, clipping=module.CLIPPING,
                                  serial=serial_optimizer)
         self.replay = Replay(module, self.stages, self.store, self.streams, self.stepper, self.gradients, self.stepping, self.sharding,
