@@ -7,7 +7,8 @@ a refactoring of the planner or of `lower` keeps every byte of them.
 For each case (a tiny model, its analysis settings and the decisions it forces, covering every
 optimizer-step kind and tier: resident with gradients freed and weights cast on use, host with
 states in memory and on disk, at the prefetch with 1 and 2 windows of lookahead, a job from disk,
-in backward with states and masters on host or disk; outputs kept, offloaded, dropped and on disk;
+in backward with states and masters on host or disk; outputs kept, offloaded, dropped and on disk,
+whole and split by the tile;
 fp32, bf16 compute with fp32 masters, bf16 masters, 8-bit states; clipping exact, previous-norm
 and off; a chunked loss; tied weights; sharded and replicated data parallel over 2 and 4 ranks), it
 writes:
@@ -42,7 +43,9 @@ from lazytrain import hardware  # noqa: E402
 from lazytrain.errors import LazytrainError  # noqa: E402
 from lazytrain.ir.placement import Outputs, Step, Tier, Weights  # noqa: E402
 from lazytrain.pipeline import analyse  # noqa: E402
-from lazytrain.solver import formulation  # noqa: E402
+from lazytrain.solver import boundary, formulation  # noqa: E402
+
+TILE_BYTES = boundary.TILE_BYTES
 
 HW = hardware.load("cpu")
 # the optimizer stream beside compute, so resident gradients may be freed at their step
@@ -83,6 +86,17 @@ def _freeing(spec, stages=(2, 3, 4)):
             for s, d in enumerate(decisions(spec))]
 
 
+def _split(spec, splits: dict):
+    """`spec`'s decisions with the given stages' outputs split by the tile: {stage: (device, disk)}
+    of 4 tiles (NOTE: [Boundary tiles] in lazytrain/solver/boundary.py; the setting's `boundary_tile`
+    cuts each output in 4)."""
+    from lazytrain.ir.placement import Split
+    from models import decisions
+
+    return [dataclasses.replace(d, outputs=Outputs.DISK if splits[s][1] else Outputs.OFFLOAD, split=Split(*splits[s], 4))
+            if s in splits else d for s, d in enumerate(decisions(spec))]
+
+
 BASE = ["-rk", "GRk", "SRk", "GRk", "Srk"]
 # name -> (model builder, stage settings, [(case name, decisions spec or callable)])
 SETTINGS = {
@@ -108,6 +122,10 @@ SETTINGS = {
         ("backward_disk", ["-rk", "GRk"] + ["KRk"] * 5 + ["-rk"]), ("backward", ["-rk", "GRk"] + ["BRk"] * 5 + ["-rk"]),
         ("acts_disk", ["-Rf"] * 5 + ["-Rk", "-Rk", "-rk"]), ("acts_offload", ["-Ro"] * 5 + ["-Rk", "-Rk", "-rk"]),
         ("mixed_disk", ["-rk", "XRk", "KRf", "DRk", "BRf", "ERk", "SRk", "-rk"])]),
+    # each stage's outputs in 4 tiles: kept and host; kept, host and disk; host and disk; kept and disk
+    "gpt6_tiles": (lambda: _gpt(layers=6), {"clipping": "off", "disk": True, "boundary_tile": 1024}, [
+        ("split", lambda: _split(["-Ro"] * 5 + ["-Rk", "-Rk", "-rk"], {1: (1, 0), 2: (1, 2), 3: (0, 1), 4: (3, 1)})),
+        ("split_streamed", lambda: _split(["-Ro", "SRo", "GRo", "BRo", "-Ro", "-Rk", "-Rk", "-rk"], {1: (2, 0), 3: (1, 1)}))]),
     "gpt6_disk_8bit": (lambda: _gpt(layers=6, optimizer_states="8bit"), {"clipping": "off", "disk": True}, [
         ("backward_disk", ["-rk", "GRk"] + ["KRk"] * 5 + ["-rk"]), ("jobs", ["-rk", "GRk"] + ["XRk"] * 5 + ["-rk"])]),
     "gpt6_bf16_disk": (lambda: _gpt(layers=6, compute=torch.bfloat16), {"clipping": "off", "disk": True}, [
@@ -211,6 +229,8 @@ def run(out: Path, only: str | None = None) -> None:
             continue
         meta, batch, hw, analysis = build()
         graph, stages = analyse(meta, batch, hw, **analysis)
+        settings = dict(settings)
+        boundary.TILE_BYTES = settings.pop("boundary_tile", TILE_BYTES)  # NOTE: [Boundary tiles]
         stages = dataclasses.replace(stages, **settings)
         world = stages.world_size
         for tag, build_kw in (("search", dict(minimise_memory=False)),
@@ -229,6 +249,7 @@ def run(out: Path, only: str | None = None) -> None:
             (out / f"{stem}.py").write_text(f.source_text)
             _write_model(out, stem, stages, hw, decs, minimise_memory=False)
         print(f"{name}: {len(all_cases)} cases", flush=True)
+    boundary.TILE_BYTES = TILE_BYTES
 
 
 if __name__ == "__main__":
