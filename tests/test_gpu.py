@@ -247,22 +247,25 @@ def test_bind_caps_the_allocator_at_the_budget():
 
 
 @needs_gpu
-def test_reloads_come_from_the_compute_pool():
+@pytest.mark.parametrize("case", ["fp32_min", "fp32_split"])
+def test_reloads_come_from_the_compute_pool(case):
     """NOTE: [Reloads from the compute pool] in runtime/replay.py: nothing the steps allocate stays
-    cached in H2D's pool, where compute could not reuse it."""
+    cached in H2D's pool, where compute could not reuse it; split outputs' reloads too, and no
+    device part outlives its step (NOTE: [Boundary tiles])."""
     import gc
 
     from lazytrain.ir.events import Kind, Stream
 
     gc.collect()
     torch.cuda.empty_cache()  # streams come from a pool: no earlier test's cache on this one's H2D
-    trainer = bind("fp32_min", tiny_qwen())
+    trainer = bind(case, tiny_qwen())
     assert any(e.kind is Kind.RELOAD for e in trainer.events)
     for i in range(2):
         trainer.step(tiny_batch(i))
     torch.cuda.synchronize()
     h2d = trainer.streams.stream(Stream.H2D).cuda_stream
     assert [seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == h2d] == []
+    assert trainer.replay.parts == {}
 
 
 @needs_gpu
