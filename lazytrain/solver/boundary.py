@@ -7,10 +7,10 @@ plan keeps some on the device, sends some to host memory and some on to disk (NO
 disk] in disk_model.py). The tiles are the outputs' memory order cut in `tiles(g)` equal parts, one
 per TILE_BYTES, so for a [batch, tokens, hidden] boundary they are tiles of the sequence; outputs
 under one tile are whole, as before. The solver counts the tiles offloaded and those on disk
-(`formulation._vars`'s integers `moved` and `dtiles`), so a boundary takes each memory by the tile
+(the integers `moved` and `dtiles`, `tile_variables`), so a boundary takes each memory by the tile
 rather than whole: at 1 x 1,048,576 tokens a 7B layer's input is 7.5 GB in 28 tiles.
 What it buys there (Qwen2.5-7B shape, 8-bit states, bf16 masters, `--disk`, the h200 profile,
-2-core CPU, 2026-12-04): with whole boundaries the plan dropped 4 of them (61.0 s of recompute a
+2-core CPU, 2026-12-05): with whole boundaries the plan dropped 4 of them (61.0 s of recompute a
 step) and put 8 on disk, and its search stopped at the 60 s limit at a 1.63 % gap, predicting
 1994.0 s. With the shares on disk continuous the same search proved 1933.0 s within 0.76 % in
 0.21 s: that relaxation, which tiles make real, was what the search could not close. A whole
@@ -71,13 +71,6 @@ def disk_tile_bytes(g: Stage) -> float:
 def kept_bytes(g: Stage, split: Split) -> int:
     """The device bytes of stage `g`'s part kept there: each output tensor's first elements."""
     return -(-g.out_bytes * split.device // split.of) + SLACK * len(g.outputs)
-
-
-def host_part_bytes(g: Stage, split: Split | None) -> int:
-    """The bytes of stage `g`'s outputs that go to host memory (at most; all of them unsplit)."""
-    if split is None:
-        return g.out_bytes
-    return -(-g.out_bytes * split.host // split.of) + SLACK * len(g.outputs) if split.host else 0
 
 
 def moved_bytes(g: Stage, split: Split | None) -> int:
