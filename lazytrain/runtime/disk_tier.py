@@ -43,7 +43,8 @@ def bind_disk_tier(module: ModuleType, stages, optimizer, store: ParamStore, pin
     if states is not None:  # NOTE: [Masters on disk] in solver/disk_model.py
         store.staged = states.staged
     outputs = [s for s in stages if s.placement.outputs is Outputs.DISK]
-    reloads = [e.stage for e in module.EVENTS if e.kind is Kind.RELOAD and e.stage in {s.index for s in outputs}]
+    outputs_on_disk = {s.index for s in outputs}
+    reloads = [e.stage for e in module.EVENTS if e.kind is Kind.RELOAD and e.stage in outputs_on_disk]
     acts = DiskActivations(outputs, reloads, directory, pinned) if outputs else None
     dstep = [b.bytes for b in module.BUFFERS if b.name == "dstep"] if stepped else []
     slack = OPT_SLACK * 2  # one tensor's weights and optimizer slot at a time

@@ -278,9 +278,12 @@ class Replay:
                 t = self.env[name]
                 self.whole[name] = (t.shape, t.dtype) + _numels(t, split)
                 kept, host, _ = self.whole[name][2:]
-                flat = t.view(-1) if t.is_contiguous() else t
+                if not t.is_contiguous():  # all of it to the host (`_numels`)
+                    self._to_host(name, t)
+                    continue
+                flat = t.view(-1)
                 if host:
-                    self._to_host(name, flat[kept:kept + host] if t.is_contiguous() else t)
+                    self._to_host(name, flat[kept:kept + host])
                 if kept + host < t.numel():
                     disk[name] = flat[kept + host:]
         if split.disk:

@@ -65,11 +65,12 @@ def disk_tier(model: StepModel, disk_ok: bool, TAIL: int) -> None:
         m += slot >= (disk_step_slot(st, s) / unit) * dst[s]
     model.mem = [t + slot * unit for t in model.mem]
     model.tail = model.tail + slot * unit
-    _rings(model, bdk, adk, mdk)
-    _disk_worker(model, bdk, adk, mdk, TAIL)
+    on_disk_acts = [on for on, _ in acts]
+    _rings(model, bdk, on_disk_acts, mdk)
+    _disk_worker(model, bdk, on_disk_acts, mdk, TAIL)
 
 
-def _rings(model: StepModel, bdk, adk, mdk) -> None:
+def _rings(model: StepModel, bdk, acts, mdk) -> None:
     """The page-locked buffers on the host that states stepped in backward (NOTE: [Backward steps
     from disk]), with their masters where those are on disk too (NOTE: [Masters on disk]), and
     outputs on disk (NOTE: [Activations on disk]) pass through: a ring of each, its buffers as
@@ -78,7 +79,7 @@ def _rings(model: StepModel, bdk, adk, mdk) -> None:
     for name, size, passing in (
             ("disk_ring", DISK_RING, lambda s, g: disk_gpu_state_bytes(g.param_numel, st.state_bytes) * bdk[s]
              + disk_master_bytes(g) * mdk[s]),
-            ("act_ring", ACT_RING, lambda s, g: boundary.outputs_on_disk(model.v, s, g)[0])):
+            ("act_ring", ACT_RING, lambda s, g: acts[s])):
         ring = m.add_var(name, lb=0.0)  # one buffer, in units of `unit` bytes
         model.floors.append(ring)
         for s, g in enumerate(st):
@@ -86,7 +87,7 @@ def _rings(model: StepModel, bdk, adk, mdk) -> None:
         model.host = model.host + (size * unit) * ring
 
 
-def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
+def _disk_worker(model: StepModel, bdk, acts, mdk, TAIL: int) -> None:
     """The disk as a worker of its own (`backlog`): outputs written in the forward, each by the time
     the ring needs its buffer again; states and outputs read (and states written) in backward, each
     by the window before the one that needs it (NOTE: [Backward steps from disk], NOTE: [Activations
@@ -100,11 +101,10 @@ def _disk_worker(model: StepModel, bdk, adk, mdk, TAIL: int) -> None:
         due[L.bw(min(s + 2, S - 1))] += io
         if can_put_outputs_on_disk(st, s):  # `formulation._vars` allows no other
             last = g.consumers[-1]
-            on_disk = boundary.outputs_on_disk(model.v, s, g)[0]
-            write = on_disk * (1.0 / hw.disk_write_bandwidth)
+            write = acts[s] * (1.0 / hw.disk_write_bandwidth)
             released[L.fw(s + 1)] += write
             due[L.fw(min(s + ACT_RING, S - 1))] += write
-            read = on_disk * (1.0 / hw.disk_read_bandwidth)
+            read = acts[s] * (1.0 / hw.disk_read_bandwidth)
             released[L.bw(S - 1)] += read
             due[L.bw(last + 2)] += read
     windows = list(range(S)) + [L.bw(w) for w in range(S - 1, -1, -1)] + [TAIL]

@@ -12,7 +12,8 @@ and where the bytes go (NOTE: [Past the device])."""
 # GPU. The refusal gives those figures from the plan's own stages, and the smallest GPU that would
 # do: the budget plus what the device keeps outside any plan. (Since attention reads its key-value
 # heads unrepeated, NOTE: [Grouped-query attention unrepeated] in passes/gqa.py, the same row's
-# least is 131.5 GiB, inside the device: CPU plans, 2026-12-04.)
+# least is 131.5 GiB, inside the device: CPU plans, 2026-12-04; 130.7 GiB since its outputs are
+# placed by the tile, NOTE: [Boundary tiles] in boundary.py, 2026-12-05.)
 
 from __future__ import annotations
 
