@@ -54,7 +54,9 @@ def test_fused_stages_peak_no_higher_than_eager():
     """Each fusable stage's forward, saving forward and backward peaks are at most eager's, and the
     layers' forward peaks strictly lower; none lowered below what the stage saves and outputs. (At
     this size the compiled backward, holding what its forward saved to its end, peaks at eager's:
-    its `backward_bytes` stay; a 7B layer's are 1.40 GiB lower at 32 x 1024.)"""
+    its `backward_bytes` stay; a 7B layer's are 1.40 GiB lower at 32 x 1024. A backward may stand
+    above eager's count where the compiled body's own replay does, NOTE: [Workspace the trace cannot
+    see]; not at this size.)"""
     hw = hardware.load("h200")
     _, eager = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=False)
     _, fused = analyse(tiny_qwen.build_model(), tiny_qwen.example_batch(), hw, fuse_stages=True)
@@ -118,3 +120,42 @@ def test_a_recompute_that_does_not_trace_keeps_eager_bytes(monkeypatch):
     layers = [(e, f) for e, f in zip(eager, fused) if f.skips and fusable(f)]
     assert layers
     assert all(f.remat_backward_bytes == e.backward_bytes for e, f in layers)
+
+
+def _attention_backward(grad, q, k, v, out, lse):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True)
+
+
+def test_attention_backward_holds_its_workspace_while_it_runs():
+    """NOTE: [Workspace the trace cannot see]: the replay holds, while attention's backward runs,
+    the queries' gradient in fp32 and, with fewer key-value heads than query heads, the key's and
+    value's gradients at the queries' heads; with as many heads, no expansion."""
+    T, D = 64, 16
+    for heads, kv_heads in ((4, 2), (4, 4)):
+        q, o = (1, heads, T, D), (1, heads, T, D)
+        g = _graph(_attention_backward, o, q, (1, kv_heads, T, D), (1, kv_heads, T, D), o, (1, heads, T))
+        made = 4 * (heads + 2 * kv_heads) * T * D  # its gradients of q, k and v
+        expanded = 0 if kv_heads == heads else 2 * heads * T * D * 4
+        assert peak_bytes(g, fused=False) == made + 4 * heads * T * D + expanded
+        assert peak_bytes(g, fused=True) == peak_bytes(g, fused=False)
+
+
+def test_a_fused_backward_is_never_under_the_compiled_replay():
+    """Eager's count less what the eager replay holds more than the compiled one can fall under the
+    compiled body's own replay (the default partition counts views of one input apart): the plan
+    then counts the replay. The tiny Qwen2 at 1 x 1024 tokens is such a case."""
+    from lazytrain.analysis.fused_saved import trace
+    from lazytrain.analysis.fused_transients import fewer
+
+    ids = torch.zeros(1, 1024, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": ids.clone()}
+    hw = hardware.load("h200")
+    _, eager = analyse(tiny_qwen.build_model(), batch, hw, fuse_stages=False)
+    graph, fused = analyse(tiny_qwen.build_model(), batch, hw, fuse_stages=True)
+    raised = 0
+    for e, f in zip(eager, fused):
+        if fusable(f) and ".layers." in f.name:
+            held = fewer(trace(graph, f, fused.requires_grad))
+            assert f.backward_bytes == max(e.backward_bytes - held.backward, held.backward_peak)
+            raised += held.backward_peak > e.backward_bytes - held.backward
+    assert raised >= 2

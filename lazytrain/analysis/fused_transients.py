@@ -54,6 +54,23 @@ MLP's element-wise kernel, where one weight gradient (0.13 GiB) exists: 6.16 GiB
 plan held a compiled backward's inputs to its end (8.16 GiB for the 7B layer, saved or recomputed),
 and every backward window of a fused stage that saves its internals stood 2.7 GiB over the
 allocator's peak (the 7B with 8-bit states at 24 GiB: peak +9 %, 9a7bace).
+
+NOTE: [Workspace the trace cannot see]
+The plan lowers eager's count by the difference of two replays, so each must peak where the
+device's body does. An operator's own workspace decides that peak where it is large: attention's
+backward keeps its queries' gradient in fp32 and makes the key's and value's gradients at the
+queries' heads (3.5 GiB in a 7B layer at 1 x 131,072), which the trace, on the CPU's operators and
+fake tensors, cannot see. With its MLP and norms in tiles, that layer's backward peaks there, while
+the eager replay without it peaked elsewhere, and also counted the q, k and v projections' one
+input three times (the default partition saves a view of it for each). So 1.65 GiB were taken off
+a peak they were never part of. On the H200 (2026-12-05, 0248bf9, `bench/fidelity.py run
+--fuse-stages`) every backward window of a recomputed layer stood over the plan by 2.24 GiB at 1 x
+131,072 (18.32 GiB against 16.08; the row's peak -10 %) and by 4.87 at 1 x 262,144 (37.45 against
+32.58). So both replays hold each operator's workspace while it runs (`_kernel_workspace`), and a
+fused stage's backward is never counted under the compiled body's own replay: for that layer 9.26
+GiB, where eager's count less the difference gave 6.82 (2.44 more; 5.25 more at 262,144). At 32 x
+1024, where the untiled MLP sets the peak, the 7B's, 1.5B's and 32B's layers keep their figures and
+the 14B's rises 0.10 GiB (1.35).
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.analysis.fused_saved import Traced, donated_inputs, saved_inputs
+from lazytrain.analysis.memory import gqa_gradients_bytes
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -170,6 +188,7 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
                            and size(b) == made[n] and b is not n and alone(b, n)), None)
             if reused is not None:
                 last[reused], made[n] = last[n], 0
+    inside = {at[n]: _kernel_workspace(n) for n in made}  # NOTE: [Workspace the trace cannot see]
     frees: dict[int, int] = {}
     live = 0
     for n, nbytes in inputs.items():
@@ -182,9 +201,26 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
         frees[last[n]] = frees.get(last[n], 0) + nbytes
     for i in range(end + 1):
         live += starts.get(i, 0)
-        peak = max(peak, live)
+        peak = max(peak, live + inside.get(i, 0))
         live -= frees.get(i, 0)
     return peak
+
+
+def _kernel_workspace(node: torch.fx.Node) -> int:
+    """Bytes a CUDA kernel holds inside one operator, which the trace's operators (the CPU's, on
+    fake tensors) neither make nor show (NOTE: [Workspace the trace cannot see]): attention's
+    backward keeps its queries' gradient in fp32 and, where the key and value have fewer heads than
+    the queries, makes their gradients at the queries' heads, as the plan's own count does
+    (`BACKWARD_RULES` in memory.py)."""
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+    if not (name.startswith("_scaled_dot_product") and name.endswith("_backward")):
+        return 0
+    q, k, v = (a.meta.get("val") for a in node.args[1:4])
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return 0
+    expanded = 0 if k.shape[1] == q.shape[1] else \
+        gqa_gradients_bytes(q.shape[1], k.shape[1], (k.numel() + v.numel()) * k.element_size())
+    return 4 * q.numel() + expanded
 
 
 def _joined(nodes: list, made: dict) -> dict:
@@ -228,6 +264,10 @@ class HeldFewer:
     saving: int  # a forward keeping what backward reads
     backward: int  # its backward, with what the forward saved
     recompute: int | None  # its recompute and backward at B(s), where it skips work (None: `backward`)
+    # the compiled body's own peaks, which a fused stage's never goes under (NOTE: [Workspace the
+    # trace cannot see]): its backward with what its forward saved, and its recompute and backward
+    backward_peak: int = 0
+    recompute_peak: int | None = None
 
 
 def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
@@ -239,12 +279,15 @@ def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
     its recompute runs it, which saves less and does more in backward."""
     (fe, be), (fc, bc) = t.saving, t.compiled
     eager_backward = peak_bytes(be, False, saved_inputs(fe, t.outputs), returned=False)
+    compiled_backward = _compiled_backward(fc, bc, t.outputs)
+    remat_peak = None if remat is None else max(peak_bytes(remat.compiled[0], True),
+                                                _compiled_backward(*remat.compiled, remat.outputs))
     return HeldFewer(
         forward=max(0, peak_bytes(fe, False, outputs=t.outputs) - peak_bytes(fe, True, outputs=t.outputs)),
         saving=max(0, peak_bytes(fe, False) - peak_bytes(fc, True)),
-        backward=max(0, eager_backward - _compiled_backward(fc, bc, t.outputs)),
-        recompute=None if remat is None else max(0, eager_backward - max(
-            peak_bytes(remat.compiled[0], True), _compiled_backward(*remat.compiled, remat.outputs))))
+        backward=max(0, eager_backward - compiled_backward),
+        recompute=None if remat is None else max(0, eager_backward - remat_peak),
+        backward_peak=compiled_backward, recompute_peak=remat_peak)
 
 
 def _compiled_backward(forward: torch.fx.Graph, backward: torch.fx.Graph, outputs: int) -> int:

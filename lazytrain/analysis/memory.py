@@ -97,9 +97,15 @@ def _attention_backward(node: Node, graph: Graph) -> int:
     extra = 0
     if dict(node.kwargs).get("enable_gqa", False):
         q, k, v = (_spec(graph, a) for a in node.args[:3])
-        if q is not None and k is not None and v is not None and k.shape[1]:
-            extra = (k.nbytes + v.nbytes) * (q.shape[1] // k.shape[1])
+        if q is not None and k is not None and v is not None:
+            extra = gqa_gradients_bytes(q.shape[1], k.shape[1], k.nbytes + v.nbytes)
     return _attention(node, graph) + extra
+
+
+def gqa_gradients_bytes(query_heads: int, kv_heads: int, kv_bytes: int) -> int:
+    """The key's and value's gradients at the query's heads, which attention's backward makes inside
+    the kernel before it sums them down to `kv_heads` heads (`kv_bytes`: the key's and value's bytes)."""
+    return kv_bytes * (query_heads // kv_heads) if kv_heads else 0
 
 
 def tile_rows(x: TensorSpec, tiles: int) -> int:
