@@ -17,6 +17,11 @@ step) and put 8 on disk, and its search stopped at the 60 s limit at a 1.63 % ga
 boundary's disk decision was the hard one: with tiles kept and offloaded but disk whole, the search
 still stopped at its limit (1994.1 s, 1.42 %). With tiles on disk too the plan is 1933.0 s, proven
 in 0.27 s, and the whole compile takes 1.70x its capture (bench/README.md, long sequences).
+Those plans priced a fused layer's backward without attention's workspace; counted (NOTE:
+[Workspace the trace cannot see] in analysis/fused_transients.py), 1M tokens need 149.6 GiB, past
+the device, and 983,040 plan at the whole device with 24 boundaries split, solved in 5 s.
+On the H200 (2026-12-05, 0248bf9) the 131,072-token plan at 24 GiB ran with 3 boundaries split
+(44.60 s a step, 43.04 predicted) and the 262,144 one at 64 GiB with 7 (146.62 s, 139.97).
 At runtime (runtime/replay.py) the FREE after the last forward reader copies the device's part of
 each output into a buffer of its own (`part:S`) and frees the whole; the RELOAD fills a new whole
 from host memory and the disk's ring, and before the first compute that reads it in backward (by

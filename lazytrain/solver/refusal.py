@@ -13,7 +13,10 @@ and where the bytes go (NOTE: [Past the device])."""
 # do: the budget plus what the device keeps outside any plan. (Since attention reads its key-value
 # heads unrepeated, NOTE: [Grouped-query attention unrepeated] in passes/gqa.py, the same row's
 # least is 131.5 GiB, inside the device: CPU plans, 2026-12-04; 130.7 GiB since its outputs are
-# placed by the tile, NOTE: [Boundary tiles] in boundary.py, 2026-12-05.)
+# placed by the tile, NOTE: [Boundary tiles] in boundary.py, 2026-12-05. Priced fused with
+# attention's backward workspace counted, NOTE: [Workspace the trace cannot see] in
+# analysis/fused_transients.py, it is 149.6 GiB again past the device, a layer's backward 89.0 GiB:
+# the refusal names a GPU of 151.6 GiB, and 983,040 tokens fit in 132.4.)
 
 from __future__ import annotations
 
