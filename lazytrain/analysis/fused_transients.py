@@ -188,7 +188,9 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
                            and size(b) == made[n] and b is not n and alone(b, n)), None)
             if reused is not None:
                 last[reused], made[n] = last[n], 0
-    inside = {at[n]: _kernel_workspace(n) for n in made}  # NOTE: [Workspace the trace cannot see]
+    inside: dict[int, int] = {}  # bytes inside the kernels at each position: NOTE: [Workspace the trace cannot see]
+    for n in made:
+        inside[at[n]] = inside.get(at[n], 0) + _kernel_workspace(n)
     frees: dict[int, int] = {}
     live = 0
     for n, nbytes in inputs.items():
