@@ -81,7 +81,7 @@ from dataclasses import dataclass
 import torch
 
 from lazytrain.analysis.fused_saved import Traced, donated_inputs, saved_inputs
-from lazytrain.analysis.memory import gqa_gradients_bytes
+from lazytrain.analysis.memory import dq_accumulator_bytes, gqa_gradients_bytes
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -222,7 +222,7 @@ def _kernel_workspace(node: torch.fx.Node) -> int:
         return 0
     expanded = 0 if k.shape[1] == q.shape[1] else \
         gqa_gradients_bytes(q.shape[1], k.shape[1], (k.numel() + v.numel()) * k.element_size())
-    return 4 * q.numel() + expanded
+    return dq_accumulator_bytes(q.numel()) + expanded
 
 
 def _joined(nodes: list, made: dict) -> dict:
@@ -268,8 +268,8 @@ class HeldFewer:
     recompute: int | None  # its recompute and backward at B(s), where it skips work (None: `backward`)
     # the compiled body's own peaks, which a fused stage's never goes under (NOTE: [Workspace the
     # trace cannot see]): its backward with what its forward saved, and its recompute and backward
-    backward_peak: int = 0
-    recompute_peak: int | None = None
+    backward_peak: int
+    recompute_peak: int | None
 
 
 def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:

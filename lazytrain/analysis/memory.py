@@ -86,7 +86,12 @@ def _attention(node: Node, graph: Graph) -> int:
     that the fused kernels' backward keeps beside it (flash attention's `dq_accum`: 0.9 GiB for a
     7B layer at 1 x 65536)."""
     q = _spec(graph, node.args[0]) if node.args else None
-    return mask_bias_bytes(node, graph) + (4 * q.numel if q is not None else 0)
+    return mask_bias_bytes(node, graph) + (dq_accumulator_bytes(q.numel) if q is not None else 0)
+
+
+def dq_accumulator_bytes(query_numel: int) -> int:
+    """The fp32 accumulator of the queries' gradient that fused attention's backward keeps."""
+    return 4 * query_numel
 
 
 @rule_backward("aten.scaled_dot_product_attention.default")
