@@ -28,7 +28,8 @@ def _windows_off(r: dict) -> str:
     step): a constant gap over every backward window of one kind names the stage figure that is off
     (2026-12-05: each recomputed 7B layer's at 1 x 131,072 tokens, 2.24 GiB, NOTE: [Workspace the
     trace cannot see] in lazytrain/analysis/fused_transients.py)."""
-    gaps = [(w["measured_bytes"] - w["predicted_bytes"], w["window"]) for w in r.get("windows") or []
+    gaps = [(w["measured_bytes"] - (w.get("predicted_event_bytes") or w["predicted_bytes"]), w["window"])
+            for w in r.get("windows") or []  # NOTE: [Windows by planned start] in bench/fidelity.py
             if w.get("measured_bytes") is not None and w.get("predicted_bytes")]  # `pre` is not priced
     if not gaps:
         return ""
