@@ -131,3 +131,41 @@ def test_a_resident_step_beside_backward_costs_the_share_of_its_blocks_size():
     M = stages.master_bytes
     beside = sum(gpu_step_s(g.param_numel, len(g.params), base, M) for g in list(stages)[1:])
     assert large.step_s - small.step_s == pytest.approx(0.5 * beside, rel=1e-4)
+
+
+def _issued(clipping: str, issue_s: float):
+    """The tiny GPT all resident, each device step issued at `issue_s` a tensor: (plan, its schedule's
+    OPT_STEP events, the steps' device seconds, the shared step's)."""
+    from lazytrain.passes.lower import lower
+    from lazytrain.ir.events import Kind
+
+    meta, _, batch = tiny_gpt_pair()
+    hw = dataclasses.replace(hardware.load("cpu"), gpu_step_lost=0.25, gpu_step_pace=1e6,
+                             gpu_step_issue_tensor_s=issue_s)
+    _, stages = analyse(meta, batch, hw)
+    stages = dataclasses.replace(stages, clipping=clipping)
+    plan = evaluate(stages, hw, BUDGET, decisions(["-rk"] * len(stages)))
+    events = [e for e in lower(stages, plan, hw).events if e.kind is Kind.OPT_STEP]
+    M = stages.master_bytes
+    return (plan, events, [gpu_step_s(g.param_numel, len(g.params), hw, M) for g in stages],
+            gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, M), stages)
+
+
+def test_steps_after_an_exact_clip_take_as_long_as_the_host_takes_to_issue_them():
+    # NOTE: [Steps the host issues after backward]: a tensor's issue outlasting the device's step
+    plan0, events0, steps, shared, stages = _issued("exact", 0.0)
+    issue = 10 * max(steps + [shared])  # each tensor's issue alone outlasts any step's device time
+    plan, events, _, _, _ = _issued("exact", issue)
+    tensors = sum(len(g.params) for g in stages) + len(stages.shared_params)
+    assert plan.step_s - plan0.step_s == pytest.approx(issue * tensors - sum(steps) - shared, rel=1e-6)
+    # the schedule's events carry the same seconds as the plan
+    assert sorted(e.duration_s for e in events) == pytest.approx(
+        sorted([issue * len(g.params) for g in stages] + [issue * len(stages.shared_params)]), rel=1e-9)
+    assert sorted(e.duration_s for e in events0) == pytest.approx(sorted(steps + [shared]), rel=1e-9)
+
+
+def test_steps_beside_backward_are_not_held_to_the_hosts_issue():
+    # unclipped, steps are issued while backward's compute is queued ahead of them
+    plan0, _, _, _, _ = _issued("off", 0.0)
+    plan, _, _, _, _ = _issued("off", 1.0)
+    assert plan.step_s == pytest.approx(plan0.step_s, rel=1e-9)

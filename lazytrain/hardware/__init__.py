@@ -110,6 +110,18 @@ class Hardware:
     # 3x the tensors: 7.7e10 params/s and 0.14 ms a tensor. 0: not counted.
     gpu_round_params_per_s: float = 0.0
     gpu_round_tensor_s: float = 0.0
+    # NOTE: [Steps the host issues after backward] With exact clipping each device step waits for
+    # the global norm (NOTE: [Gradient clipping] in runtime/stepping.py), so after backward the
+    # device has nothing queued but the steps, and it runs each as fast as the host issues it: a
+    # tensor's twin, rounding generator, 8-bit step and copy back are a dozen launches and their
+    # Python. Such a step takes the longer of the device's time and `gpu_step_issue_tensor_s` a
+    # tensor (`footprint.deferred_step_s`). On the H200 (`bench/step_issue.py`, 2026-12-05, 0248bf9:
+    # the 1.5B at 24 GiB, exactly clipped, fused, 6 timed steps at two GIL switch intervals;
+    # bench/results/fused/2026-12-05/step_issue.log) a Qwen2.5-1.5B layer's step of 12 tensors took
+    # the host 3.8-6.0 ms to issue, median 5.63, against the 3.54 ms the device takes: 0.47 ms a
+    # tensor; the device was done 0-3 ms after the last was issued. A 7B layer's (10.9 ms on the
+    # device) stays the device's. 0: not counted.
+    gpu_step_issue_tensor_s: float = 0.0
     # NOTE: [Device steps beside compute] Device optimizer steps run on a stream of their own (NOTE:
     # [Optimizer stream] in runtime/stepping.py) beside backward's compute. Memory-bound, they take
     # SMs and memory bandwidth from it: compute runs `gpu_step_lost` times the step's alone time

@@ -26,6 +26,7 @@ from lazytrain.solver.boundary import copy_s, kept_bytes, moved_bytes
 from lazytrain.solver.footprint import (
     cast_s,
     deferred_step_bytes,
+    deferred_step_s,
     fixed_bytes,
     gpu_step_out_bytes,
     gpu_step_s,
@@ -78,7 +79,9 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
             if g is None:
-                return gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes, stages.state_bytes)
+                shared = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes, stages.state_bytes)
+                # NOTE: [Steps the host issues after backward] in hardware/__init__.py
+                return deferred_step_s(shared, len(stages.shared_params), hw) if stages.clipping == "exact" else shared
             p = plan.decisions[stage]
             return RULES[p.kind].step_seconds(stages, stage, p, hw)
         return 0.0

@@ -120,6 +120,13 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
+def deferred_step_s(device_s: float, tensors: int, hw: Hardware) -> float:
+    """A device step of `tensors` tensors taking `device_s` on the device, run after backward as the
+    host issues it (exact clipping): the longer of the two (NOTE: [Steps the host issues after
+    backward] in hardware/__init__.py)."""
+    return max(device_s, tensors * hw.gpu_step_issue_tensor_s)
+
+
 DISK_RING = STATE_RING_SIZE  # the runtime's ring (NOTE: [Backward steps from disk] in disk_model.py)
 ACT_RING = ACT_RING_SIZE  # the runtime's ring of outputs on disk (NOTE: [Activations on disk] in disk_model.py)
 

@@ -21,6 +21,7 @@ from lazytrain.solver.footprint import (
     CPU_STATE_BYTES,
     Layout,
     deferred_step_bytes,
+    deferred_step_s,
     disk_available,
     fixed_bytes,
     gpu_step_s,
@@ -111,6 +112,8 @@ class StepModel:
         self.step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
         shared_step = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
                                  len(stages.shared_params), hw, M, stages.state_bytes)
+        if self.exact:  # NOTE: [Steps the host issues after backward] in hardware/__init__.py
+            shared_step = deferred_step_s(shared_step, len(stages.shared_params), hw)
         if self.on_stream:
             self.stepped[TAIL] += shared_step
         self.serial = 0.0 if self.on_stream else shared_step
