@@ -131,10 +131,13 @@ def profile(output: str | Path, quick: bool = False, offload_dir: str | Path | N
         disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
         estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s")
         + (() if direct else ("disk_write_bandwidth", "disk_read_bandwidth"))
-        + (("allocator_reserve_bytes", "gpu_round_params_per_s", "gpu_round_tensor_s") if cuda else ("duplex_bandwidth",)),
+        + (("allocator_reserve_bytes", "gpu_round_params_per_s", "gpu_round_tensor_s", "gpu_step_issue_tensor_s")
+           if cuda else ("duplex_bandwidth",)),
         runtime_bytes=runtime, allocator_reserve_bytes=reserve, link_bandwidth=_link_bandwidth(quick) if cuda else 0.0,
         # NOTE: [Device steps of bf16 masters]: the H200's ratios (bench/gpu_step.py measures them)
         gpu_round_params_per_s=0.64 * gpu_adamw if cuda else 0.0, gpu_round_tensor_s=1.4e-4 if cuda else 0.0,
+        # NOTE: [Steps the host issues after backward]: the H200 box's (bench/step_issue.py measures it)
+        gpu_step_issue_tensor_s=4.7e-4 if cuda else 0.0,
     )
     if cuda:  # NOTE: [Fused stage prices] in passes/fusion.py
         hw = dataclasses.replace(hw, fused_elementwise_factor=fused_factor(hw, quick))
