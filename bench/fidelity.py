@@ -321,6 +321,9 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         seen[label] = max(seen.get(label, 0), peak)
     for w in windows:
         w["measured_bytes"] = seen.get(w["window"])
+    # per event of that step: (id, allocated before it was issued, the most while it was, after), so a
+    # window off the plan names its event without another run (`verify`'s trace is the plan's side)
+    row["event_bytes"] = [list(r) for r in rows]
     row["host_peak_bytes"] = _status_kib("VmHWM") * 1024 if cleared else None
     if args.trace:  # the trace reads the per-event memory of the step above
         from bench.trace import traced_step
