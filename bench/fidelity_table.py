@@ -29,7 +29,7 @@ def _windows_off(r: dict) -> str:
     (2026-12-05: each recomputed 7B layer's at 1 x 131,072 tokens, 2.24 GiB, NOTE: [Workspace the
     trace cannot see] in lazytrain/analysis/fused_transients.py)."""
     gaps = [(w["measured_bytes"] - (w.get("predicted_event_bytes") or w["predicted_bytes"]), w["window"])
-            for w in r.get("windows") or []  # NOTE: [Windows by planned start] in bench/fidelity.py
+            for w in r.get("windows") or []  # NOTE: [Windows by planned start] in bench/fidelity_windows.py
             if w.get("measured_bytes") is not None and w.get("predicted_bytes")]  # `pre` is not priced
     if not gaps:
         return ""

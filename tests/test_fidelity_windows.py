@@ -32,7 +32,7 @@ def test_each_window_holds_the_most_of_verifys_trace_over_the_events_planned_to_
     from lazytrain.pipeline import compile_model, minimum_budget
     from lazytrain.runtime.schedule import load_source
 
-    from bench.fidelity import _event_bytes, _window_of
+    from bench.fidelity_windows import _event_bytes, _window_of
     from models import tiny_gpt_pair
 
     meta, _, batch = tiny_gpt_pair()
