@@ -294,6 +294,16 @@ def bind_source(source_text: str, real: nn.Module, **optimizer_args):
     return module.bind(model, **optimizer_args), model
 
 
+def two_on_disk(source_text: str, real: nn.Module, tmp_path, **optimizer_args):
+    """The schedule bound twice, each to its own offload directory under `tmp_path` ("a", "b"):
+    ((trainer, model), (trainer, model)), for a run against one that does something more."""
+    bound = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        bound.append(bind_source(source_text, real, offload_dir=str(tmp_path / name), **optimizer_args))
+    return tuple(bound)
+
+
 def offload_files(directory) -> list[str]:
     """The files in an offload directory, by name."""
     return sorted(p.name for p in directory.iterdir())
@@ -365,11 +375,14 @@ def assert_disk_resume_bit_identical(source_text: str, real: nn.Module, batch: d
 
 
 def check_replay(source_text: str, real: nn.Module, batch: dict, atol=ATOL, rtol=RTOL) -> None:
-    """One forward_backward of the schedule == eager loss.backward(), loss and every gradient."""
+    """One forward_backward of the schedule == eager loss.backward(), loss and every gradient; and
+    an evaluation (`loss`, the forwards alone: NOTE: [Forward-only evaluation]) gives the same loss."""
     ref_loss, ref_grads = eager_grads(real, batch)
     trainer, model = bind_source(source_text, real)
     loss = trainer.forward_backward(batch)
     assert_grads_match(model, loss, ref_loss, ref_grads, atol, rtol)
+    assert torch.equal(trainer.loss(batch), loss)
+    assert trainer.replay.env is None and not [s for s in trainer.store.slots if s.startswith("w:")]
 
 
 def check_seeded_replay(source_text: str, real: nn.Module, batch: dict, seed: int = 7, steps: int = 0, **hp) -> None:

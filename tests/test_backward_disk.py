@@ -21,7 +21,7 @@ from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_
 from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
 from models import (assert_disk_resume_bit_identical, disk_gpt, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
-                    offload_files, unique_name)
+                    offload_files, two_on_disk, unique_name)
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -95,6 +95,29 @@ def test_replay_and_adamw_steps_from_disk(gpt, tmp_path):
     del trainer
     gc.collect()
     assert offload_files(tmp_path) == []
+
+
+def test_an_evaluation_between_steps_leaves_the_ring_and_the_steps_alone(gpt, tmp_path):
+    """An evaluation of a schedule stepping blocks from disk runs the whole step without its updates
+    (NOTE: [Forward-only evaluation]): the ring takes no states in and writes none back, and training
+    after it steps as training without it, to the bit."""
+    import torch
+
+    from lazytrain.runtime.forward_only import whole_step_reason
+
+    graph, stages, batch, real = gpt
+    text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
+    (evaluated, model), (plain, other) = two_on_disk(text, real, tmp_path, **HP)
+    assert "disk tier" in whole_step_reason(evaluated)
+    evaluated.step(batch)
+    plain.step(batch)
+    assert torch.isfinite(evaluated.loss(batch))
+    for _ in range(2):
+        assert torch.equal(evaluated.step(batch), plain.step(batch))
+    evaluated.sync_model()
+    plain.sync_model()
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("clipping", ["off", "previous-norm"])

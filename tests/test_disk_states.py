@@ -24,7 +24,7 @@ from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from lazytrain.summary import summary
 from lazytrain.units import format_size
 from models import (mapped_ranges, assert_steps_agree, assert_disk_resume_bit_identical, assert_train_resumes_bit_identically, builtin_schedule, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
-                    offload_files, tiny_gpt_pair, unique_name)
+                    offload_files, tiny_gpt_pair, two_on_disk, unique_name)
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)
@@ -110,10 +110,7 @@ def test_a_state_dict_maps_the_states_on_disk(gpt, tmp_path):
     before they are written, and the steps after equal those of a run never saved."""
     graph, stages, batch, real = gpt
     text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    saved, _ = bind_source(text, real, offload_dir=str(tmp_path / "a"), **HP)
-    whole, _ = bind_source(text, real, offload_dir=str(tmp_path / "b"), **HP)
+    (saved, _), (whole, _) = two_on_disk(text, real, tmp_path, **HP)
     for _ in range(2):
         saved.step(batch)
         whole.step(batch)

@@ -159,12 +159,21 @@ def test_gradients_match_eager_on_gpu(case, fuse):
     loss_ref = ref(**{k: v.cuda() for k, v in batch.items()}).loss
     loss_ref.backward()
     trainer = bind(case, model, fuse_stages=fuse)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     loss = trainer.forward_backward(batch)
     assert not any(getattr(s.fn, "failed", False) for s in trainer.stages)  # no fused body fell back to eager
     assert fused.bodies(trainer.stages) == (0 if not fuse else len({s.kind for s in trainer.stages if fused.fusable(s)}))
     assert torch.allclose(loss.cpu(), loss_ref.detach().cpu(), atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad.cpu(), q.grad.cpu(), atol=1e-5, rtol=1e-4), name  # resident: on the GPU
+    # an evaluation: the forwards alone (NOTE: [Forward-only evaluation] in runtime/forward_only.py),
+    # the step's loss within the memory the step took
+    torch.cuda.synchronize()
+    step_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.allclose(trainer.loss(batch).cpu(), loss.cpu(), atol=1e-6, rtol=1e-6)
+    assert torch.cuda.max_memory_allocated() <= step_peak
 
 
 def clipped_steps(case: str, make_optimizer, **hp):

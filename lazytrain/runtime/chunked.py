@@ -48,14 +48,7 @@ def chunked_backward(stage, env: dict[str, torch.Tensor], weight: Callable[[str]
     held = {p: work[p].grad for p in params}
     for p in params:
         work[p].grad = None
-    whole = {}
-    if stage.whole_fn is not None:
-        with torch.no_grad():
-            outs = stage.whole_fn(device, *[weight(p) for p in stage.placeholders])
-        whole = dict(zip(stage.whole_outputs, outs))
-    cut = {x: slices(stage, env[x]) for x in stage.inputs}  # activations and batch inputs: views
-    cut.update({p: slices(stage, env[p]) for p in stage.placeholders if placeholders[p][0] == "input"})
-    cut.update({n: slices(stage, t) for n, t in whole.items()})
+    cut = _cut(stage, env, weight, placeholders, device)
     grads = {x: torch.zeros_like(env[x]) for x in stage.grad_inputs}
     grad_slices = {x: slices(stage, g) for x, g in grads.items()}
     loss_sum = count = 0
@@ -80,3 +73,34 @@ def chunked_backward(stage, env: dict[str, torch.Tensor], weight: Callable[[str]
         if held[p] is not None:
             work[p].grad = held[p] if g is None else held[p].add_(g)
     return (loss_sum / count if dp is None else loss_sum * scale).to(part.dtype), grads
+
+
+def chunked_forward(stage, env: dict[str, torch.Tensor], weight: Callable[[str], torch.Tensor],
+                    placeholders: dict, device: torch.device) -> torch.Tensor:
+    """A chunked stage's loss without autograd, slice by slice as `chunked_backward` makes it (the
+    same sums in the same order, so the same loss): an evaluation's (NOTE: [Forward-only evaluation]
+    in forward_only.py). One process's: several ranks' evaluations run the whole step."""
+    cut = _cut(stage, env, weight, placeholders, device)
+    loss_sum = count = 0
+    with torch.no_grad():
+        for c in range(stage.chunks):
+            args = [cut[p][c] if p in cut else weight(p) for p in stage.placeholders]
+            part, n = stage.fn(device, *args, *(cut[x][c] for x in stage.inputs),
+                               *(cut[w][c] for w in stage.whole_outputs), loss_sum=True)
+            loss_sum, count = loss_sum + part.float(), count + n
+    return (loss_sum / count).to(part.dtype)
+
+
+def _cut(stage, env: dict[str, torch.Tensor], weight: Callable[[str], torch.Tensor], placeholders: dict,
+         device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """Each slice's view of the stage's inputs, the batch inputs it reads and its whole part's
+    results (NOTE: [Chunked loss])."""
+    whole = {}
+    if stage.whole_fn is not None:
+        with torch.no_grad():
+            outs = stage.whole_fn(device, *[weight(p) for p in stage.placeholders])
+        whole = dict(zip(stage.whole_outputs, outs))
+    cut = {x: slices(stage, env[x]) for x in stage.inputs}  # activations and batch inputs: views
+    cut.update({p: slices(stage, env[p]) for p in stage.placeholders if placeholders[p][0] == "input"})
+    cut.update({n: slices(stage, t) for n, t in whole.items()})
+    return cut

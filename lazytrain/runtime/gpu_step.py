@@ -226,11 +226,12 @@ class GpuStepper:
             self.write_weights(stage, into)
             self.write_back(stage)
 
-    def write_back(self, stage: int) -> None:
-        """Master and states to their host homes (on the current stream)."""
+    def write_back(self, stage: int) -> bool:
+        """Master and states to their host homes (on the current stream); False where `stage` was not
+        fetched for an update this step (a step that does not optimize), which leaves them alone."""
         u = self.live.pop(stage, None)
         if u is None:
-            return
+            return False
         pin = self.store.cuda
         for p in u.names:
             if p in self.store.separate:  # a mixed-precision master's piece (NOTE: [Sharded state])
@@ -251,3 +252,4 @@ class GpuStepper:
                     host[k].copy_(v, non_blocking=True)
                 else:
                     host[k] = v
+        return True

@@ -247,8 +247,9 @@ class Replay:
         elif buf.startswith("w:"):
             self.stepper.write_weights(e.stage)
         elif buf.startswith("opt:"):
-            self.stepper.write_back(e.stage)
-            if self.ring is not None and e.stage in self.ring.stages:  # NOTE: [Backward steps from disk]
+            # NOTE: [Backward steps from disk]: states the ring brought this step go back to the file;
+            # a step that does not optimize brought none, and its ring buffers hold other stages'
+            if self.stepper.write_back(e.stage) and self.ring is not None and e.stage in self.ring.stages:
                 self.ring.store(e.stage, self._landed())
         elif buf.startswith(("g:", "sg:")):  # gradients of streamed weights (sharded: this rank's shard) to the host
             self.gradients.offload(e.stage)

@@ -36,6 +36,7 @@ from lazytrain.runtime.binding import (bind_tensors, check_batch, check_device, 
 from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_tier import bind_disk_tier
+from lazytrain.runtime.forward_only import forward_loss, whole_step_reason
 from lazytrain.runtime.fused import choose, fuse
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.gradients import Gradients
@@ -177,12 +178,22 @@ class Trainer:
         return self._run(batch, optimize=False)
 
     def loss(self, batch: dict) -> torch.Tensor:
-        """Loss of `batch` through the compiled step, every gradient discarded: an evaluation. Unlike
-        `forward_backward`, whose `.grad` of every parameter (streamed ones' in host memory) no plan
-        counts, it stays within the plan's memory: gradients live in the step's own buffers and go
-        with them. Pending updates are applied first, as `zero_grad` does."""
+        """Loss of `batch`, no gradient made or kept: an evaluation. The stages' forwards alone,
+        without autograd, within the plan's memory (NOTE: [Forward-only evaluation] in
+        forward_only.py); with several ranks or the disk tier, the whole step with its gradients
+        discarded (unlike `forward_backward`'s `.grad`, which no plan counts, they live in the step's
+        own buffers and go with them). Pending updates are applied first, as `zero_grad` does."""
         self.zero_grad()
-        return self._run(batch, optimize=False, keep_grads=False)
+        if whole_step_reason(self) is not None:
+            return self._run(batch, optimize=False, keep_grads=False)
+        with self.streams.compute_context():
+            self.replay.begin(check_batch(self.m, batch, self.device))
+            try:
+                forward_loss(self.replay)
+            finally:
+                if self.cuda:  # the loss and the freed slots: nothing of the evaluation outlives it
+                    torch.cuda.synchronize(self.device)
+            return self.replay.end()
 
     def step(self, batch: dict) -> torch.Tensor:
         """One training step: fresh gradients, forward, backward, AdamW. Returns the loss.

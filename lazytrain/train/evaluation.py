@@ -2,8 +2,9 @@
 
 NOTE: [Evaluation through the training step]
 The step is compiled for one batch shape and run by the trainer, so an evaluation runs the same
-compiled step: ``Trainer.loss`` (no optimizer step, its gradients discarded where the step keeps
-them, so within the plan's memory). Nothing it does reaches training: pending updates are applied
+compiled stages: ``Trainer.loss``, their forwards alone without autograd, within the plan's memory
+(NOTE: [Forward-only evaluation] in runtime/forward_only.py; on several ranks or with the disk tier
+the whole step, its gradients discarded). Nothing it does reaches training: pending updates are applied
 first (``synchronize``, as a checkpoint does), no gradient outlives a batch, and the random-number generators are put back as they were (a model
 with dropout draws in forward), while the optimizer, the LR schedule and the data position are
 never touched; so a run with evaluations trains exactly as one without. The eval set is laid out
@@ -11,8 +12,8 @@ as the training data (NOTE: [Packing] in packing.py) and read in file order from
 time, so successive evaluations are comparable; a last batch the rows do not fill is completed
 with empty rows (padding, nothing learnt). The loss is the mean over every learnt token of the
 batches evaluated: each batch's mean (the global batch's, on several ranks) weighted by its count
-of learnt tokens. Dropout stays as compiled (training mode), and the backward costs as in training:
-an evaluation costs about what a training step does per batch.
+of learnt tokens. Dropout stays as compiled (training mode). On one process a batch costs its
+forward: 2N of a training step's 6N FLOPs a token.
 """
 
 from __future__ import annotations

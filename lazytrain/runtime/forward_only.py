@@ -1,0 +1,58 @@
+"""An evaluation's forward alone: the loss of a batch without backward (`Trainer.loss`).
+
+NOTE: [Forward-only evaluation]
+An evaluation needs the loss, not gradients, so `Trainer.loss` runs the stages' forwards one after
+another without autograd, not the step's events: a streamed stage's weights fetched into its slot
+(`fetch_stage`, as `synchronize` fetches them) and released after its forward, a cast-on-use
+stage's cast from its master, the chunked loss stage's slices one by one (`chunked_forward`), and
+each output dropped after its last reader. Its FLOPs are the step's forward, 2N of 6N a token (no
+backward, no recompute) and it gives the step's loss: the same forwards, and for a chunked loss
+the same sums in the same order. Its weights come in series with compute, one slot at a time, so a
+streamed model's evaluation waits for the transfers the step hides beside the forward before.
+It keeps within the plan's memory: at stage s it holds a subset of what the step holds at its
+forward F(s). The persistent state is the same, with no gradients (`zero_grad` first). The weight
+slot is s's own, which F(s) holds too. The outputs are those a later stage reads, each on the
+device from its stage's forward to its last reader's in the step as here (the runtime brings
+nothing back during forward). And s's forward without autograd is the step's recomputed forward,
+the least a forward of s holds. Nothing is saved for backward.
+Only on one process without sharded state or the disk tier, whose weights and states move by paths
+of their own (collectives, the disk's rings): there an evaluation runs the whole step, discarding
+its gradients (`whole_step_reason` says why).
+"""
+
+from __future__ import annotations
+
+from lazytrain.runtime.chunked import chunked_forward
+
+
+def whole_step_reason(trainer) -> str | None:
+    """Why `trainer`'s evaluations must run the whole step (NOTE: [Forward-only evaluation]), or None."""
+    if trainer.dp is not None:
+        return "data parallel: the loss is the global batch's"
+    if trainer.disk_states is not None or trainer.act_disk is not None or trainer.disk_masters is not None:
+        return "the disk tier holds states, outputs or masters"
+    return None
+
+
+def forward_loss(replay) -> None:
+    """Each stage's forward without autograd, in order; the loss lands where the step's does
+    (`replay.end()` returns it). `replay.begin(batch)` has run, and no optimizer step is pending."""
+    stages = replay.stages
+    last = {x: s.index for s in stages for x in s.inputs}  # each input's last reader (stages run in order)
+    made = {name for s in stages for name in s.outputs}  # activations, not batch inputs or buffers
+    for stage in stages:
+        weights = stage.placement.weights
+        if weights.cast_on_use:  # NOTE: [Resident weights cast on use] in solver/footprint.py
+            replay._cast_weights(stage.index)
+        elif stage.placement.streamed:
+            replay.fetch_stage(stage.index, update=False)
+        if stage.chunks > 1:  # NOTE: [Chunked loss] in chunked.py
+            outs = (chunked_forward(stage, replay.env, replay._weight, replay.m.PLACEHOLDERS, replay.device),)
+        else:
+            outs = replay._call(stage, grad=False)[1]
+        if weights.cast_on_use or stage.placement.streamed:
+            replay.release_weights(stage.index)
+        replay._publish(stage, outs)
+        for x in stage.inputs:
+            if last[x] == stage.index and x in made:
+                del replay.env[x]
