@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench.bench import _commit  # noqa: E402
-from bench.fidelity import CASE_DIR, CASES  # noqa: E402
+from bench.fidelity_cases import CASE_DIR, CASES  # noqa: E402
 
 
 def _status_kib() -> dict[str, int]:

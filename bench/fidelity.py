@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 from bench.bench import _commit  # noqa: E402  (the GPU machine's copy has no .git: LAZYTRAIN_COMMIT)
 from bench.fidelity_cases import CASE_DIR, RESULTS, Case, GiB, _selected  # noqa: E402
 from bench.fidelity_table import _line, _table, cmd_table  # noqa: E402
+from bench.fidelity_readings import (_clear_host_peak, _io_bytes, _segments, _status_kib, _time_disk_jobs,  # noqa: E402
+                                     _time_evaluations)
 from bench.fidelity_windows import _window_of, _windows  # noqa: E402
 
 
@@ -90,50 +92,6 @@ def cmd_compile(args) -> None:
 
 # ---- run (on the GPU) ---------------------------------------------------------------------------------
 
-def _status_kib(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return -1
-
-
-def _io_bytes() -> tuple[int, int] | None:
-    """Bytes this process has read from and written to storage so far (/proc/self/io's read_bytes
-    and write_bytes: what reached the block layer, so direct transfers count and page-cache hits
-    do not); None where the kernel does not say."""
-    try:
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-        return int(fields["read_bytes"]), int(fields["write_bytes"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _clear_host_peak() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _segments(trainer) -> dict[str, dict[str, int]]:
-    """What the caching allocator holds after the timed steps, per stream and pool: reserved bytes
-    beyond allocated ones are what a plan at its cap loses to the allocator (its retries)."""
-    import torch
-
-    names = {trainer.streams.aside.cuda_stream: "optimizer"}
-    names.update({s.cuda_stream: k.value for k, s in trainer.streams.streams.items()})
-    out: dict[str, dict[str, int]] = {}
-    for seg in torch.cuda.memory_snapshot():
-        key = f"{names.get(seg['stream'], seg['stream'])}/{seg['segment_type']}"
-        o = out.setdefault(key, {"segments": 0, "reserved": 0, "allocated": 0})
-        o["segments"] += 1
-        o["reserved"] += seg["total_size"]
-        o["allocated"] += seg["allocated_size"]
-    return out
-
-
 def _run_schedule(case: Case, path: Path, model, data, args, masters=None) -> dict:
     import torch
 
@@ -161,30 +119,6 @@ def _run_schedule(case: Case, path: Path, model, data, args, masters=None) -> di
                  f"{_window_of(module, e.start_s)} (predicted {dict((w[0], w[1]) for w in module.WINDOWS)[_window_of(module, e.start_s)] / GiB:.2f} GiB)"
                  if e is not None else "outside events")
         raise RuntimeError(f"out of memory at {where}: {str(exc).splitlines()[0]}") from None
-
-
-def _time_disk_jobs(trainer) -> list | None:
-    """Disk-stepped stages' jobs timed in their phases (NOTE: [Disk-stepped stages] in
-    solver/disk_model.py): the states' read, the GPU part as issued, the write back; rows (phase,
-    stage, start, end) on `time.perf_counter`, beside each step's start. From the GPU part's issue
-    to the write back, the job waits for the GPU part."""
-    if getattr(trainer, "disk_stepper", None) is None or not trainer.disk_stepper.params:
-        return None
-    log: list = []
-
-    def wrap(obj, name, phase):
-        inner = getattr(obj, name)
-
-        def timed(stage, *a, **k):
-            t = time.perf_counter()
-            out = inner(stage, *a, **k)
-            log.append((phase, stage, t, time.perf_counter()))
-            return out
-        setattr(obj, name, timed)
-    wrap(trainer.disk_states, "load", "load")
-    wrap(trainer.disk_states, "store", "store")
-    wrap(trainer.disk_stepper, "step_from_disk", "gpu_issue")
-    return log
 
 
 def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bool) -> dict:
@@ -245,6 +179,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         "commit": _commit(),
     }
     if not args.windows:
+        _time_evaluations(trainer, data, args, row)
         trainer.sync_model()
         return row
     # The timed steps' row, written before the untimed step below: a run cut short there (a time
@@ -272,6 +207,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
 
         trace = traced_step(trainer, data, rows)
         (Path(args.out or RESULTS) / f"{case.name}.trace.json").write_text(json.dumps(trace) + "\n")
+    _time_evaluations(trainer, data, args, row)
     trainer.sync_model()
     return row
 
@@ -340,7 +276,7 @@ def _one_per_process(cases, args, out: Path) -> list[dict]:
     for case in cases:
         argv = [sys.executable, __file__, "run", "--in-process", "--only", case.name, "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--out", str(out)] + ["--events"] * args.events + ["--trace"] * args.trace \
-            + ["--fuse-stages"] * args.fuse_stages + ["--no-windows"] * (not args.windows)
+            + ["--fuse-stages"] * args.fuse_stages + ["--no-windows"] * (not args.windows) + ["--eval", str(args.eval)]
         done = subprocess.run(argv)
         row = out / f"{_row_name(case, args)}.json"
         if done.returncode == 0 and row.is_file():
@@ -375,6 +311,8 @@ def main(argv=None):
                            "times, and what is live at the peak (bench/trace.py)")
             s.add_argument("--fuse-stages", action="store_true", help="run the stage bodies compiled by torch.compile "
                            "(NOTE: [Fused stages] in lazytrain/runtime/fused.py); rows are <case>_fused.json")
+            s.add_argument("--eval", type=int, default=0, help="time this many evaluations of the batch after the "
+                           "steps (`Trainer.loss`, after one untimed); 0: none")
             s.add_argument("--no-windows", dest="windows", action="store_false", help="leave out the untimed "
                            "step that reads the allocator at every event (each window's measured bytes)")
             s.add_argument("--in-process", action="store_true", help="run every case in this process (default: "
