@@ -80,8 +80,7 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
         if kind is Kind.OPT_STEP:
             if g is None:
                 shared = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes, stages.state_bytes)
-                # NOTE: [Steps the host issues after backward] in hardware/__init__.py
-                return deferred_step_s(shared, len(stages.shared_params), hw) if stages.clipping == "exact" else shared
+                return deferred_step_s(stages, shared, len(stages.shared_params), hw)
             p = plan.decisions[stage]
             return RULES[p.kind].step_seconds(stages, stage, p, hw)
         return 0.0

@@ -120,10 +120,13 @@ def gpu_step_s(numel: int, tensors: int, hw: Hardware, master: int = MASTER_BYTE
     return seconds
 
 
-def deferred_step_s(device_s: float, tensors: int, hw: Hardware) -> float:
-    """A device step of `tensors` tensors taking `device_s` on the device, run after backward as the
-    host issues it (exact clipping): the longer of the two (NOTE: [Steps the host issues after
-    backward] in hardware/__init__.py)."""
+def deferred_step_s(stages: Stages, device_s: float, tensors: int, hw: Hardware) -> float:
+    """A resident (or shared) device step of `tensors` tensors taking `device_s` on the device:
+    exactly clipped, it waits for the global norm and runs after backward as the host issues it, so
+    it takes the longer of the two (NOTE: [Steps the host issues after backward] in
+    hardware/__init__.py); otherwise the device's time."""
+    if stages.clipping != "exact":
+        return device_s
     return max(device_s, tensors * hw.gpu_step_issue_tensor_s)
 
 

@@ -112,8 +112,7 @@ class StepModel:
         self.step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
         shared_step = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
                                  len(stages.shared_params), hw, M, stages.state_bytes)
-        if self.exact:  # NOTE: [Steps the host issues after backward] in hardware/__init__.py
-            shared_step = deferred_step_s(shared_step, len(stages.shared_params), hw)
+        shared_step = deferred_step_s(stages, shared_step, len(stages.shared_params), hw)
         if self.on_stream:
             self.stepped[TAIL] += shared_step
         self.serial = 0.0 if self.on_stream else shared_step

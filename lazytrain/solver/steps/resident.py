@@ -32,7 +32,7 @@ class Resident(StepRule):
         if model.on_stream:  # released as its backward ends
             model.stepped[L.bw(s - 1) if s > 0 else model.TAIL] += x * st.step_s
         else:  # in series with compute (exactly clipped: after backward, as the host issues it)
-            model.serial = model.serial + x * self._after_backward_s(stages, st.step_s, len(g.params), model.hw)
+            model.serial = model.serial + x * deferred_step_s(stages, st.step_s, len(g.params), model.hw)
         if model.n > 1:
             return
         M = stages.master_bytes
@@ -62,13 +62,7 @@ class Resident(StepRule):
         model.mem[L.bw(s)] = model.mem[L.bw(s)] + max(0, step_bytes(stages, s) - bwd) * x
 
     def step_seconds(self, stages, s, p, hw):
-        return self._after_backward_s(stages, super().step_seconds(stages, s, p, hw), len(stages[s].params), hw)
-
-    @staticmethod
-    def _after_backward_s(stages, device_s: float, tensors: int, hw) -> float:
-        """A resident step's seconds: exactly clipped, it waits for the global norm and runs as the
-        host issues it (NOTE: [Steps the host issues after backward] in hardware/__init__.py)."""
-        return deferred_step_s(device_s, tensors, hw) if stages.clipping == "exact" else device_s
+        return deferred_step_s(stages, super().step_seconds(stages, s, p, hw), len(stages[s].params), hw)
 
     def buffers(self, lo, s):
         g, stages, M = lo.stages[s], lo.stages, lo.stages.master_bytes
