@@ -23,11 +23,14 @@ class PlanError(LazytrainError):
 
 
 class InfeasibleBudget(PlanError):
-    """No plan fits the GPU memory budget. Carries the smallest feasible budget in bytes."""
+    """No plan fits the GPU memory budget. Carries the smallest feasible budget in bytes, and whether
+    the refusal holds whatever the token-wise work's tiles (`any_tiles`: the training state alone
+    leaves the GPU more than the budget)."""
 
-    def __init__(self, message: str, smallest_feasible: int):
+    def __init__(self, message: str, smallest_feasible: int, any_tiles: bool = False):
         super().__init__(message)
         self.smallest_feasible = smallest_feasible
+        self.any_tiles = any_tiles
 
 
 class VerifyError(PlanError):

@@ -190,7 +190,8 @@ def _hardware(hardware: str | Hardware | None) -> Hardware:
 # AUTO_TILE_BYTES and plans each size of TILE_SIZES from that capture, keeping the fastest plan
 # that fits (NOTE: [Tile sizes] in passes/retile.py); for `--budget min` it plans both ways and
 # keeps the smallest budget. A model with nothing to tile compiles once. The second capture happens
-# on a refusal only; a `tile_bytes` given is planned as given.
+# on a refusal only, and not on one tiles cannot change (the training state alone past the budget:
+# NOTE: [State past the host] in solver/refusal.py); a `tile_bytes` given is planned as given.
 AUTO_TILE_BYTES = 256 << 20
 
 
@@ -237,15 +238,25 @@ def compile_model(model: torch.nn.Module, batch: dict, budget: int | str | None 
     try:
         return _compile(model, batch, hw, untiled, source, dump_dir, time_passes)
     except InfeasibleBudget as refused:
+        if refused.any_tiles:  # NOTE: [State past the host] in solver/refusal.py
+            raise
         if time_passes:
             print(f"[lazytrain] no untiled plan fits; planning in tiles of "
                   f"{', '.join(format_size(s) for s in TILE_SIZES)}", file=sys.stderr)
         try:
             return _compile(model, batch, hw, tiled_, source, dump_dir, time_passes, search=True)
         except InfeasibleBudget as also:
-            raise InfeasibleBudget(f"{also} (with its MLPs and norms in tiles, --tile-bytes; untiled it needs "
-                                   f"{format_size(refused.smallest_feasible, round_up=True)})",
-                                   min(also.smallest_feasible, refused.smallest_feasible)) from None
+            raise _amended(also, f" (with its MLPs and norms in tiles, --tile-bytes; untiled it needs "
+                                 f"{format_size(refused.smallest_feasible, round_up=True)})",
+                           min(also.smallest_feasible, refused.smallest_feasible)) from None
+
+
+def _amended(refusal: InfeasibleBudget, clause: str, smallest: int | None = None) -> InfeasibleBudget:
+    """`refusal` with `clause` added to its last sentence (its closing full stop kept last)."""
+    text = str(refusal)
+    stop = "." if text.endswith(".") else ""
+    return InfeasibleBudget(text.removesuffix(".") + clause + stop,
+                            refusal.smallest_feasible if smallest is None else smallest, refusal.any_tiles)
 
 
 def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: CompileOptions, source: str, dump_dir,
@@ -266,11 +277,10 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
             plan = hook.run("solve", cached_solve, stages, planning, budget, sized.time_limit)
         except InfeasibleBudget as exc:
             if search:  # NOTE: [Tile sizes] in passes/retile.py
-                exc = InfeasibleBudget(f"{exc} (in tiles of {format_size(sized.tile_bytes)})", exc.smallest_feasible)
+                exc = _amended(exc, f" (in tiles of {format_size(sized.tile_bytes)})")
             if planning is not hw:  # NOTE: [Compiler's host memory]
-                exc = InfeasibleBudget(f"{exc}; with fused stage bodies the plan leaves Inductor "
-                                       f"{format_size(FUSED_HOST_RESERVE)} of the host (--fuse-stages off plans "
-                                       "without)", exc.smallest_feasible)
+                exc = _amended(exc, f"; with fused stage bodies the plan leaves Inductor {format_size(FUSED_HOST_RESERVE)} "
+                                    "of the host (--fuse-stages off plans without)")
             refusal = exc if refusal is None or exc.smallest_feasible < refusal.smallest_feasible else refusal
             continue
         if best is None or measure(plan) < measure(best[2]):

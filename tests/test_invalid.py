@@ -22,7 +22,7 @@ from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model, minimum_budget
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum, load_schedule, load_source
 from lazytrain.units import format_size
-from models import BlockSpec, ModelSpec, random_block_model, tiny_gpt_pair, unique_name
+from models import BlockSpec, ModelSpec, random_block_model, tiny_gpt_pair, tiny_qwen_pair, unique_name
 
 GiB = 1 << 30
 
@@ -87,6 +87,32 @@ def test_a_plan_past_the_device_says_what_gpu_it_needs_and_where_the_bytes_go(gp
     floor, parts = max(floors, key=lambda f: f[0])
     assert floor == sum(parts.values()) and 0 < floor <= smallest
     assert f"backward alone holds {format_size(floor)} under any plan" in text, text
+
+
+def test_a_state_past_the_host_is_named_and_refused_without_tiles():
+    """NOTE: [State past the host] in solver/refusal.py: where the masters and optimizer states alone
+    are more than the host holds, the refusal says so, names the options that shrink them, and
+    does not search tiles (which shrink activations, not state)."""
+    from lazytrain import hardware
+    from lazytrain.pipeline import analyse
+
+    meta, _, batch = tiny_qwen_pair()
+    cpu = hardware.load("cpu")
+    _, stages = analyse(meta, batch, cpu)
+    state = (sum(g.param_numel for g in stages.stages) + stages.shared_numel) * 12  # fp32 masters, 32-bit AdamW states
+    small = dataclasses.replace(cpu, host_memory_bytes=state // 2, gpu_memory_bytes=state // 4)
+    with pytest.raises(InfeasibleBudget) as info:
+        compile_model(meta, batch, "max", small, clipping="off")
+    text = str(info.value)
+    assert info.value.any_tiles and "in tiles" not in text, text
+    assert f"(12 bytes each: {format_size(state)}), is more than the host may hold" in text, text
+    assert "Shrink it with --optimizer-states 8bit, --master-weights bf16, --disk" in text, text
+    assert "Shrink the tokens per row" not in text
+    # with the state small enough for the host, the same device refuses for the activations, in tiles
+    roomy = dataclasses.replace(small, host_memory_bytes=100 * state)
+    with pytest.raises(InfeasibleBudget) as info:
+        compile_model(meta, batch, "max", roomy, clipping="off")
+    assert not info.value.any_tiles and "training state" not in str(info.value)
 
 
 def test_budget_message_distinguishes_budget_from_minimum():

@@ -21,8 +21,24 @@ and where the bytes go (NOTE: [Past the device])."""
 from __future__ import annotations
 
 from lazytrain.hardware import Hardware
-from lazytrain.ir.stages import Stages
+from lazytrain.ir.stages import STATE_BYTES, Stages
+from lazytrain.solver.footprint import disk_available
+from lazytrain.solver.shards import sharding
 from lazytrain.units import format_size
+
+# NOTE: [State past the host]
+# Where the masters and optimizer states of all parameters are more than the host (and the disk,
+# with --disk) may hold, the rest of them stays on the GPU whatever the plan, and that, not a
+# layer's backward, is what the GPU it needs is made of. Llama-3-70B's shape at 1 x 4096 with fp32
+# masters and 32-bit states (12 bytes a parameter, 788.5 GiB) on the H200 box (113.2 GiB of host a
+# fused plan may use) needs a GPU of 948.0 GiB (CPU plan, 2026-12-05), where a layer's backward
+# holds 8.8.
+# The refusal then says so and names the options that shrink the state (8-bit states: about 2
+# bytes a parameter in place of 8; bf16 masters: 2 in place of 4; --disk), not a shorter batch.
+# Where that state alone leaves the GPU more than the budget, no tiles of the token-wise work can
+# help (they shrink activations), so the compile refuses without capturing again in tiles
+# (`InfeasibleBudget.any_tiles`; NOTE: [Tiles where nothing else fits] in pipeline.py): the 70B
+# refusal took 66 s with the tiled captures and solves, most of it for nothing.
 
 
 def backward_floor(stages: Stages, s: int) -> tuple[int, dict[str, int]]:
@@ -35,9 +51,10 @@ def backward_floor(stages: Stages, s: int) -> tuple[int, dict[str, int]]:
     return sum(parts.values()), parts
 
 
-def past_device(stages: Stages, hw: Hardware, need: int) -> str:
+def past_device(stages: Stages, hw: Hardware, need: int, proven: bool = True) -> str:
     """The sentences a refusal adds where `need` is more than any budget of this device (NOTE: [Past
-    the device]); empty where it is not."""
+    the device]); empty where it is not. `proven`: `need` is the least a plan needs, not only a
+    budget a plan was found to fit (the least-memory search stopped at its time limit)."""
     if need <= hw.max_budget:
         return ""
     gpu = need + hw.gpu_memory_bytes - hw.max_budget
@@ -48,9 +65,13 @@ def past_device(stages: Stages, hw: Hardware, need: int) -> str:
     said = ", ".join(f"{format_size(v)} {k}" for k, v in parts.items() if v > 0)
     outs = [g.out_bytes for g in stages.stages if g.consumers and g.index < len(stages.stages) - 1]
     text = (f"That is more than hardware profile '{hw.name}' lets a plan use ({format_size(hw.max_budget)} of its "
-            f"{format_size(hw.gpu_memory_bytes)}): it needs a GPU of at least {format_size(gpu, round_up=True)}. "
-            f"Where it goes: {stages.stages[s].name}'s backward alone holds {format_size(floor)} under any plan "
-            f"({said})")
+            f"{format_size(hw.gpu_memory_bytes)}): " + (f"it needs a GPU of at least {format_size(gpu, round_up=True)}. "
+            if proven else f"a GPU of {format_size(gpu, round_up=True)} would hold it, and a smaller one may. "))
+    state = state_past_host(stages, hw)
+    if state:
+        return text + state
+    text += (f"Where it goes: {stages.stages[s].name}'s backward alone holds {format_size(floor)} under any plan "
+             f"({said})")
     room = hw.host_capacity + (hw.disk_bytes if stages.disk else 0)
     if sum(outs) > room:
         text += (f"; the {len(outs)} stage outputs kept for backward are {format_size(sum(outs))}, where the host "
@@ -58,3 +79,37 @@ def past_device(stages: Stages, hw: Hardware, need: int) -> str:
                  + (f" and the disk ({format_size(hw.disk_bytes)})" if stages.disk else "")
                  + f" hold {format_size(room)} in all, and the rest stay on the GPU or are recomputed")
     return text + ". Shrink the tokens per row or the batch, or compile for a larger device (--hardware)."
+
+
+def _state(stages: Stages, hw: Hardware) -> tuple[int, float, int]:
+    """This rank's parameters, the master and state bytes each, and what host and disk may hold."""
+    numel = -(-(sum(g.param_numel for g in stages.stages) + stages.shared_numel) // sharding(stages))
+    return numel, stages.master_bytes + stages.state_bytes, hw.host_capacity + (hw.disk_bytes if stages.disk else 0)
+
+
+def state_floor(stages: Stages, hw: Hardware) -> int:
+    """The training state the GPU holds under any plan, whatever the activations and their tiles:
+    the masters and optimizer states that host and disk cannot (NOTE: [State past the host])."""
+    numel, per, room = _state(stages, hw)
+    return max(0, int(numel * per) - room)
+
+
+def state_past_host(stages: Stages, hw: Hardware) -> str:
+    """Where all parameters' masters and optimizer states are more than host and disk may hold, the
+    sentences that say so and name what shrinks them (NOTE: [State past the host]); else empty."""
+    if not state_floor(stages, hw):
+        return ""
+    numel, per, room = _state(stages, hw)
+    where = "the host" + (" and the disk" if stages.disk else "")
+    text = (f"Where it goes: its training state alone, the masters and optimizer states of {numel / 1e9:.2f} G "
+            "parameters" + (" (this rank's share)" if sharding(stages) > 1 else "")
+            + f" ({per:g} bytes each: {format_size(numel * per)}), is more than {where} may hold "
+            f"({format_size(room)}), so the rest of it stays on the GPU. ")
+    smaller = [flag for flag, unused in (("--optimizer-states 8bit", stages.state_bytes > STATE_BYTES["8bit"]),
+                                         ("--master-weights bf16", stages.master_bytes > 2)) if unused]
+    fixes = smaller + (["--disk"] if not stages.disk and disk_available(hw) else [])
+    if not fixes:
+        return text + "Compile for a host with more memory (--hardware), or shard it over several GPUs (--world-size)."
+    least = f" (8-bit states and bf16 masters take it to {format_size(numel * (2 + STATE_BYTES['8bit']))})"
+    return (text + f"Shrink it with {', '.join(fixes)}" + (least if smaller else "")
+            + ", or compile for a host with more memory (--hardware).")

@@ -22,7 +22,7 @@ from lazytrain.passes.limits import limits
 from lazytrain.solver import milp
 from lazytrain.solver.footprint import disk_available
 from lazytrain.solver.formulation import SEARCH_BACKWARD_STEPS, _build, _decisions, _plan, _start
-from lazytrain.solver.refusal import past_device
+from lazytrain.solver.refusal import past_device, state_floor
 from lazytrain.solver.shards import sharding
 from lazytrain.units import format_size
 
@@ -168,8 +168,8 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
             "time limit)")
         raise InfeasibleBudget(
             f"no plan fits a GPU budget of {have}; {smallest}. "
-            + (past_device(stages, hw, need) or f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}"),
-            need,
+            + (past_device(stages, hw, need, proven) or f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}"),
+            need, any_tiles=state_floor(stages, hw) > budget,
         )
     # Time-out without a solution: use the best heuristic policy that fits.
     warm = warm or _warm_start(stages, hw, budget)
