@@ -60,6 +60,21 @@ def test_reduce_and_gather_events_on_the_comm_stream():
     assert verify(dataclasses.replace(sched, budget=1 << 40))
 
 
+def test_the_shared_step_is_priced_on_the_ranks_piece():
+    """The shared weights' OPT_STEP event takes the step model's seconds (`shards.shared_step_s`): a
+    rank steps its 1/N piece of them, not the whole tensors."""
+    from lazytrain.solver.footprint import gpu_step_s
+    from lazytrain.solver.shards import shared_step_s
+
+    hw = hardware.load("h200")
+    stages = dataclasses.replace(_stages(hw=hw), clipping="off")  # the device's time, not the host's issue
+    plan = evaluate(stages, hw, 1 << 40, decisions(["-rk", "GRk", "SRk", "GRk", "Srk"]))
+    step = next(e for e in lower(stages, plan, hw).events if e.kind is Kind.OPT_STEP and e.stage == -1)
+    whole = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes, stages.state_bytes)
+    assert step.duration_s == pytest.approx(shared_step_s(stages, hw), abs=1e-9)  # events keep nanoseconds
+    assert 0 < step.duration_s < 0.6 * whole
+
+
 def test_verify_checks_collective_order():
     """A forward that reads gathered weights without waiting for the GATHER, or a GATHER that
     overwrites resident weights without waiting for their step, is refused."""

@@ -26,10 +26,8 @@ from lazytrain.solver.boundary import copy_s, kept_bytes, moved_bytes
 from lazytrain.solver.footprint import (
     cast_s,
     deferred_step_bytes,
-    deferred_step_s,
     fixed_bytes,
     gpu_step_out_bytes,
-    gpu_step_s,
     prefetches_from_master,
     resident_bytes,
     shared_grad_bytes,
@@ -44,6 +42,7 @@ from lazytrain.solver.shards import (
     shard_grad_bytes,
     sharded_deferred_bytes,
     sharded_step_bytes,
+    shared_step_s,
     sharding,
 )
 from lazytrain.solver.steps import RULES, StepRule
@@ -79,8 +78,7 @@ def _durations(stages: Stages, plan: Plan, hw: Hardware):
             return comm_s(moved, hw, sharding(stages))
         if kind is Kind.OPT_STEP:
             if g is None:
-                shared = gpu_step_s(stages.shared_numel, len(stages.shared_params), hw, stages.master_bytes, stages.state_bytes)
-                return deferred_step_s(stages, shared, len(stages.shared_params), hw)
+                return shared_step_s(stages, hw)
             p = plan.decisions[stage]
             return RULES[p.kind].step_seconds(stages, stage, p, hw)
         return 0.0

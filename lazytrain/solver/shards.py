@@ -21,7 +21,15 @@ import math
 from lazytrain.hardware import Hardware
 from lazytrain.ir.stages import STATE_BYTES
 from lazytrain.sizes import QUANT_BLOCK
-from lazytrain.solver.footprint import fixed_bytes, resident_bytes, resident_grad_bytes, shared_step_bytes, step_bytes
+from lazytrain.solver.footprint import (
+    deferred_step_s,
+    fixed_bytes,
+    gpu_step_s,
+    resident_bytes,
+    resident_grad_bytes,
+    shared_step_bytes,
+    step_bytes,
+)
 
 
 class Shards(int):
@@ -56,6 +64,14 @@ def piece(nbytes: float, numel: int, params: int, n: int) -> int:
         return int(math.ceil(nbytes))
     per = nbytes / max(1, numel)
     return int(math.ceil(per * (numel / n + params * getattr(n, "align", 1))))
+
+
+def shared_step_s(stages, hw: Hardware) -> float:
+    """The shared (tied) weights' step after backward, on this rank's piece of them: the step model's
+    and `lower`'s one price."""
+    params = len(stages.shared_params)
+    numel = piece(stages.shared_numel, stages.shared_numel, params, sharding(stages))
+    return deferred_step_s(stages, gpu_step_s(numel, params, hw, stages.master_bytes, stages.state_bytes), params, hw)
 
 
 def flat_bytes(param_bytes: int, numel: int, params: int, n: int) -> int:

@@ -21,7 +21,6 @@ from lazytrain.solver.footprint import (
     CPU_STATE_BYTES,
     Layout,
     deferred_step_bytes,
-    deferred_step_s,
     disk_available,
     fixed_bytes,
     gpu_step_s,
@@ -44,6 +43,7 @@ from lazytrain.solver.shards import (
     sharded_deferred_bytes,
     sharded_step_bytes,
     sharded_tail,
+    shared_step_s,
     sharding,
 )
 from lazytrain.solver.steps import RULES, StageTerms
@@ -110,9 +110,7 @@ class StepModel:
         self.lost = hw.step_lost(sorted(g.param_numel for g in stages)[len(stages) // 2])
         self.stepped = [0.0] * (T + 2)  # device step seconds released to the optimizer stream in a window
         self.step_due = [0.0] * (T + 2)  # of them, what must be done by a window's end (resident gradients freed)
-        shared_step = gpu_step_s(piece(stages.shared_numel, stages.shared_numel, len(stages.shared_params), n),
-                                 len(stages.shared_params), hw, M, stages.state_bytes)
-        shared_step = deferred_step_s(stages, shared_step, len(stages.shared_params), hw)
+        shared_step = shared_step_s(stages, hw)
         if self.on_stream:
             self.stepped[TAIL] += shared_step
         self.serial = 0.0 if self.on_stream else shared_step
