@@ -102,11 +102,12 @@ def test_a_state_past_the_host_is_named_and_refused_without_tiles():
     state = (sum(g.param_numel for g in stages.stages) + stages.shared_numel) * 12  # fp32 masters, 32-bit AdamW states
     small = dataclasses.replace(cpu, host_memory_bytes=state // 2, gpu_memory_bytes=state // 4)
     with pytest.raises(InfeasibleBudget) as info:
-        compile_model(meta, batch, "max", small, clipping="off")
+        compile_model(meta, batch, "max", small)  # clipping exact, the default
     text = str(info.value)
     assert info.value.any_tiles and "in tiles" not in text, text
     assert f"(12 bytes each: {format_size(state)}), is more than the host may hold" in text, text
-    assert "Shrink it with --optimizer-states 8bit, --master-weights bf16, --disk" in text, text
+    assert "Shrink it with --optimizer-states 8bit, --master-weights bf16 (8-bit states and bf16 masters take it to " in text
+    assert ", --disk, --clipping previous-norm (" in text, text
     assert "Shrink the tokens per row" not in text
     # with the state small enough for the host, the same device refuses for the activations, in tiles
     roomy = dataclasses.replace(small, host_memory_bytes=100 * state)

@@ -34,7 +34,11 @@ from lazytrain.units import format_size
 # fused plan may use) needs a GPU of 948.0 GiB (CPU plan, 2026-12-05), where a layer's backward
 # holds 8.8.
 # The refusal then says so and names the options that shrink the state (8-bit states: about 2
-# bytes a parameter in place of 8; bf16 masters: 2 in place of 4; --disk), not a shorter batch.
+# bytes a parameter in place of 8; bf16 masters: 2 in place of 4; --disk; with exact clipping,
+# clipping by the previous norm, since only a block stepped in its own backward keeps its states on
+# disk without a host buffer as large, and exact clipping steps nothing before the global norm),
+# not a shorter batch. (That 70B shape with 8-bit states, bf16 masters and --disk plans within the
+# whole H200 at previous-norm or no clipping, 135.8 GiB, and none fits it with exact clipping.)
 # Where that state alone leaves the GPU more than the budget, no tiles of the token-wise work can
 # help (they shrink activations), so the compile refuses without capturing again in tiles
 # (`InfeasibleBudget.any_tiles`; NOTE: [Tiles where nothing else fits] in pipeline.py): the 70B
@@ -101,15 +105,18 @@ def state_past_host(stages: Stages, hw: Hardware) -> str:
         return ""
     numel, per, room = _state(stages, hw)
     where = "the host" + (" and the disk" if stages.disk else "")
-    text = (f"Where it goes: its training state alone, the masters and optimizer states of {numel / 1e9:.2f} G "
-            "parameters" + (" (this rank's share)" if sharding(stages) > 1 else "")
+    text = (f"Where it goes: its training state alone, the masters and optimizer states of "
+            + (f"{numel / 1e9:.2f} G" if numel >= 1e9 else f"{numel / 1e6:.2f} M") + " parameters" + (" (this rank's share)" if sharding(stages) > 1 else "")
             + f" ({per:g} bytes each: {format_size(numel * per)}), is more than {where} may hold "
             f"({format_size(room)}), so the rest of it stays on the GPU. ")
     smaller = [flag for flag, unused in (("--optimizer-states 8bit", stages.state_bytes > STATE_BYTES["8bit"]),
                                          ("--master-weights bf16", stages.master_bytes > 2)) if unused]
-    fixes = smaller + (["--disk"] if not stages.disk and disk_available(hw) else [])
+    if smaller:
+        smaller[-1] += f" (8-bit states and bf16 masters take it to {format_size(numel * (2 + STATE_BYTES['8bit']))})"
+    disk = stages.disk or disk_available(hw)
+    fixes = smaller + (["--disk"] if disk and not stages.disk else []) + (
+        ["--clipping previous-norm (blocks may then step in their own backward, with their states on disk)"]
+        if disk and stages.clipping == "exact" and sharding(stages) == 1 else [])
     if not fixes:
         return text + "Compile for a host with more memory (--hardware), or shard it over several GPUs (--world-size)."
-    least = f" (8-bit states and bf16 masters take it to {format_size(numel * (2 + STATE_BYTES['8bit']))})"
-    return (text + f"Shrink it with {', '.join(fixes)}" + (least if smaller else "")
-            + ", or compile for a host with more memory (--hardware).")
+    return text + f"Shrink it with {', '.join(fixes)}, or compile for a host with more memory (--hardware)."
