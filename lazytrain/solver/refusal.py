@@ -105,8 +105,9 @@ def state_past_host(stages: Stages, hw: Hardware) -> str:
         return ""
     numel, per, room = _state(stages, hw)
     where = "the host" + (" and the disk" if stages.disk else "")
-    text = (f"Where it goes: its training state alone, the masters and optimizer states of "
-            + (f"{numel / 1e9:.2f} G" if numel >= 1e9 else f"{numel / 1e6:.2f} M") + " parameters" + (" (this rank's share)" if sharding(stages) > 1 else "")
+    count = f"{numel / 1e9:.2f} G" if numel >= 1e9 else f"{numel / 1e6:.2f} M"
+    text = (f"Where it goes: its training state alone, the masters and optimizer states of {count} parameters"
+            + (" (this rank's share)" if sharding(stages) > 1 else "")
             + f" ({per:g} bytes each: {format_size(numel * per)}), is more than {where} may hold "
             f"({format_size(room)}), so the rest of it stays on the GPU. ")
     smaller = [flag for flag, unused in (("--optimizer-states 8bit", stages.state_bytes > STATE_BYTES["8bit"]),
