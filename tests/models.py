@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lazytrain.codegen.render import render
+from lazytrain.ir.events import Kind, Phase
 from lazytrain.ir.placement import Internals, Outputs, Placement, Step, Tier, Weights
 from lazytrain.passes.lower import lower
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model
+from lazytrain.runtime.forward_only import whole_step_reason
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import can_put_outputs_on_disk
 from lazytrain.solver.solve import evaluate
@@ -381,8 +383,36 @@ def check_replay(source_text: str, real: nn.Module, batch: dict, atol=ATOL, rtol
     trainer, model = bind_source(source_text, real)
     loss = trainer.forward_backward(batch)
     assert_grads_match(model, loss, ref_loss, ref_grads, atol, rtol)
+    held = _weight_slots_at_forwards(trainer)
     assert torch.equal(trainer.loss(batch), loss)
+    del trainer.replay._call  # the recording wrapper (an instance attribute) goes
     assert trainer.replay.env is None and not [s for s in trainer.store.slots if s.startswith("w:")]
+    if whole_step_reason(trainer) is None:  # the forwards alone ran: NOTE: [Evaluation fetches ahead]
+        step = _step_weights_at_forwards(trainer.replay.events)
+        assert held and all(held[s] <= step[s] for s in held), (held, step)
+
+
+def _weight_slots_at_forwards(trainer) -> dict[int, set[str]]:
+    """The weight slots an evaluation holds at each stage's forward, recorded as it runs."""
+    held, replay = {}, trainer.replay
+    call = replay._call
+
+    def recording(stage, grad, *args, **kwargs):
+        held[stage.index] = {n for n in trainer.store.slots if n.startswith("w:")}
+        return call(stage, grad, *args, **kwargs)
+    replay._call = recording
+    return held
+
+
+def _step_weights_at_forwards(events) -> dict[int, set[str]]:
+    """The weight buffers the step's event order holds at each stage's forward compute."""
+    live, out = set(), {}
+    for e in events:
+        live |= {b for b in e.allocs if b.startswith("w:")}
+        if e.kind is Kind.COMPUTE and e.phase is Phase.FWD:
+            out[e.stage] = set(live)
+        live -= set(e.frees)
+    return out
 
 
 def check_seeded_replay(source_text: str, real: nn.Module, batch: dict, seed: int = 7, steps: int = 0, **hp) -> None:

@@ -106,6 +106,32 @@ def test_loss_discards_gradients_and_steps_go_on_unchanged(case):
     assert torch.allclose(fresh.loss(batch), ref_loss, atol=1e-5, rtol=1e-5)
 
 
+def test_an_evaluation_fetches_streamed_weights_ahead_as_the_step_does(case):
+    """NOTE: [Evaluation fetches ahead] in runtime/forward_only.py: each streamed stage is fetched
+    once, no later than its own forward, and on the smallest budget of a model that streams more than
+    one stage some fetch starts before an earlier stage's forward (beside compute). `check_replay`
+    checks that the slots held at each forward are the step's."""
+    from lazytrain.runtime.forward_only import fetches_ahead
+
+    _, _, _, _, _, compiled = case
+    c = compiled["minimum"]
+    stages = c.stages.stages
+    streamed = [g.index for g, p in zip(stages, c.plan.decisions) if p.streamed and not p.weights.cast_on_use]
+    ahead = fetches_ahead(c.schedule.events, [_Placed(p) for p in c.plan.decisions])
+    fetched = [t for ts in ahead.values() for t in ts]
+    assert sorted(fetched) == sorted(set(fetched)) and set(fetched) <= set(streamed)
+    assert all(t >= s for s, ts in ahead.items() for t in ts)  # never after its own forward
+    if len(streamed) > 1:
+        assert any(t > s for s, ts in ahead.items() for t in ts), ahead
+
+
+class _Placed:
+    """A stage as `fetches_ahead` reads it: its placement."""
+
+    def __init__(self, placement):
+        self.placement = placement
+
+
 def test_loss_depends_on_labels(case):
     """Different labels give a different loss: the replay reads the labels it is given."""
     _, _, real, batch, _, compiled = case
