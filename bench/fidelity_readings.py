@@ -97,5 +97,9 @@ def _time_evaluations(trainer, data, args, row: dict) -> None:
         times.append(time.perf_counter() - start)
     row["eval_s"], row["eval_times_s"] = statistics.median(times), times
     row["eval_allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
-    print(f"[fidelity] {row['case']['model']} evaluation: {row['eval_s']:.3f} s a batch (a step {row['step_s']:.3f}), "
-          f"{row['eval_allocated_peak_bytes'] / GiB:.1f} GiB allocated at most", flush=True)
+    # what the plan prices the step's forward computes at: an evaluation's floor, its transfers hidden
+    from lazytrain.ir.events import Kind, Phase
+    row["plan_forward_s"] = sum(e.duration_s for e in trainer.replay.events if e.kind is Kind.COMPUTE and e.phase is Phase.FWD)
+    print(f"[fidelity] {row['case']['model']} evaluation: {row['eval_s']:.3f} s a batch (a step {row['step_s']:.3f}; "
+          f"the plan's forward computes {row['plan_forward_s']:.3f}), {row['eval_allocated_peak_bytes'] / GiB:.1f} GiB "
+          "allocated at most", flush=True)
