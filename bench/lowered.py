@@ -12,7 +12,7 @@ whole and split by the tile;
 fp32, bf16 compute with fp32 masters, bf16 masters, 8-bit states; clipping exact, previous-norm
 and off; a chunked loss; tied weights; sharded and replicated data parallel over 2 and 4 ranks), it
 writes:
-  CASE.py     the schedule's full source (`tests/models.forced`: evaluate, lower, verify at the
+  CASE.py     the schedule's full source (`tests/plans.forced`: evaluate, lower, verify at the
               predicted peak, render): every event, buffer, window and predicted time
   CASE.mip    the fixed plan's MIP as `evaluate` builds it: variables, rows and objective, and the
               step model's expressions the plan reads, each with its terms by variable (with
@@ -21,9 +21,9 @@ writes:
   CASE.err    instead of both, where the decisions are refused: the error's type and message
 Per model it also writes the MIPs `solve` searches (`_build` with and without steps in backward)
 and `smallest_budget` minimises, SETTINGS.search*.mip. Seeded draws add random decisions
-(tests/models.py `repair`, then disk kinds where the settings allow them): most valid, some refused.
+(tests/plans.py `repair`, then disk kinds where the settings allow them): most valid, some refused.
 
-It imports the tests' helpers (tests/models.py), so it runs from the repository root.
+It imports the tests' helpers (tests/models.py, tests/plans.py), so it runs from the repository root.
 """
 
 from __future__ import annotations
@@ -73,14 +73,14 @@ def _blocks(tied: bool):
 
 
 def _cast(spec, stages=(1, 2)):
-    from models import decisions
+    from plans import decisions
 
     return [dataclasses.replace(d, weights=Weights(cast_on_use=True)) if s in stages else d
             for s, d in enumerate(decisions(spec))]
 
 
 def _freeing(spec, stages=(2, 3, 4)):
-    from models import decisions
+    from plans import decisions
 
     return [dataclasses.replace(d, step=Step.resident(frees_grads=True)) if s in stages else d
             for s, d in enumerate(decisions(spec))]
@@ -91,7 +91,7 @@ def _split(spec, splits: dict):
     of 4 tiles (NOTE: [Boundary tiles] in lazytrain/solver/boundary.py; the setting's `boundary_tile`
     cuts each output in 4)."""
     from lazytrain.ir.placement import Split
-    from models import decisions
+    from plans import decisions
 
     return [dataclasses.replace(d, outputs=Outputs.DISK if splits[s][1] else Outputs.OFFLOAD, split=Split(*splits[s], 4))
             if s in splits else d for s, d in enumerate(decisions(spec))]
@@ -164,9 +164,9 @@ RANDOM = 12  # seeded random decisions per setting
 
 
 def _random_decisions(name: str, stages) -> list:
-    """`RANDOM` seeded draws: tests/models.py `repair` makes the axes valid (resident, host, at the
+    """`RANDOM` seeded draws: tests/plans.py `repair` makes the axes valid (resident, host, at the
     prefetch, ahead, in backward), then some streamed stages take a disk kind their settings allow."""
-    from models import repair
+    from plans import repair
 
     rng = random.Random(f"bench.lowered {name}")
     S, n = len(stages), stages.world_size if stages.sharded else 1
@@ -221,7 +221,7 @@ def _write_model(out: Path, stem: str, stages, hw, decs=None, **build) -> None:
 
 
 def run(out: Path, only: str | None = None) -> None:
-    from models import decisions, forced
+    from plans import decisions, forced
 
     out.mkdir(parents=True, exist_ok=True)
     for name, (build, settings, cases) in SETTINGS.items():

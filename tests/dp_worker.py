@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 
 from lazytrain.errors import DistributedError, ScheduleMismatch
 from lazytrain.runtime.schedule import load_source
-from models import assert_grads_match, eager_grads, hf_config, hf_pair, model_pair, tiny_gpt_pair, token_batch, unique_name
+from checks import assert_grads_match, eager_grads
+from models import hf_config, hf_pair, model_pair, tiny_gpt_pair, token_batch, unique_name
 
 # eps 1e-3, not torch's 1e-8: Adam divides by sqrt(v) + eps, so a small eps turns gradients that are
 # rounding noise (attention's key bias: softmax ignores a shift), which differ with the reduction's

@@ -12,7 +12,7 @@ import torch
 
 from dp_worker import HP, STEPS, _loss, bind, global_batch, pair, rows_of, weights_digest
 from lazytrain.sizes import QUANT_BLOCK
-from models import reference_optimizers
+from checks import reference_optimizers
 
 MIN_8BIT = 4096  # bitsandbytes' default min_8bit_size: smaller parameters keep 32-bit states
 

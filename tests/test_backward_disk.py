@@ -20,8 +20,12 @@ from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s
 from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
-from models import (assert_disk_resume_bit_identical, disk_gpt, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
-                    offload_files, two_on_disk, unique_name)
+from checks import (
+    assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, offload_files,
+    two_on_disk,
+)
+from models import disk_gpt, unique_name
+from plans import decisions, forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)

@@ -18,8 +18,9 @@ from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.placement import Outputs
 from lazytrain.pipeline import analyse
 from lazytrain.solver.solve import evaluate, solve
-from models import (assert_adamw_weights, assert_previous_norm_steps, assert_same_steps, bind_source, check_replay, decisions,
-                    examples, forced, repair, tiny_gpt_pair)
+from checks import assert_adamw_weights, assert_previous_norm_steps, assert_same_steps, bind_source, check_replay
+from models import examples, tiny_gpt_pair
+from plans import decisions, forced, repair
 from test_forced_plans import check_forced
 
 HW = hardware.load("cpu")

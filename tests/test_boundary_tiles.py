@@ -21,7 +21,9 @@ from lazytrain.solver import boundary
 from lazytrain.solver.footprint import ACT_RING
 from lazytrain.solver.solve import evaluate
 from lazytrain.sizes import disk_region_bytes
-from models import assert_steps_agree, bind_source, decisions, forced, model_pair, token_batch
+from checks import assert_steps_agree, bind_source
+from models import model_pair, token_batch
+from plans import decisions, forced
 from test_forced_plans import check_forced
 
 HW = hardware.load("cpu")

@@ -17,7 +17,9 @@ from lazytrain.ir.events import Kind, Phase, Stream
 from lazytrain.ir.placement import PlacementError, Weights
 from lazytrain.pipeline import analyse
 from lazytrain.solver.solve import evaluate, smallest_budget, solve
-from models import bind_source, decisions, forced, tiny_gpt_pair
+from checks import bind_source
+from models import tiny_gpt_pair
+from plans import decisions, forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-2, eps=1e-6)

@@ -12,7 +12,8 @@ from lazytrain.ir.graph import OpKind
 from lazytrain.analysis.masks import _COMPARE, Rows, _combine, _compare_keys, is_causal_rows
 from lazytrain.passes.causal import SDPA, _is_causal, causal
 
-from models import hf_config, hf_pair, model_pair, replay_equals_eager, token_batch
+from checks import replay_equals_eager
+from models import hf_config, hf_pair, model_pair, token_batch
 
 
 def _sdpa_nodes(graph):

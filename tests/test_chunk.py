@@ -21,10 +21,8 @@ from torch import nn
 from lazytrain import hardware
 from lazytrain.passes.chunk import choose_chunks, choose_tokens, decide, whole_nodes, working_bytes
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
-from models import (
-    assert_grads_match, bind_source, check_adamw_steps, eager_grads, hf_pair, model_pair, ragged, tiny_gpt_pair,
-    tiny_qwen_pair,
-)
+from checks import assert_grads_match, bind_source, check_adamw_steps, eager_grads
+from models import hf_pair, model_pair, ragged, tiny_gpt_pair, tiny_qwen_pair
 
 HW = hardware.load("cpu")
 ATOL, RTOL = 1e-6, 1e-5

@@ -14,7 +14,9 @@ from lazytrain.errors import ScheduleMismatch, TrainingError
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.solver.footprint import cpu_step_s
 from lazytrain.solver.solve import evaluate
-from models import BlockSpec, ModelSpec, bind_source, decisions, random_block_model
+from checks import bind_source
+from models import BlockSpec, ModelSpec, random_block_model
+from plans import decisions
 
 HP = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
 GiB = 1 << 30

@@ -225,7 +225,8 @@ def test_masked_first_step_loss_equals_eager_cross_entropy(tmp_path, chat_tok):
     """The compiled step's loss on masked, padded rows (its loss stage chunked by rows) is the
     eager model's and plain cross-entropy over the learnt tokens, shifted by one."""
     from lazytrain.pipeline import compile_model
-    from models import bind_source, hf_config, model_pair
+    from checks import bind_source
+    from models import hf_config, model_pair
     from transformers import Qwen2ForCausalLM
 
     records = [

@@ -27,7 +27,8 @@ from lazytrain import hardware
 from lazytrain.errors import PlanError, ScheduleMismatch
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.runtime.schedule import load_source
-from models import decisions, forced, unique_name
+from models import unique_name
+from plans import decisions, forced
 import dp_worker
 
 GiB = 1 << 30

@@ -23,7 +23,7 @@ import pytest
 
 from lazytrain import hardware
 from lazytrain.pipeline import analyse, compile_model
-from models import decisions
+from plans import decisions
 import dp_worker
 import dp_worker8bit
 

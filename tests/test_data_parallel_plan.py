@@ -17,7 +17,8 @@ from lazytrain.passes.lower import lower
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.solver.solve import evaluate
-from models import decisions, tiny_gpt_pair
+from models import tiny_gpt_pair
+from plans import decisions
 
 GiB = 1 << 30
 

@@ -24,8 +24,9 @@ from lazytrain.runtime.disk_acts import DiskActivations
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import ACT_RING, disk_act_bytes, disk_io_s
 from lazytrain.solver.solve import evaluate, solve
-from models import (assert_disk_steps_equal_adamw, bind_source, decisions, examples, forced, model_pair,
-                    offload_files, repair, token_batch, unique_name)
+from checks import assert_disk_steps_equal_adamw, bind_source, offload_files
+from models import examples, model_pair, token_batch, unique_name
+from plans import decisions, forced, repair
 from test_forced_plans import check_forced
 
 HW = hardware.load("cpu")

@@ -23,8 +23,12 @@ from lazytrain.solver.footprint import disk_state_bytes, disk_step_s
 from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from lazytrain.summary import summary
 from lazytrain.units import format_size
-from models import (mapped_ranges, assert_steps_agree, assert_disk_resume_bit_identical, assert_train_resumes_bit_identically, builtin_schedule, assert_disk_steps_equal_adamw, assert_same_steps, bind_source, decisions, forced,
-                    offload_files, tiny_gpt_pair, two_on_disk, unique_name)
+from checks import (
+    mapped_ranges, assert_steps_agree, assert_disk_resume_bit_identical, assert_train_resumes_bit_identically,
+    assert_disk_steps_equal_adamw, assert_same_steps, bind_source, offload_files, two_on_disk,
+)
+from models import tiny_gpt_pair, unique_name
+from plans import builtin_schedule, decisions, forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)

@@ -22,8 +22,9 @@ from lazytrain.solver import formulation
 from lazytrain.solver.footprint import disk_gpu_job_s, disk_gpu_state_bytes, disk_step_slot, flush_bytes
 from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
-from models import (assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, decisions, forced,
-                    offload_files, tiny_gpt_pair, unique_name)
+from checks import assert_disk_resume_bit_identical, assert_disk_steps_equal_adamw, assert_same_steps, offload_files
+from models import tiny_gpt_pair, unique_name
+from plans import decisions, forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-3, eps=1e-6)

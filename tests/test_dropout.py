@@ -17,9 +17,9 @@ from lazytrain.pipeline import analyse, compile_model, minimum_budget
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.solve import smallest_budget
 from lazytrain.summary import summary
-from models import (
-    check_replay, check_seeded_replay, decisions, forced, model_pair, tiny_gpt_pair, token_batch, unique_name,
-)
+from checks import check_replay, check_seeded_replay
+from models import model_pair, tiny_gpt_pair, token_batch, unique_name
+from plans import decisions, forced
 
 HW = hardware.load("cpu")
 WIDTH = 8

@@ -26,11 +26,12 @@ from lazytrain.ir.placement import Outputs, PlacementError
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse
 from lazytrain.solver.solve import evaluate, smallest_budget, solve
-from models import (
-    BlockSpec, ModelSpec, adamw_reference, assert_adamw_weights, assert_grads_match, bind_source, check_replay, check_seeded_replay, decisions,
+from checks import (
+    adamw_reference, assert_adamw_weights, assert_grads_match, bind_source, check_replay, check_seeded_replay,
     eager_grads,
-    examples, forced, model_pair, model_specs, ragged, random_block_model, repair, tiny_gpt_pair,
 )
+from models import BlockSpec, ModelSpec, examples, model_pair, model_specs, ragged, random_block_model, tiny_gpt_pair
+from plans import decisions, forced, repair
 
 HW = hardware.load("cpu")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

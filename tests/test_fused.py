@@ -14,7 +14,8 @@ from lazytrain.examples import tiny_qwen
 from lazytrain.pipeline import compile_model
 from lazytrain.runtime import fused
 from lazytrain.runtime.schedule import load_source
-from models import assert_grads_match, decisions
+from checks import assert_grads_match
+from plans import decisions
 
 
 # Inductor's C++ backend compiles the fused bodies on the CPU; without a compiler the CPU keeps the

@@ -24,7 +24,7 @@ from lazytrain.runtime import fused
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver import plancache
 from lazytrain.solver.solve import evaluate
-from models import decisions
+from plans import decisions
 
 H200 = hardware.load("h200")
 

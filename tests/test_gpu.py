@@ -85,7 +85,7 @@ def _gpu_stepped(meta, fused: bool) -> str:
 
     hw = hardware.load("h200")
     graph, stages = analyse(meta, tiny_batch(), hw, fuse_stages=fused)
-    from models import decisions
+    from plans import decisions
 
     last = len(stages) - 1
     decs = decisions([("G" if g.param_bytes > 0 else "-") + ("R" if s != last else "r") + "k" for s, g in enumerate(stages)])
@@ -110,7 +110,7 @@ def _split(meta, fused: bool) -> str:
     from lazytrain.pipeline import analyse
     from lazytrain.solver import boundary
     from lazytrain.solver.solve import evaluate
-    from models import decisions
+    from plans import decisions
 
     hw = hardware.load("h200")
     graph, stages = analyse(meta, tiny_batch(), hw, fuse_stages=fused)

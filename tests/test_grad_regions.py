@@ -8,7 +8,9 @@ from torch import nn
 
 from lazytrain.errors import TraceError
 from lazytrain.ir.capture import capture
-from tests.models import model_pair, replay_equals_eager, token_batch
+
+from checks import replay_equals_eager
+from models import model_pair, token_batch
 
 
 class Rotary(nn.Module):

@@ -285,7 +285,8 @@ def test_resident_masters_load_straight_onto_their_device(tmp_path):
     from lazytrain.runtime.schedule import load_source
     from lazytrain.runtime.store import resident_targets
     from lazytrain.train.source import resolve
-    from models import decisions, forced, unique_name
+    from models import unique_name
+    from plans import decisions, forced
 
     src = tmp_path / "m"
     want = save_model(src, "llama", True, False).state_dict()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from models import decisions, tiny_gpt_pair
+from models import tiny_gpt_pair
+from plans import decisions
 
 from lazytrain import hardware
 from lazytrain.errors import PlanError

@@ -6,7 +6,9 @@ import copy
 
 import pytest
 import torch
-from models import bind_source, decisions, tiny_gpt_pair, unique_name
+from checks import bind_source
+from models import tiny_gpt_pair, unique_name
+from plans import decisions
 
 from lazytrain.codegen.render import render
 from lazytrain.passes.lower import lower

@@ -23,9 +23,12 @@ from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import DISK_RING, disk_gpu_state_bytes, disk_io_s, disk_master_bytes
 from lazytrain.solver.solve import evaluate, solve
 from lazytrain.summary import summary
-from models import (assert_disk_resume_bit_identical, assert_same_steps, assert_train_resumes_bit_identically,
-                    assert_steps_agree, builtin_schedule, mapped_ranges, resident_kib, bind_source, decisions, disk_gpt, forced,
-                    model_pair, unique_name)
+from checks import (
+    assert_disk_resume_bit_identical, assert_same_steps, assert_train_resumes_bit_identically, assert_steps_agree,
+    mapped_ranges, resident_kib, bind_source,
+)
+from models import disk_gpt, model_pair, unique_name
+from plans import builtin_schedule, decisions, forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-2, eps=1e-6)

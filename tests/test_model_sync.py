@@ -19,7 +19,9 @@ from lazytrain import hardware
 from lazytrain.ir.placement import Outputs
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.schedule import load_source
-from models import adamw_reference, bind_source, decisions, forced, hf_pair, repair, tiny_gpt_pair, unique_name
+from checks import adamw_reference, bind_source
+from models import hf_pair, tiny_gpt_pair, unique_name
+from plans import decisions, forced, repair
 
 HW = hardware.load("cpu")
 # eps well above the gradients' float noise: AdamW's first step moves a weight by lr * g / (|g| + eps),

@@ -16,7 +16,8 @@ import torch
 from lazytrain.errors import ScheduleMismatch, TraceError
 from lazytrain.ir.capture import capture
 from lazytrain.pipeline import compile_model, minimum_budget
-from models import bind_source, check_adamw_steps, check_replay, model_pair, token_batch
+from checks import bind_source, check_adamw_steps, check_replay
+from models import model_pair, token_batch
 
 GiB = 1 << 30
 # eps well above the gradients' float noise: AdamW's first step moves a weight by lr * g / (|g| + eps),

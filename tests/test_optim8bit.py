@@ -15,7 +15,8 @@ from lazytrain import hardware  # noqa: E402
 from lazytrain.pipeline import compile_model, minimum_budget  # noqa: E402
 from lazytrain.runtime.schedule import load_source  # noqa: E402
 from lazytrain.summary import summary  # noqa: E402
-from models import reference_optimizers, tiny_gpt_pair  # noqa: E402
+from checks import reference_optimizers
+from models import tiny_gpt_pair  # noqa: E402
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 # The CPU profile with a host AdamW as slow as its 8-bit device step, or far slower: the planner
@@ -38,7 +39,7 @@ def _forced(meta, batch, spec, name, master):
     from lazytrain.passes.lower import lower
     from lazytrain.solver.solve import evaluate
     from lazytrain.pipeline import analyse
-    from models import decisions
+    from plans import decisions
 
     hw = hardware.load("cpu")
     graph, stages = analyse(meta, batch, hw, optimizer_states="8bit", master_weights=master)

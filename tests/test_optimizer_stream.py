@@ -11,7 +11,8 @@ from lazytrain import hardware
 from lazytrain.pipeline import analyse
 from lazytrain.solver.footprint import gpu_step_s
 from lazytrain.solver.solve import evaluate
-from models import decisions, tiny_gpt_pair
+from models import tiny_gpt_pair
+from plans import decisions
 
 BUDGET = 1 << 34
 

@@ -19,7 +19,8 @@ from lazytrain.kernels import documents
 from lazytrain.pipeline import compile_model
 from lazytrain.train.data import PackedBatches, builtin_tokenizer
 from lazytrain.train.packing import Layout
-from models import assert_grads_match, bind_source, model_pair
+from checks import assert_grads_match, bind_source
+from models import model_pair
 
 VOCAB, BATCH, SEQ = 512, 2, 32
 IGNORE = -100

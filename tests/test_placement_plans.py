@@ -17,7 +17,8 @@ from lazytrain.pipeline import analyse
 from lazytrain.solver import milp
 from lazytrain.solver.formulation import KEYS, _binaries, _build, _decisions, _placement, _start
 from lazytrain.solver.solve import GAP, evaluate, smallest_budget, solve
-from models import decisions, disk_gpt, tiny_gpt_pair
+from models import disk_gpt, tiny_gpt_pair
+from plans import decisions
 
 HW = hardware.load("cpu")
 # steps beside backward need a measured pace (the cpu profile has none), so resident stages may free their gradients

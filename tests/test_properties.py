@@ -22,9 +22,8 @@ from lazytrain.errors import InfeasibleBudget
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model, minimum_budget
 from lazytrain.units import parse_size
-from models import (
-    BlockSpec, ModelSpec, check_replay, examples, model_specs, random_block_model, replay_equals_eager,
-)
+from checks import check_replay, replay_equals_eager
+from models import BlockSpec, ModelSpec, examples, model_specs, random_block_model
 
 SMALLEST = re.compile(r"smallest feasible budget: (\d+(?:\.\d)? (?:B|KiB|MiB|GiB))")
 

@@ -14,7 +14,9 @@ import torch
 from lazytrain import hardware
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.remat import grad_only_linear
-from models import BlockSpec, check_replay, decisions, forced, hf_pair, random_block_model
+from checks import check_replay
+from models import BlockSpec, hf_pair, random_block_model
+from plans import decisions, forced
 
 HW = hardware.load("cpu")
 

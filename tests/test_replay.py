@@ -15,10 +15,8 @@ import torch
 
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import compile_model, minimum_budget
-from models import (
-    ModelSpec, BlockSpec, check_adamw_steps, assert_grads_match, bind_source, check_replay, eager_grads, hf_pair,
-    random_block_model, tiny_gpt_pair, tiny_qwen_pair,
-)
+from checks import check_adamw_steps, assert_grads_match, bind_source, check_replay, eager_grads
+from models import ModelSpec, BlockSpec, hf_pair, random_block_model, tiny_gpt_pair, tiny_qwen_pair
 
 GiB = 1 << 30
 # Non-default values, so a trainer that ignored one of them would show. eps is large enough that

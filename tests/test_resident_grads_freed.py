@@ -17,7 +17,9 @@ from lazytrain.ir.placement import Step
 from lazytrain.pipeline import analyse
 from lazytrain.solver.footprint import resident_grad_bytes
 from lazytrain.solver.solve import evaluate, smallest_budget, solve
-from models import assert_adamw_weights, assert_previous_norm_steps, bind_source, check_replay, decisions, forced, tiny_gpt_pair
+from checks import assert_adamw_weights, assert_previous_norm_steps, bind_source, check_replay
+from models import tiny_gpt_pair
+from plans import decisions, forced
 
 # steps beside backward need a measured pace (the cpu profile has none: every step after backward),
 # and steps that fit the tiny model's windows

@@ -12,7 +12,8 @@ from lazytrain import pipeline
 from lazytrain.pipeline import AUTO_TILE_BYTES, analyse, compile_model, minimum_budget
 from lazytrain.hardware import load
 from lazytrain.passes.retile import GATED_MLP, RMS_NORM, retile
-from models import check_replay, model_pair
+from checks import check_replay
+from models import model_pair
 
 # 2 x 128 tokens, an intermediate of 1024 in fp32 (4 KiB a row): 1, 4 and 16 MLP tiles
 SIZES = (AUTO_TILE_BYTES, 256 << 10, 64 << 10)

@@ -24,7 +24,7 @@ from lazytrain.passes.lower import lower
 from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse, compile_model
 from lazytrain.solver.solve import evaluate
-from models import decisions
+from plans import decisions
 import dp_worker
 import dp_worker_zero3
 

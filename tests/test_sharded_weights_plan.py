@@ -17,7 +17,8 @@ from lazytrain.passes.verify import verify
 from lazytrain.pipeline import analyse, compile_model
 from lazytrain.solver.shards import piece
 from lazytrain.solver.solve import evaluate
-from models import decisions, tiny_gpt_pair
+from models import tiny_gpt_pair
+from plans import decisions
 
 GiB = 1 << 30
 # a resident prologue with the tied embedding, host-stepped streamed blocks 0 and 1, a GPU-stepped

@@ -223,7 +223,8 @@ def test_a_compiled_step_with_tiled_mlps_and_norms_equals_eager(family, budget):
     import copy
 
     from lazytrain.pipeline import compile_model
-    from models import assert_grads_match, bind_source, model_pair
+    from checks import assert_grads_match, bind_source
+    from models import model_pair
     from test_packing_grads import build
 
     meta, real = model_pair(lambda: build(family))

@@ -16,7 +16,9 @@ from lazytrain.pipeline import analyse
 from lazytrain.solver import footprint
 from lazytrain.solver import step_model
 from lazytrain.solver.solve import evaluate
-from models import bind_source, decisions, forced, tiny_gpt_pair
+from checks import bind_source
+from models import tiny_gpt_pair
+from plans import decisions, forced
 
 HW = hardware.load("cpu")
 HP = dict(lr=1e-2, eps=1e-6)
