@@ -87,8 +87,9 @@ def _liger(stage, module, work, env, device):
     h = env[stage.inputs[0]].detach().requires_grad_(True)
     x = h.float()
     x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * norm_w
-    loss = LigerFusedLinearCrossEntropyFunction.apply(x.reshape(-1, x.shape[-1]), head_w, target, None, None, -100,
-                                                      0.0, 0.0, "sum")
+    out = LigerFusedLinearCrossEntropyFunction.apply(x.reshape(-1, x.shape[-1]), head_w, target, None, None, -100,
+                                                     0.0, 0.0, "sum")
+    loss = out[0] if isinstance(out, tuple) else out  # 0.8.5 returns (loss, z_loss, accuracy, predicted)
     count = (target != -100).sum()
     (loss / count).backward()
     return (loss / count).detach(), h.grad, {p: work[p].grad for p in stage.params}
