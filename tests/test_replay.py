@@ -115,19 +115,12 @@ def test_an_evaluation_fetches_streamed_weights_ahead_as_the_step_does(case):
     c = compiled["minimum"]
     stages = c.stages.stages
     streamed = [g.index for g, p in zip(stages, c.plan.decisions) if p.streamed and not p.weights.cast_on_use]
-    ahead = fetches_ahead(c.schedule.events, [_Placed(p) for p in c.plan.decisions])
+    ahead = fetches_ahead(c.schedule.events, c.plan.decisions)
     fetched = [t for ts in ahead.values() for t in ts]
     assert sorted(fetched) == sorted(set(fetched)) and set(fetched) <= set(streamed)
     assert all(t >= s for s, ts in ahead.items() for t in ts)  # never after its own forward
     if len(streamed) > 1:
         assert any(t > s for s, ts in ahead.items() for t in ts), ahead
-
-
-class _Placed:
-    """A stage as `fetches_ahead` reads it: its placement."""
-
-    def __init__(self, placement):
-        self.placement = placement
 
 
 def test_loss_depends_on_labels(case):

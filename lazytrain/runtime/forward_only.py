@@ -48,7 +48,7 @@ def whole_step_reason(trainer) -> str | None:
     return None
 
 
-def fetches_ahead(events, stages) -> dict[int, tuple[int, ...]]:
+def fetches_ahead(events, placements) -> dict[int, tuple[int, ...]]:
     """For each stage s, the streamed stages whose weights an evaluation fetches just before F(s),
     beside compute: those whose forward prefetch the step issues before F(s) (NOTE: [Evaluation
     fetches ahead])."""
@@ -58,7 +58,7 @@ def fetches_ahead(events, stages) -> dict[int, tuple[int, ...]]:
             break
         if e.kind is Kind.PREFETCH and e.stage not in seen:
             seen.add(e.stage)
-            placement = stages[e.stage].placement
+            placement = placements[e.stage]
             if placement.streamed and not placement.weights.cast_on_use:
                 waiting.append(e.stage)
         elif e.kind is Kind.COMPUTE and e.phase is Phase.FWD:
@@ -86,7 +86,7 @@ def forward_loss(replay) -> None:
     stages = replay.stages
     last = {x: s.index for s in stages for x in s.inputs}  # each input's last reader (stages run in order)
     made = {name for s in stages for name in s.outputs}  # activations, not batch inputs or buffers
-    ahead = fetches_ahead(replay.events, stages)
+    ahead = fetches_ahead(replay.events, [s.placement for s in stages])
     fetched: dict[int, object] = {}  # stage -> its weights' arrival (None: in order)
     for stage in stages:
         for t in ahead.get(stage.index, ()):  # NOTE: [Evaluation fetches ahead]

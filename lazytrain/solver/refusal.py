@@ -76,7 +76,7 @@ def past_device(stages: Stages, hw: Hardware, need: int, proven: bool = True) ->
         return text + state
     text += (f"Where it goes: {stages.stages[s].name}'s backward alone holds {format_size(floor)} under any plan "
              f"({said})")
-    room = hw.host_capacity + (hw.disk_bytes if stages.disk else 0)
+    room = _state(stages, hw)[2]
     if sum(outs) > room:
         text += (f"; the {len(outs)} stage outputs kept for backward are {format_size(sum(outs))}, where the host "
                  f"({format_size(hw.host_capacity)}, beside the optimizer's state)"
@@ -101,9 +101,9 @@ def state_floor(stages: Stages, hw: Hardware) -> int:
 def state_past_host(stages: Stages, hw: Hardware) -> str:
     """Where all parameters' masters and optimizer states are more than host and disk may hold, the
     sentences that say so and name what shrinks them (NOTE: [State past the host]); else empty."""
-    if not state_floor(stages, hw):
-        return ""
     numel, per, room = _state(stages, hw)
+    if int(numel * per) <= room:  # `state_floor` is 0
+        return ""
     where = "the host" + (" and the disk" if stages.disk else "")
     count = f"{numel / 1e9:.2f} G" if numel >= 1e9 else f"{numel / 1e6:.2f} M"
     text = (f"Where it goes: its training state alone, the masters and optimizer states of {count} parameters"
