@@ -1,12 +1,14 @@
 """The loss stage three ways, on the GPU: which kernels should run a chunked loss kind?
 
-Every layer kind's body runs compiled by Inductor (NOTE: [Fused stages] in lazytrain/runtime/fused.py);
-the chunked loss stage (final norm, lm_head, cross-entropy: NOTE: [Chunked loss] in
-lazytrain/runtime/chunked.py) still runs eager ATen. Measured here on the loss stage of a compiled
-schedule, with the plan's own chunks, its weights and a batch of its shape:
+Every stage body of a fused plan runs compiled by Inductor (NOTE: [Fused stages] in
+lazytrain/runtime/fused.py), the chunked loss stage's (final norm, lm_head, cross-entropy: NOTE:
+[Chunked loss] in lazytrain/runtime/chunked.py) slice by slice (NOTE: [Compiled loss slices]).
+Measured here on the loss stage of a compiled schedule, with the plan's own chunks, its weights
+and a batch of its shape:
 
-  eager     the runtime's `chunked_backward` over the stage as the schedule writes it
-  compiled  the same, the stage's body compiled by Inductor (one compile, every chunk the same shape)
+  eager     the runtime's `chunked_backward` over the stage as the schedule writes it (the reference)
+  compiled  the same, the stage's body compiled as the runtime compiles it (`fused.fuse`: one
+            compile, every chunk the same shape)
   liger     the stage's norm eager, then Liger's fused linear cross-entropy over the whole batch
             (`LigerFusedLinearCrossEntropyFunction`, reduction "sum": it makes the gradients in its
             forward, a chunk of logits at a time, and never holds the logits whole)
@@ -22,7 +24,6 @@ value of eager's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -133,6 +134,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import torch
 
+    from lazytrain.runtime.fused import fuse
     from lazytrain.runtime.schedule import load_schedule
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -153,7 +155,7 @@ def main(argv=None) -> None:
         "compiled": lambda: _chunked(compiled, module, work, env, device),
         "liger": lambda: _liger(stage, module, work, env, device),
     }
-    compiled = dataclasses.replace(stage, fn=torch.compile(stage.fn, dynamic=False))
+    compiled = fuse((stage,))[0]
     rows, reference = [], None
     for way in args.ways.split(","):
         start = time.perf_counter()

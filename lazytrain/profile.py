@@ -149,7 +149,7 @@ def profile(output: str | Path, quick: bool = False, offload_dir: str | Path | N
 
 
 # A Qwen2.5-1.5B decoder layer (hidden, intermediate, heads, kv heads) with a small vocabulary, so
-# the loss stage (which never fuses when chunked) is a small part of the step measured
+# the loss stage is a small part of the step measured
 FUSED_LAYER = (1536, 8960, 12, 2)
 
 

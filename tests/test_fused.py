@@ -1,6 +1,7 @@
 """Fused stage bodies (NOTE: [Fused stages] in lazytrain/runtime/fused.py): stages of one block kind
-share one compiled body, random and chunked stages stay eager, and a step with fused stages equals
-eager PyTorch (Inductor's C++ backend on the CPU, fp32), with internals saved and recomputed."""
+share one compiled body, random stages stay eager, and a step with fused stages equals eager
+PyTorch (Inductor's C++ backend on the CPU, fp32), with internals saved and recomputed and with
+the loss in compiled chunks."""
 
 from __future__ import annotations
 
@@ -59,20 +60,35 @@ def test_bodies_that_differ_are_not_shared():
     assert fused._body(f.__code__, f.__doc__) != fused._body(h.__code__, h.__doc__)
 
 
+def _ragged_batch() -> dict:
+    """Random tokens whose rows ignore (-100) unevenly many targets: a chunked loss's mean is over
+    the whole batch's count (NOTE: [Chunked loss] in lazytrain/runtime/chunked.py)."""
+    g = torch.Generator().manual_seed(1)
+    rows, seq = tiny_qwen.BATCH, tiny_qwen.SEQ
+    ids = torch.randint(0, tiny_qwen.config().vocab_size, (rows, seq), generator=g)
+    labels = ids.clone()
+    for row in range(rows):
+        labels[row, seq - 7 * row:] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq).expand(rows, seq).clone()}
+
+
 @needs_compiler
-@pytest.mark.parametrize("plan", ["saved", "recomputed", "tiled"])
+@pytest.mark.parametrize("plan", ["saved", "recomputed", "tiled", "chunked"])
 def test_a_fused_step_equals_eager(plan):
     """Every layer's body compiled: the loss and gradients equal eager PyTorch's, with the layers'
     internals saved (autograd over the compiled forward) and recomputed (compiled forward without
-    autograd, then again with it before backward), and with tiled MLPs and norms (lazytrain's
-    operators inside a compiled body, their backward through their own autograd formula)."""
+    autograd, then again with it before backward), with tiled MLPs and norms (lazytrain's
+    operators inside a compiled body, their backward through their own autograd formula), and with
+    the loss stage in chunks, its slice body compiled (NOTE: [Compiled loss slices]), whose
+    evaluation without autograd gives the step's loss."""
     torch.manual_seed(0)
-    batch = tiny_qwen.example_batch()
+    batch = tiny_qwen.example_batch() if plan != "chunked" else _ragged_batch()
     model = tiny_qwen.build_model()
     reference = copy.deepcopy(model)
-    if plan in ("saved", "tiled"):
-        module, _ = _schedule(tile_bytes=1024 if plan == "tiled" else 0)
+    if plan in ("saved", "tiled", "chunked"):
+        module, _ = _schedule(tile_bytes=1024 if plan == "tiled" else 0, **({"loss_chunk_bytes": 1} if plan == "chunked" else {}))
         assert (plan == "tiled") == any("rms_norm" in s.fn.__code__.co_names for s in module.STAGES)
+        assert (plan == "chunked") == (module.STAGES[-1].chunks > 1)
     else:
         from lazytrain import hardware
         from lazytrain.codegen.render import render
@@ -93,7 +109,10 @@ def test_a_fused_step_equals_eager(plan):
     ref_loss.backward()
     assert_grads_match(model, loss, ref_loss.detach(), {n: p.grad for n, p in reference.named_parameters()})
     assert fused.compile_seconds() > 0
+    assert isinstance(trainer.stages[-1].fn, fused._Timed)  # the loss stage compiled too, chunked or not
     assert not any(s.fn.failed for s in trainer.stages if isinstance(s.fn, fused._Timed))  # none fell back to eager
+    if plan == "chunked":  # the evaluation's slices, compiled without autograd: the step's loss
+        torch.testing.assert_close(trainer.loss(batch), loss.detach(), rtol=1e-5, atol=1e-6)
 
 
 @needs_compiler

@@ -193,6 +193,8 @@ def fused_lines(stages: Stages, factor: float) -> list[str]:
     for s in stages:
         if not fusable(s):
             lines.append(f"  eager:    stage {s.index} {s.name} ({eager_reason(s)})")
+        elif s.chunks > 1:  # NOTE: [Compiled loss slices] in runtime/fused.py
+            lines.append(f"  slices:   stage {s.index} {s.name} compiles the body each slice runs; its memory counted as eager's")
     return lines
 
 

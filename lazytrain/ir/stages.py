@@ -61,16 +61,17 @@ class Stage:
 
 def fusable(stage) -> bool:
     """Whether a stage's body runs compiled when stage bodies are fused (NOTE: [Fused stages] in
-    runtime/fused.py): not a chunked loss (its slices run in runtime/chunked.py), nor a stage that
-    draws random numbers (its recompute replays the forward's generator state). One predicate for
-    the planner, which prices these stages fused, and the runtime, which compiles them: any object
-    with `chunks` and `random` (the IR's `Stage`, the schedule's)."""
-    return stage.chunks == 1 and not stage.random
+    runtime/fused.py): any but a stage that draws random numbers (its recompute replays the
+    forward's generator state). A chunked loss stage's slice body compiles too, priced at its fused
+    time and counted at its eager bytes (NOTE: [Compiled loss slices] in runtime/fused.py). One
+    predicate for the planner, which prices these stages fused, and the runtime, which compiles
+    them: any object with `random` (the IR's `Stage`, the schedule's)."""
+    return not stage.random
 
 
 def eager_reason(stage) -> str:
     """Why a stage that is not `fusable` stays eager."""
-    return "chunked loss" if stage.chunks != 1 else "draws random numbers"
+    return "draws random numbers"
 
 
 CLIPPING_MODES = ("exact", "previous-norm", "off")  # NOTE: [Gradient clipping] in runtime/stepping.py

@@ -1,13 +1,14 @@
 """Pass `fusion`: price the stages whose bodies run compiled by Inductor at their fused time.
 
-Needs: `Stages` after `chunk` (whether a stage is chunked decides whether it fuses), each stage's
+Needs: `Stages` after `chunk` (a chunked stage fuses at its eager bytes), each stage's
 eager element-wise time (`elementwise_s`, `elementwise_bwd_s`, from `blocks`), and the hardware's
 `fused_elementwise_factor`. Guarantees: with `stages.fused`, every `fusable` stage's forward,
 backward and recompute seconds lose (1 - factor) of its element-wise time and, given the graph,
-it saves for backward what the compiled body saves (NOTE: [Fused saved activations] in
-analysis/fused_saved.py) and its peaks are the compiled body's (NOTE: [Fused transients] in
-analysis/fused_transients.py); chunked and random stages, and every stage of a plan that is not fused,
-keep their eager times and bytes.
+an unchunked one saves for backward what the compiled body saves (NOTE: [Fused saved activations]
+in analysis/fused_saved.py) and its peaks are the compiled body's (NOTE: [Fused transients] in
+analysis/fused_transients.py); a chunked loss stage keeps its eager bytes (NOTE: [Compiled loss
+slices] in runtime/fused.py); random stages, and every stage of a plan that is not fused, keep
+their eager times and bytes.
 
     layer fwd=30.32 ms bwd=59.31 ms (element-wise 7.98 / 13.56), factor 0.25
       -> fwd=24.34 ms bwd=49.14 ms remat=24.34 ms
@@ -32,8 +33,9 @@ rows of the fidelity table predicted their steps within 4 % and the 1.5B rows 4-
 End to end, the 7B at 32 x 1024 on the H200 ran fused stage bodies 9-14 % faster than eager
 (2026-12-03, b1c75eb): 24 GiB with 8-bit states and bf16 masters 3.796 s a step eager (the plan
 predicted 3.741), 3.453 fused; fp32 masters and 32-bit states 4.137 eager, 3.583 fused; no budget
-3.375 eager (predicted 3.301), 2.905 fused. The chunked loss stage, transfers and optimizer steps
-do not fuse, so whole steps gain less than a layer.
+3.375 eager (predicted 3.301), 2.905 fused. Transfers and optimizer steps do not fuse, so whole
+steps gain less than a layer. Those rows ran the chunked loss stage eager; its slices now compile
+too, priced at the same factor (NOTE: [Compiled loss slices] in runtime/fused.py).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
         if fusable(s):
             fwd, bwd = saved * s.elementwise_s, saved * s.elementwise_bwd_s
             s = dataclasses.replace(s, fwd_s=s.fwd_s - fwd, bwd_s=s.bwd_s - bwd, remat_s=max(s.remat_s - fwd, 0.0))
-            if graph is not None:
+            if graph is not None and s.chunks == 1:  # a chunked stage: eager's bytes (NOTE: [Compiled loss slices])
                 if s.kind not in memory:
                     memory[s.kind] = _kind_memory(graph, s, stages.requires_grad)
                 if memory[s.kind] is not None:
