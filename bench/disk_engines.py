@@ -98,7 +98,7 @@ def main(directory: str, gib: float) -> None:
     except ImportError as exc:
         print(f"kvikio not measured: {exc}")
     print(f"\n{total / 1e9:.1f} GB a pass, median of 3 after a warm-up, GB/s, in {directory}")
-    print(f"| engine | write | read | read+write (both together) |")
+    print("| engine | write | read | read+write (both together) |")
     print("|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['write'] / 1e9:.2f} | {r['read'] / 1e9:.2f} | {r['read+write'] / 1e9:.2f} |")

@@ -1,8 +1,6 @@
 """`python -m lazytrain ...`, as the `lazytrain` command: what `torchrun -m lazytrain train ...` runs
 on each rank (NOTE: [Launching] in train/distributed.py)."""
 
-import sys
-
 from lazytrain.cli import main
 from lazytrain.train.distributed import leave
 

@@ -172,7 +172,6 @@ def test_a_refused_budget_names_the_disk_where_it_would_fit(gpt):
     budget the disk tier reaches; with the tier on, the message has no such hint."""
     _, stages, _, _ = gpt
     plain = dataclasses.replace(stages, disk=False)
-    streamed = evaluate(plain, HW, 1 << 40, decisions(["-rk", "SRk", "SRk", "SRk", "-rk"]))
     small = dataclasses.replace(HW, host_memory_bytes=evaluate(stages, HW, 1 << 40, decisions(
         ["-rk", "DRk", "DRk", "DRk", "-rk"])).host_bytes)
     with_disk = smallest_budget(stages, small)
