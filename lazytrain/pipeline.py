@@ -300,7 +300,9 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
 def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware | None = None, *,
                    options: CompileOptions | None = None, **settings) -> int:
     """The smallest feasible budget of `model(**batch)` compiled with these options (their budget
-    aside), in bytes: where the tiles are the compile's to choose, over every size searched."""
+    aside), in bytes: where the tiles are the compile's to choose, over every size searched. A plan
+    fits it; the least any plan needs may be up to the least-memory solve's gap below it
+    (`LEAST_GAP` in solver/solve.py, 1 %)."""
     from lazytrain.solver.solve import smallest_budget  # NOTE: [Analysis without the solver]
 
     options = from_settings(options, None, settings)
