@@ -68,7 +68,8 @@ LEAST_GAP = 1e-2
 
 def smallest_budget(stages: Stages, hw: Hardware, time_limit: float = 30.0) -> int:
     """The least GPU memory any plan needs (a solve that minimises peak memory), within `LEAST_GAP`:
-    a plan fits it, and none fits below (1 - LEAST_GAP) of it."""
+    a plan fits it, and none fits below (1 - LEAST_GAP) of it where the solve finished (stopped at
+    its time limit, it names a plan that fits, and no more is known)."""
     return _least_memory(stages, hw, time_limit)[0]
 
 
