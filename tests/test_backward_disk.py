@@ -101,23 +101,31 @@ def test_replay_and_adamw_steps_from_disk(gpt, tmp_path):
     assert offload_files(tmp_path) == []
 
 
-def test_an_evaluation_between_steps_leaves_the_ring_and_the_steps_alone(gpt, tmp_path):
-    """An evaluation of a schedule stepping blocks from disk runs the whole step without its updates
-    (NOTE: [Forward-only evaluation]): the ring takes no states in and writes none back, and training
-    after it steps as training without it, to the bit."""
+def test_an_evaluation_between_steps_leaves_the_ring_and_the_steps_alone(gpt, tmp_path, monkeypatch):
+    """An evaluation of a schedule stepping blocks from disk runs the forwards alone (NOTE:
+    [Forward-only evaluation]): its loss is the next step's, the ring takes no states in, and
+    training after it steps as training without it, to the bit."""
     import torch
 
-    from lazytrain.runtime.forward_only import whole_step_reason
+    from lazytrain.runtime import forward_only
+    from lazytrain.runtime import trainer as trainer_module
 
     graph, stages, batch, real = gpt
     text = forced(graph, stages, batch, decisions(SPEC), HW).source_text
     (evaluated, model), (plain, other) = two_on_disk(text, real, tmp_path, **HP)
-    assert "disk tier" in whole_step_reason(evaluated)
+    assert forward_only.whole_step_reason(evaluated) is None
     evaluated.step(batch)
     plain.step(batch)
-    assert torch.isfinite(evaluated.loss(batch))
-    for _ in range(2):
-        assert torch.equal(evaluated.step(batch), plain.step(batch))
+    forwards, loads = [], []
+    monkeypatch.setattr(trainer_module, "forward_loss", lambda r: forwards.append(1) or forward_only.forward_loss(r))
+    ring = evaluated.replay.ring
+    monkeypatch.setattr(ring, "load", lambda stage, load=ring.load: loads.append(stage) or load(stage))
+    loss = evaluated.loss(batch)
+    monkeypatch.undo()
+    assert forwards and not loads and torch.isfinite(loss)
+    steps = [(evaluated.step(batch), plain.step(batch)) for _ in range(2)]
+    assert torch.equal(loss, steps[0][0])  # the next step's forward, at the same weights
+    assert all(torch.equal(a, b) for a, b in steps)
     evaluated.sync_model()
     plain.sync_model()
     for (name, a), b in zip(model.named_parameters(), other.parameters()):

@@ -21,6 +21,7 @@ from lazytrain.hardware import HOST_RESERVE
 from lazytrain.ir.placement import Outputs
 from lazytrain.pipeline import analyse
 from lazytrain.runtime.disk_acts import DiskActivations
+from lazytrain.runtime.forward_only import whole_step_reason
 from lazytrain.runtime.schedule import load_source
 from lazytrain.solver.footprint import ACT_RING, disk_act_bytes, disk_io_s
 from lazytrain.solver.solve import evaluate, solve
@@ -99,6 +100,12 @@ def test_replay_and_adamw_steps_with_outputs_on_disk(gpt, tmp_path):
                                             tmp_path, **HP)
     assert len(trainer.act_disk.buffers) == ACT_RING and trainer.act_disk.free.qsize() == ACT_RING
     assert trainer.replay.host_act == {}  # no host buffer of their own
+    # an evaluation runs the forwards alone (NOTE: [Forward-only evaluation]): no output goes to the
+    # disk, and its loss is the next step's
+    assert whole_step_reason(trainer) is None
+    loss = trainer.loss(batch)
+    assert trainer.act_disk.free.qsize() == ACT_RING and not trainer.act_disk.written
+    assert torch.equal(loss, trainer.step(batch))
     del trainer
     gc.collect()
     assert offload_files(tmp_path) == []

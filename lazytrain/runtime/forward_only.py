@@ -15,9 +15,13 @@ slot is s's own, which F(s) holds too. The outputs are those a later stage reads
 device from its stage's forward to its last reader's in the step as here (the runtime brings
 nothing back during forward). And s's forward without autograd is the step's recomputed forward,
 the least a forward of s holds. Nothing is saved for backward.
-Only on one process without sharded state or the disk tier, whose weights and states move by paths
-of their own (collectives, the disk's rings): there an evaluation runs the whole step, discarding
-its gradients (`whole_step_reason` says why).
+Only on one process without sharded state and with the masters off the disk, whose weights move by
+paths of their own (collectives, the masters' disk reads): there an evaluation runs the whole step,
+discarding its gradients (`whole_step_reason` says why). The disk tier's optimizer states and stage
+outputs leave it alone: a forward reads no state, and an output offloaded to disk in the step is
+one backward reads, which an evaluation never runs (its ring is reset by `begin`, as a step's is).
+So an evaluation there costs its forwards, not a step (the 32B row with states on disk: a 7.40 s
+step on the H200, 2026-12-04, of whose FLOPs the forwards are a third).
 
 NOTE: [Evaluation fetches ahead]
 A streamed stage's weights are fetched on the H2D stream beside the forwards before it, as the
@@ -43,8 +47,8 @@ def whole_step_reason(trainer) -> str | None:
     """Why `trainer`'s evaluations must run the whole step (NOTE: [Forward-only evaluation]), or None."""
     if trainer.dp is not None:
         return "data parallel: the loss is the global batch's"
-    if trainer.disk_states is not None or trainer.act_disk is not None or trainer.disk_masters is not None:
-        return "the disk tier holds states, outputs or masters"
+    if trainer.disk_masters is not None:
+        return "the disk tier holds the master weights"
     return None
 
 

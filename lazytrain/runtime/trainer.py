@@ -180,7 +180,7 @@ class Trainer:
     def loss(self, batch: dict) -> torch.Tensor:
         """Loss of `batch`, no gradient made or kept: an evaluation. The stages' forwards alone,
         without autograd, within the plan's memory (NOTE: [Forward-only evaluation] in
-        forward_only.py); with several ranks or the disk tier, the whole step with its gradients
+        forward_only.py); with several ranks or the masters on disk, the whole step with its gradients
         discarded (unlike `forward_backward`'s `.grad`, which no plan counts, they live in the step's
         own buffers and go with them). Pending updates are applied first, as `zero_grad` does."""
         self.zero_grad()

@@ -3,8 +3,8 @@
 NOTE: [Evaluation through the training step]
 The step is compiled for one batch shape and run by the trainer, so an evaluation runs the same
 compiled stages: ``Trainer.loss``, their forwards alone without autograd, within the plan's memory
-(NOTE: [Forward-only evaluation] in runtime/forward_only.py; on several ranks or with the disk tier
-the whole step, its gradients discarded). Nothing it does reaches training: pending updates are applied
+(NOTE: [Forward-only evaluation] in runtime/forward_only.py; on several ranks or with the master
+weights on disk the whole step, its gradients discarded). Nothing it does reaches training: pending updates are applied
 first (``synchronize``, as a checkpoint does), no gradient outlives a batch, and the random-number generators are put back as they were (a model
 with dropout draws in forward), while the optimizer, the LR schedule and the data position are
 never touched; so a run with evaluations trains exactly as one without. The eval set is laid out
