@@ -33,8 +33,8 @@ vocabulary 152,064, bf16; bench/loss_head.py on an H100, 2026-12-05, 1b17185): e
 compiled 255.6 ms (22 % less), at the same peak beyond its inputs (2.42 and 2.41 GiB). So the plan
 prices it as it does the layers, at the fused factor of its element-wise time (the H200 profile's
 cost model puts 83.7 of its 316.2 ms there: 20 % less at 0.252), and counts eager's bytes, which
-the compiled slice measured no fewer: the fused-transient trace (analysis/fused_transients.py)
-replays one unchunked body, not k slices. For that reason a slice body whose compile fails falls
+the compiled slice did not exceed there (one shape, one card): the fused-transient trace
+(analysis/fused_transients.py) replays one unchunked body, not k slices. For that reason a slice body whose compile fails falls
 back to eager with a warning, even in a plan priced fused: its bytes are eager's.
 
 NOTE: [Fused plans run fused]
