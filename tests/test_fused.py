@@ -43,6 +43,15 @@ def test_stages_of_a_kind_share_one_body():
     assert all(a.fn is b.fn for a, b in zip(module.STAGES, stages) if not fused.fusable(a))
 
 
+def test_a_planned_body_that_fails_to_compile_stops_the_step_but_a_loss_slice_falls_back():
+    """NOTE: [Fused plans run fused], [Compiled loss slices]: a fused plan counted the layers at their
+    compiled bytes, and the chunked loss stage at eager's."""
+    module, _ = _schedule(loss_chunk_bytes=1)
+    stages = fused.fuse(module.STAGES, planned=True)
+    assert stages[-1].chunks > 1
+    assert [s.fn.planned for s in stages if isinstance(s.fn, fused._Timed)] == [s.chunks == 1 for s in stages]
+
+
 def test_bodies_that_differ_are_not_shared():
     def f(device, x):
         """stage one"""

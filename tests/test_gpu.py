@@ -168,7 +168,7 @@ def test_gradients_match_eager_on_gpu(case, fuse):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad.cpu(), q.grad.cpu(), atol=1e-5, rtol=1e-4), name  # resident: on the GPU
     # an evaluation: the forwards alone (NOTE: [Forward-only evaluation] in runtime/forward_only.py;
-    # with the disk tier the whole step), the step's loss within the memory a step takes. Both are
+    # with the masters on disk the whole step), the step's loss within the memory a step takes. Both are
     # measured after a first step: against the first step's own peak the split case's evaluation, a
     # whole step, read 512 B over on an H100 (2026-12-05, 1b17185)
     trainer.zero_grad()

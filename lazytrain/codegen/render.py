@@ -17,7 +17,7 @@ from lazytrain.ir.graph import Graph, OpKind, Sym, TensorSpec
 from lazytrain.ir.placement import Outputs, Placement
 from lazytrain.ir.plan import Plan
 from lazytrain.ir.schedule import Schedule
-from lazytrain.ir.stages import Stages, eager_reason, fusable
+from lazytrain.ir.stages import Stages, compiled_bytes, eager_reason, fusable
 from lazytrain.passes.chunk import MEAN, SUM, loss_args
 from lazytrain.passes.limits import limits
 from lazytrain.runtime.schedule import FORMAT_VERSION, checksum
@@ -193,8 +193,9 @@ def fused_lines(stages: Stages, factor: float) -> list[str]:
     for s in stages:
         if not fusable(s):
             lines.append(f"  eager:    stage {s.index} {s.name} ({eager_reason(s)})")
-        elif s.chunks > 1:  # NOTE: [Compiled loss slices] in runtime/fused.py
-            lines.append(f"  slices:   stage {s.index} {s.name} compiles the body each slice runs; its memory counted as eager's")
+        elif not compiled_bytes(s):  # NOTE: [Compiled loss slices] in runtime/fused.py
+            lines.append(f"  slices:   stage {s.index} {s.name} compiles the body each slice runs; "
+                         "its memory counted as eager's")
     return lines
 
 

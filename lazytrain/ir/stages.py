@@ -69,6 +69,14 @@ def fusable(stage) -> bool:
     return not stage.random
 
 
+def compiled_bytes(stage) -> bool:
+    """Whether a fused plan counts a `fusable` stage at its compiled body's bytes, fewer than eager's
+    (NOTE: [Fused saved activations] in analysis/fused_saved.py): an unchunked one. A chunked loss
+    stage is counted at eager's (NOTE: [Compiled loss slices] in runtime/fused.py), so its compile
+    may fail to eager. One predicate for the planner, the runtime and the schedule's header."""
+    return fusable(stage) and stage.chunks == 1
+
+
 def eager_reason(stage) -> str:
     """Why a stage that is not `fusable` stays eager."""
     return "draws random numbers"

@@ -45,7 +45,7 @@ import dataclasses
 from lazytrain.analysis.fused_saved import trace
 from lazytrain.analysis.fused_transients import HeldFewer, fewer
 from lazytrain.ir.graph import Graph
-from lazytrain.ir.stages import Stage, Stages, fusable
+from lazytrain.ir.stages import Stage, Stages, compiled_bytes, fusable
 
 FACTOR_FLOOR = 0.05  # the smallest factor a measurement gives (`factor_from_times`)
 
@@ -62,7 +62,7 @@ def fusion(stages: Stages, factor: float, graph: Graph | None = None) -> Stages:
         if fusable(s):
             fwd, bwd = saved * s.elementwise_s, saved * s.elementwise_bwd_s
             s = dataclasses.replace(s, fwd_s=s.fwd_s - fwd, bwd_s=s.bwd_s - bwd, remat_s=max(s.remat_s - fwd, 0.0))
-            if graph is not None and s.chunks == 1:  # a chunked stage: eager's bytes (NOTE: [Compiled loss slices])
+            if graph is not None and compiled_bytes(s):  # a chunked stage: eager's (NOTE: [Compiled loss slices])
                 if s.kind not in memory:
                     memory[s.kind] = _kind_memory(graph, s, stages.requires_grad)
                 if memory[s.kind] is not None:

@@ -34,8 +34,9 @@ compiled 255.6 ms (22 % less), at the same peak beyond its inputs (2.42 and 2.41
 prices it as it does the layers, at the fused factor of its element-wise time (the H200 profile's
 cost model puts 83.7 of its 316.2 ms there: 20 % less at 0.252), and counts eager's bytes, which
 the compiled slice did not exceed there (one shape, one card): the fused-transient trace
-(analysis/fused_transients.py) replays one unchunked body, not k slices. For that reason a slice body whose compile fails falls
-back to eager with a warning, even in a plan priced fused: its bytes are eager's.
+(analysis/fused_transients.py) replays one unchunked body, not k slices. For that reason a slice
+body whose compile fails falls back to eager with a warning, even in a plan priced fused: its
+bytes are eager's (`compiled_bytes` in ir/stages.py decides both).
 
 NOTE: [Fused plans run fused]
 A plan priced fused counts what each compiled body saves for backward, fewer bytes than eager
@@ -76,7 +77,7 @@ import torch
 
 from lazytrain.errors import ScheduleMismatch
 from lazytrain.files import cache_dir, caching
-from lazytrain.ir.stages import fusable
+from lazytrain.ir.stages import compiled_bytes, fusable
 
 _ASKED_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # NOTE: [Compile cache]: the user's, if any
 
@@ -176,7 +177,7 @@ def fuse(stages, fingerprint: str = "", planned: bool = False) -> tuple:
         if key not in compiled:
             fn = torch.compile(stage.fn, fullgraph=True, dynamic=False)
             compiled[key] = _Timed(fn, stage.fn, f"stage {stage.index} ({stage.name}, kind {stage.kind})",
-                                   planned and stage.chunks == 1)  # NOTE: [Compiled loss slices]: eager's bytes
+                                   planned and compiled_bytes(stage))
         out.append(dataclasses.replace(stage, fn=compiled[key]))
     return tuple(out)
 
