@@ -4,7 +4,7 @@ its key-value heads unrepeated where it has no mask, and the plan counts what it
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lazytrain.analysis.memory import backward_internal_bytes, internal_bytes
+from lazytrain.analysis.memory import backward_internal_bytes, dq_accumulator_bytes, internal_bytes
 from lazytrain.ir.capture import capture
 from lazytrain.ir.graph import OpKind
 from lazytrain.passes.causal import SDPA, causal
@@ -54,5 +54,18 @@ def test_its_backward_counts_the_key_and_value_gradients_at_every_query_head():
     graph = gqa(_graph(Qwen2ForCausalLM, Qwen2Config, kv_heads=2))
     node = _attention(graph)[0]
     q, k, v = (graph[a.value].value for a in node.args[:3])
-    assert backward_internal_bytes(node, graph) - internal_bytes(node, graph) == (k.nbytes + v.nbytes) * 2
+    # the queries' fp32 gradient accumulator, and the key's and value's gradients at the query's heads
+    assert backward_internal_bytes(node, graph) - internal_bytes(node, graph) == \
+        dq_accumulator_bytes(q.numel) + (k.nbytes + v.nbytes) * 2
     assert k.nbytes * 2 == q.nbytes
+
+
+def test_attention_forward_keeps_no_gradient_accumulator():
+    """The accumulator of the queries' gradient is the backward's alone (NOTE: [Attention's backward
+    workspace]): an unmasked attention's forward counts nothing of its own, so a saving forward's
+    workspace is not raised by it."""
+    graph = gqa(_graph(Qwen2ForCausalLM, Qwen2Config, kv_heads=2))
+    node = _attention(graph)[0]
+    q = graph[node.args[0].value].value
+    assert internal_bytes(node, graph) == 0
+    assert backward_internal_bytes(node, graph) >= dq_accumulator_bytes(q.numel) > 0

@@ -82,11 +82,9 @@ def mask_bias_bytes(node: Node, graph: Graph) -> int:
 
 @rule("aten.scaled_dot_product_attention.default", "lazytrain.document_attention.default")
 def _attention(node: Node, graph: Graph) -> int:
-    """A boolean mask's bias (`mask_bias_bytes`), and the fp32 accumulator of the queries' gradient
-    that the fused kernels' backward keeps beside it (flash attention's `dq_accum`: 0.9 GiB for a
-    7B layer at 1 x 65536)."""
-    q = _spec(graph, node.args[0]) if node.args else None
-    return mask_bias_bytes(node, graph) + (dq_accumulator_bytes(q.numel) if q is not None else 0)
+    """A boolean mask's bias (`mask_bias_bytes`); the forward's kernel keeps nothing else of its own
+    that the plan counts (NOTE: [Attention's backward workspace])."""
+    return mask_bias_bytes(node, graph)
 
 
 def dq_accumulator_bytes(query_numel: int) -> int:
@@ -94,17 +92,27 @@ def dq_accumulator_bytes(query_numel: int) -> int:
     return 4 * query_numel
 
 
-@rule_backward("aten.scaled_dot_product_attention.default")
+# NOTE: [Attention's backward workspace] Fused attention's backward keeps the queries' gradient in
+# an fp32 accumulator (flash attention's `dq_accum`: 0.9 GiB for a 7B layer at 1 x 65536) and, with
+# `enable_gqa`, makes the key's and value's gradients at the query's heads. Its forward keeps
+# neither. The accumulator was once the forward's rule too, so every saving forward held it beside
+# what it saved (`saving_workspace`): on the H200 (2026-12-05, 278ea05, `bench/fidelity.py run
+# --fuse-stages`) the 7B at 1 x 131,072 in 24 GiB peaked at F28, the last layer's saving forward,
+# 1.20 GiB under the plan's 21.46 GiB (the accumulator: 1.75 GiB), and the 1 x 262,144 plan's F28
+# 2.96 GiB under (3.5); the row's peak +6 %, outside the 5 % check.
+@rule_backward("aten.scaled_dot_product_attention.default", "lazytrain.document_attention.default")
 def _attention_backward(node: Node, graph: Graph) -> int:
-    """Its forward's internals, and with `enable_gqa` the key's and value's gradients at the query's
-    heads, which the kernel makes before it sums them down to the key-value heads: 1.75 GiB of a 7B
-    layer's 5.53 at 131,072 tokens (NOTE: [Grouped-query attention unrepeated] in passes/gqa.py)."""
-    extra = 0
+    """A boolean mask's bias, the queries' fp32 gradient accumulator, and with `enable_gqa` the
+    key's and value's gradients at the query's heads, which the kernel makes before it sums them
+    down to the key-value heads: 1.75 GiB of a 7B layer's 5.53 at 131,072 tokens (NOTE: [Grouped-query
+    attention unrepeated] in passes/gqa.py; NOTE: [Attention's backward workspace])."""
+    q = _spec(graph, node.args[0]) if node.args else None
+    extra = dq_accumulator_bytes(q.numel) if q is not None else 0
     if dict(node.kwargs).get("enable_gqa", False):
         q, k, v = (_spec(graph, a) for a in node.args[:3])
         if q is not None and k is not None and v is not None:
-            extra = gqa_gradients_bytes(q.shape[1], k.shape[1], k.nbytes + v.nbytes)
-    return _attention(node, graph) + extra
+            extra += gqa_gradients_bytes(q.shape[1], k.shape[1], k.nbytes + v.nbytes)
+    return mask_bias_bytes(node, graph) + extra
 
 
 def gqa_gradients_bytes(query_heads: int, kv_heads: int, kv_bytes: int) -> int:
