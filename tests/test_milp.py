@@ -430,6 +430,45 @@ def test_a_refusal_whose_least_memory_plan_is_then_rejected_names_no_smallest_bu
     assert refused.value.smallest_feasible == budget + 1
 
 
+def _nothing_in_time(monkeypatch):
+    """The search for the fastest plan stops at its time limit with nothing, and no heuristic fits;
+    the solves after it run as they do."""
+    from lazytrain.solver import solve as solve_module
+
+    real, calls = milp.optimize, []
+
+    def timed_out(m, time_limit, gap, start=None):
+        calls.append(m)
+        if len(calls) > 1:  # the least-memory solve, and `evaluate` of its plan
+            return real(m, time_limit, gap, start)
+        return milp.Result(milp.NO_SOLUTION, (), float("nan"), float("nan"), "highs", 0.0, 0.0)
+    monkeypatch.setattr(milp, "optimize", timed_out)
+    monkeypatch.setattr(solve_module, "_warm_start", lambda *args: None)
+
+
+def test_a_search_that_found_nothing_in_time_refuses_with_the_least_memory(monkeypatch):
+    """NOTE: [A search that found nothing in time]: below the least memory a plan needs, the refusal
+    names it, as a proven infeasible search's does, not only "raise --time-limit"."""
+    from lazytrain.errors import InfeasibleBudget
+
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
+    _nothing_in_time(monkeypatch)
+    with pytest.raises(InfeasibleBudget) as refused:
+        solve(stages, HW, int(need * 0.9))
+    assert refused.value.smallest_feasible == need
+    assert "smallest feasible budget" in str(refused.value)
+
+
+def test_a_search_that_found_nothing_in_time_gives_the_least_memory_plan_where_it_fits(monkeypatch):
+    stages = CASES[1]
+    need = smallest_budget(stages, HW)
+    _nothing_in_time(monkeypatch)
+    plan = solve(stages, HW, int(need * 1.5))
+    assert plan.solver.status == "fallback" and "found none in" in plan.solver.message
+    assert plan.peak_bytes + HW.allocator_reserve_bytes <= int(need * 1.5)
+
+
 def test_a_refusal_below_the_least_memory_plan_stands():
     from lazytrain.errors import InfeasibleBudget
 

@@ -152,41 +152,52 @@ def solve(stages: Stages, hw: Hardware, budget: int, time_limit: float = 60.0, g
         return dataclasses.replace(plan, solver=dataclasses.replace(
             info, seconds=took + extract, times=times + (("plan", extract),)))
     if r.status == milp.INFEASIBLE:
-        need, least, proven = _least_memory(stages, hw)
-        if need <= budget:  # NOTE: [A refusal the solver contradicts]
-            try:
-                plan = evaluate(stages, hw, budget, least, status="fallback", message=(
-                    "the search answered that no plan fits, but the least-memory plan does: it is this plan"))
-                return dataclasses.replace(plan, solver=dataclasses.replace(
-                    plan.solver, seconds=time.perf_counter() - start))
-            except PlanError as rejected:
-                # the two searches and the step model disagree: no budget the refusal could name is proven
-                raise InfeasibleBudget(
-                    f"no plan fits a GPU budget of {format_size(budget)}: the search found none, and the plan the "
-                    f"least-memory search found within it ({format_size(need, round_up=True)}) was then rejected "
-                    f"({one_line(rejected)}). The solvers disagree on this model; raise --time-limit, or --budget",
-                    budget + 1) from None
-        have, want = format_size(budget), format_size(need, round_up=True)
-        if have == want:  # one decimal cannot tell them apart: give bytes too
-            have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
-        # NOTE: [A refusal the solver contradicts]: a least-memory solve stopped at its time limit
-        # names a budget a plan fits, not the least one
-        smallest = f"smallest feasible budget: {want}" if proven else (
-            f"a plan fits {want}, and less may do (the search for the least memory a plan needs stopped at its "
-            "time limit)")
-        raise InfeasibleBudget(
-            f"no plan fits a GPU budget of {have}; {smallest}. "
-            + (past_device(stages, hw, need, proven) or f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}"),
-            need, any_tiles=state_floor(stages, hw) > budget,
-        )
+        return _least_or_refuse(stages, hw, budget, start, "the search found none")
     # Time-out without a solution: use the best heuristic policy that fits.
     warm = warm or _warm_start(stages, hw, budget)
-    if warm is None:
-        raise PlanError(f"the solver found no plan in {time_limit:.0f}s and no heuristic policy fits "
-                        f"{format_size(budget)}; raise --time-limit or --budget")
+    if warm is None:  # NOTE: [A search that found nothing in time]
+        return _least_or_refuse(stages, hw, budget, start, f"the search found none in {time_limit:.0f}s")
     name, plan = warm
     msg = f"the solver found no plan in {time_limit:.0f}s; fell back to the heuristic '{name}'"
     return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, message=msg, seconds=took))
+
+
+# NOTE: [A search that found nothing in time] A search stopped at its time limit without a plan,
+# where no heuristic policy fits either, is answered like one that proved none fits: by the
+# least-memory solve. Its plan is the plan where it fits; otherwise the refusal names the least
+# memory a plan needs, and the GPU that would hold it, instead of only "raise --time-limit". The 7B
+# at 1 x 1,048,576 with --disk on the whole H200 (137.8 GiB) came so once attention's forward no
+# longer counted its backward's accumulator (2026-12-05): the search had proved no plan fits in 24 s
+# at 149.6 GiB of least memory, and at 146.6 it ran out its 60 s.
+def _least_or_refuse(stages: Stages, hw: Hardware, budget: int, start: float, searched: str) -> Plan:
+    """The least-memory plan where it fits `budget` (NOTE: [A refusal the solver contradicts]),
+    else `InfeasibleBudget` naming the least memory a plan needs; `searched`: what the search for
+    the fastest plan found, for the messages."""
+    need, least, proven = _least_memory(stages, hw)
+    if need <= budget:
+        try:
+            plan = evaluate(stages, hw, budget, least, status="fallback", message=(
+                f"{searched}, but the least-memory plan fits: it is this plan"))
+            return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, seconds=time.perf_counter() - start))
+        except PlanError as rejected:
+            # the two searches and the step model disagree: no budget the refusal could name is proven
+            raise InfeasibleBudget(
+                f"no plan fits a GPU budget of {format_size(budget)}: {searched}, and the plan the least-memory "
+                f"search found within it ({format_size(need, round_up=True)}) was then rejected ({one_line(rejected)}). "
+                "The solvers disagree on this model; raise --time-limit, or --budget", budget + 1) from None
+    have, want = format_size(budget), format_size(need, round_up=True)
+    if have == want:  # one decimal cannot tell them apart: give bytes too
+        have, want = f"{have} ({budget} bytes)", f"{want} ({need} bytes)"
+    # NOTE: [A refusal the solver contradicts]: a least-memory solve stopped at its time limit
+    # names a budget a plan fits, not the least one
+    smallest = f"smallest feasible budget: {want}" if proven else (
+        f"a plan fits {want}, and less may do (the search for the least memory a plan needs stopped at its "
+        "time limit)")
+    raise InfeasibleBudget(
+        f"no plan fits a GPU budget of {have}; {smallest}. "
+        + (past_device(stages, hw, need, proven) or f"Raise --budget, or shrink the batch{_disk_hint(stages, hw, need)}"),
+        need, any_tiles=state_floor(stages, hw) > budget,
+    )
 
 
 def evaluate(stages: Stages, hw: Hardware, budget: int, decisions: list[Placement], *,
