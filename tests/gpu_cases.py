@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 PREBUILT = ROOT / ".gpu"
 # "resident": every stage resident and saving, stepped on the GPU as its backward ends. The solver's
@@ -76,36 +77,40 @@ def schedule_source(case: str, fused: bool = True) -> str:
     return compile_model(meta, tiny_batch(), budget, "h200", **opts).source_text
 
 
-def _gpu_stepped(meta, fused: bool) -> str:
-    from lazytrain import hardware
+def _rendered(graph, stages, decs, hw, **precision) -> str:
+    """The schedule of fixed decisions at an unlimited budget (`precision`: render's optimizer_states,
+    master_weights and fused_factor)."""
     from lazytrain.codegen.render import render
     from lazytrain.passes.lower import lower
     from lazytrain.solver.solve import evaluate
+
+    plan = evaluate(stages, hw, 1 << 40, decs)
+    return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name, **precision)
+
+
+def _gpu_stepped(meta, fused: bool) -> str:
+    from lazytrain import hardware
     from lazytrain.pipeline import analyse
+    from plans import decisions
 
     hw = hardware.load("h200")
     graph, stages = analyse(meta, tiny_batch(), hw, fuse_stages=fused)
-    from plans import decisions
-
     last = len(stages) - 1
     decs = decisions([("G" if g.param_bytes > 0 else "-") + ("R" if s != last else "r") + "k" for s, g in enumerate(stages)])
-    plan = evaluate(stages, hw, 1 << 40, decs)
-    return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name)
+    return _rendered(graph, stages, decs, hw)
 
 
 def _resident(meta, opts: dict) -> str:
     """The plan keeping every stage resident and saved, stepped on the GPU (`heuristics`)."""
     from lazytrain import hardware
-    from lazytrain.codegen.render import render
-    from lazytrain.passes.lower import lower
     from lazytrain.pipeline import analyse
-    from lazytrain.solver.solve import evaluate, heuristics
+    from lazytrain.solver.solve import heuristics
 
     hw = hardware.load("h200")
     graph, stages = analyse(meta, tiny_batch(), hw, **opts)
-    plan = evaluate(stages, hw, 1 << 40, heuristics(stages)["everything resident and saved"])
-    return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name, opts["optimizer_states"],
-                  opts["master_weights"], fused_factor=hw.fused_elementwise_factor)
+    return _rendered(graph, stages, heuristics(stages)["everything resident and saved"], hw,
+                     optimizer_states=opts["optimizer_states"], master_weights=opts["master_weights"],
+                     fused_factor=hw.fused_elementwise_factor)
 
 
 # tiny Qwen's stages: the prologue, 4 layers, the loss. The prologue's and first layers' outputs
@@ -119,12 +124,9 @@ def _split(meta, fused: bool) -> str:
     import dataclasses
 
     from lazytrain import hardware
-    from lazytrain.codegen.render import render
     from lazytrain.ir.placement import Split
-    from lazytrain.passes.lower import lower
     from lazytrain.pipeline import analyse
     from lazytrain.solver import boundary
-    from lazytrain.solver.solve import evaluate
     from plans import decisions
 
     hw = hardware.load("h200")
@@ -136,8 +138,7 @@ def _split(meta, fused: bool) -> str:
         spec = ["-R" + SPLITS.get(s, ("k",))[0] if s != last else "-rk" for s in range(len(stages))]
         decs = [dataclasses.replace(d, split=Split(*SPLITS[s][1], boundary.tiles(stages[s]))) if s in SPLITS else d
                 for s, d in enumerate(decisions(spec))]
-        plan = evaluate(stages, hw, 1 << 40, decs)
-        return render(graph, stages, plan, lower(stages, plan, hw), tiny_batch(), hw.name)
+        return _rendered(graph, stages, decs, hw)
     finally:
         boundary.TILE_BYTES = old
 

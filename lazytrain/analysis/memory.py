@@ -112,7 +112,7 @@ def _attention_backward(node: Node, graph: Graph) -> int:
     q = _spec(graph, node.args[0]) if node.args else None
     extra = dq_accumulator_bytes(q.numel) if q is not None else 0
     if dict(node.kwargs).get("enable_gqa", False):
-        q, k, v = (_spec(graph, a) for a in node.args[:3])
+        k, v = (_spec(graph, a) for a in node.args[1:3])
         if q is not None and k is not None and v is not None:
             extra += gqa_gradients_bytes(q.shape[1], k.shape[1], k.nbytes + v.nbytes)
     return mask_bias_bytes(node, graph) + extra
