@@ -83,7 +83,7 @@ def test_loss_chunk_bytes(tmp_path, capsys, in_root):
 def test_budget_below_minimum_names_the_minimum(tmp_path, capsys, in_root):
     code, _, err = run(capsys, "compile", TINY_GPT, "-o", str(tmp_path / "s.py"), "--budget", "10KiB", "--hardware", "cpu")
     assert code == 2
-    assert "no plan fits a GPU budget of 10.0 KiB; smallest feasible budget: 339.6 KiB" in err
+    assert "no plan fits a GPU budget of 10.0 KiB; smallest feasible budget: 323.6 KiB" in err
     assert not (tmp_path / "s.py").exists()
 
 

@@ -50,6 +50,23 @@ def test_returned_values_are_made_and_held():
     assert peak_bytes(g, fused=True, counted_inputs=frozenset({0}), held=frozenset({0})) == returned + B
 
 
+def test_weight_gradients_count_from_where_they_can_be_made():
+    """NOTE: [Weight gradients at the backward's peak] in analysis/backward.py. A backward making
+    `h = g @ w.T` and `dx = sin(h) * h`, then the weight's gradient `x.T @ g`: in the graph's order
+    (eager) the weight's gradient comes after the peak, so the peak less it is the count; fused,
+    its kernel may run first (its inputs are the backward's own), so it counts from the start."""
+    def backward(g, x, w):
+        h = g @ w.t()
+        dx = h.sin() * h
+        return x.t() @ g, dx  # the weight's gradient, made last, and the input's
+    g = _graph(backward, (N, F), (N, H), (H, F))
+    NH, HF = N * H * 4, H * F * 4
+    assert peak_bytes(g, fused=False, returned=False) == 2 * NH  # h and sin(h) at the product
+    assert peak_bytes(g, fused=False, returned=False, weights=frozenset({0})) == 2 * NH - HF
+    assert peak_bytes(g, fused=True, returned=False) == NH  # sin(h) inside the product's kernel
+    assert peak_bytes(g, fused=True, returned=False, weights=frozenset({0})) == NH
+
+
 def test_fused_stages_peak_no_higher_than_eager():
     """Each fusable stage's forward, saving forward and backward peaks are at most eager's, and the
     layers' forward peaks strictly lower; none lowered below what the stage saves and outputs. (At

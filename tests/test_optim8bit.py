@@ -28,8 +28,8 @@ def _schedule(meta, batch, case, name, master="fp32"):
     hw = dataclasses.replace(hardware.load("cpu"), cpu_adamw_params_per_s=HOST_RATE[case], cpu_round_params_per_s=1e12)
     opts = dict(optimizer_states="8bit", master_weights=master)
     budget = 1 << 30 if case == "resident" else minimum_budget(meta, batch, hw, **opts)
-    if case == "streamed":  # the smallest plan has no room to apply a GPU-stepped update between steps
-        budget = int(budget * 1.05)  # (NOTE: [Flushed updates] in solver/footprint.py), so it steps on the host
+    if case == "streamed":  # where the smallest plan has no room to apply a GPU-stepped update between
+        budget = int(budget * 1.1)  # steps (NOTE: [Flushed updates] in solver/footprint.py), it steps on the host
     c = compile_model(meta, batch, budget, hw, **opts)
     return c, load_source(c.source_text, name)
 

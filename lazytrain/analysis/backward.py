@@ -15,6 +15,22 @@ live peak; on the H200, for a Qwen2.5-7B layer at 32 x 1024 tokens recomputed in
 that bound was 11.2 GiB where the allocator saw 9.25 GiB, and every backward window of a 24 GiB
 plan stood 2 GiB over the measured one (the fidelity trace, 2026-11-30).
 
+NOTE: [Weight gradients at the backward's peak]
+A stage's backward event counts its workspace beside every gradient it makes, which the plan holds
+as buffers of their own (`g:S` or the resident gradients, and `grad:P` of its inputs). Autograd
+makes a weight's gradient at the node that reads the weight, so at the backward's peak only those
+read after it in forward exist: in a Qwen2.5-7B layer the peak is in the gated MLP, which backward
+runs first, where only `down_proj`'s gradient (126 MiB of 444.5 at 32 x 1024) exists. Counting all
+of them there, every backward window of the fused 7B plans at 32 x 1024 stood 1.34 GiB over the
+measured one (H200, 2026-12-05, 6dc3415; its peak +5 % to +7 % in the rows whose peak is a
+backward). So `backward_bytes` is the most the backward holds with the weights' gradients made so
+far, less all of them: with them, at the event, the count is the peak's. Its inputs' gradients
+(made last) stay counted whole. A compiled backward's kernels may run in another order than its
+graph's, so there a weight's gradient counts from the first position its inputs allow
+(`fused_transients.peak_bytes`). For that layer eager's count falls 0.31 GiB, the compiled
+backward's 0.31 (saving) and 0.43 (recomputed); alone on the H200 the same bodies held 0.12 and 0.29
+GiB under the new counts (`bench/stage_memory.py`, e5a3faf, with down_proj's gradient made).
+
 NOTE: [Gradients handed through]
 Autograd does not copy every gradient. `add` hands the gradient of its result to both inputs as
 the same tensor when neither is broadcast or cast, so a residual stream's gradient is the layer
@@ -35,7 +51,9 @@ from lazytrain.passes.costs import NodeCost
 
 def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCost], rg: frozenset[str],
                   kept: dict[str, set[str]], saved_values: set[str], outputs: tuple[str, ...],
-                  accumulating: set[str] = frozenset()) -> int:
+                  accumulating: set[str] = frozenset(), params: frozenset[str] = frozenset()) -> int:
+    """NOTE: [Backward memory], less its weights' gradients as NOTE: [Weight gradients at the
+    backward's peak] has it: `params` are the stage's own parameters."""
     inside = set(names)
 
     def base(name: str) -> str:
@@ -86,10 +104,15 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
 
     ours = {base(n) for n in names} - {base(o) for o in outputs}
     peak = held
+    weights: set[str] = set()  # the parameters whose gradients exist (NOTE: [Weight gradients at the backward's peak])
+    weights_made = 0
     for n in reversed(names):
         node = graph[n]
         if node.op is not OpKind.CALL or n not in rg or costs[n].alias:
             continue
+        here = {b for b in map(base, node.inputs()) if b in params and b in rg} - weights
+        weights |= here
+        weights_made += sum(value_bytes(graph[b].value) for b in here)
         through = handed_through(node, graph)
         out = grads.get(base(n))
         new: dict[str, int] = {}
@@ -117,7 +140,7 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
         # a parameter whose gradient exists already (a tied weight a later stage read) gets this
         # node's part as a tensor of its own, added in after
         adding = sum(graph[i].spec.nbytes for i in set(node.inputs()) & accumulating)
-        peak = max(peak, held + live() + made + backward_internal_bytes(node, graph) + adding)
+        peak = max(peak, held + live() + made + backward_internal_bytes(node, graph) + adding + weights_made)
         grads.update(new)
         grads.pop(base(n), None)
         held -= internal.pop(n, 0)
@@ -126,7 +149,7 @@ def backward_peak(graph: Graph, names: tuple[str, ...], costs: dict[str, NodeCos
             if not readers[v]:
                 held -= saved.pop(v)
                 del readers[v]
-    return peak
+    return peak - weights_made
 
 
 def handed_through(node, graph: Graph) -> set[str]:

@@ -45,6 +45,7 @@ class Traced:
     outputs: int  # the stage's outputs: the first values each forward graph returns
     saving: tuple[torch.fx.Graph, torch.fx.Graph]  # forward and backward saving all forward made (eager's)
     compiled: tuple[torch.fx.Graph, torch.fx.Graph]  # forward and backward of the min-cut partition
+    weights: frozenset[int] = frozenset()  # the positions of the stage's weights' gradients in what a backward returns
 
     @property
     def compiled_saved(self) -> int:
@@ -105,7 +106,8 @@ def trace(graph: Graph, stage: Stage, requires_grad: frozenset[str], remat: bool
     if len(parts) < 2:  # nothing takes a gradient: no partition
         return None
     graphs = {k: (fw.graph, bw.graph) for k, (fw, bw) in parts.items()}
-    return Traced(sum(eager.values()), len(stage.outputs), graphs["saving"], graphs["compiled"])
+    weights = frozenset(i for i, n in enumerate(names) if n in stage.params)  # a backward returns one gradient an input
+    return Traced(sum(eager.values()), len(stage.outputs), graphs["saving"], graphs["compiled"], weights)
 
 
 def _saved_nodes(graph: torch.fx.Graph, n_outputs: int) -> list:

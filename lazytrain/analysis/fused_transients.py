@@ -122,7 +122,8 @@ def _nbytes(node: torch.fx.Node) -> int:
 
 def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int] = frozenset(),
                held: frozenset[int] = frozenset(), outputs: int | None = None,
-               donated: frozenset[int] = frozenset(), returned: bool = True) -> int:
+               donated: frozenset[int] = frozenset(), returned: bool = True,
+               weights: frozenset[int] = frozenset()) -> int:
     """The most bytes `graph`'s values hold at once when its nodes run in order: every operator's
     result (a view is its base's), freed after its last reader; what it returns, to its end. Its
     inputs are left out but for the positions in `counted_inputs`, from its start to their last
@@ -131,7 +132,9 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     input whose position is in `donated` (NOTE: [Fused transients]). `outputs`: only the first this
     many returned values are kept (a partitioned forward run without autograd, whose values saved
     for backward die at their last reader). Without `returned`, what it returns is not counted (a
-    backward's gradients of the stage's inputs and parameters: buffers the plan counts apart)."""
+    backward's gradients of the stage's inputs and parameters: buffers the plan counts apart), but
+    for the positions in `weights` (its weights' gradients), counted from where they are made and
+    taken off the peak after (NOTE: [Weight gradients at the backward's peak] in backward.py)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out = next(n for n in nodes if n.op == "output")
@@ -149,9 +152,16 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
     inputs = {n: _nbytes(n) for i, n in enumerate(places) if i in counted_inputs}
     made = {n: _nbytes(n) for n in nodes if n.op == "call_function" and not _is_view(n)}
     returned_bases = {_base(n) for n in given_back}
+    apart: set = set()  # the weights' gradients counted, taken off the peak at the end
     if not returned:
+        values = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+        grads = {_base(v) for i, v in enumerate(values) if i in weights and isinstance(v, torch.fx.Node)}
+        others = {_base(v) for i, v in enumerate(values) if i not in weights and isinstance(v, torch.fx.Node)}
         for n in returned_bases & made.keys():
-            made[n] = 0
+            if n in grads and n not in others:
+                apart.add(n)
+            else:
+                made[n] = 0
     if fused:  # NOTE: [Fused transients]: what Inductor inlines into the kernels that read it
         for n in list(made):
             rs = list(readers(n))
@@ -197,15 +207,20 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
         live += nbytes
         frees[last[n]] = frees.get(last[n], 0) + nbytes
     peak = live
+    # fused, a weight's gradient is counted from the first position its kernel could run at, the one
+    # after its inputs are made: the compiler may run it before the graph's order does (NOTE: [Weight
+    # gradients at the backward's peak] in backward.py)
+    early = {n: min(at[n], max((at[b] + 1 for b in _kernel_inputs(n, made) if b in made), default=0))
+             for n in apart} if fused else {}
     starts: dict[int, int] = {}
     for n, nbytes in made.items():
-        starts[at[n]] = starts.get(at[n], 0) + nbytes
+        starts[early.get(n, at[n])] = starts.get(early.get(n, at[n]), 0) + nbytes
         frees[last[n]] = frees.get(last[n], 0) + nbytes
     for i in range(end + 1):
         live += starts.get(i, 0)
         peak = max(peak, live + inside.get(i, 0))
         live -= frees.get(i, 0)
-    return peak
+    return peak - sum(made[n] for n in apart)
 
 
 def _kernel_workspace(node: torch.fx.Node) -> int:
@@ -280,10 +295,10 @@ def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
     without the gradients of the stage's outputs, inputs and parameters. `remat`: the body traced as
     its recompute runs it, which saves less and does more in backward."""
     (fe, be), (fc, bc) = t.saving, t.compiled
-    eager_backward = peak_bytes(be, False, saved_inputs(fe, t.outputs), returned=False)
-    compiled_backward = _compiled_backward(fc, bc, t.outputs)
+    eager_backward = peak_bytes(be, False, saved_inputs(fe, t.outputs), returned=False, weights=t.weights)
+    compiled_backward = _compiled_backward(fc, bc, t.outputs, t.weights)
     remat_peak = None if remat is None else max(peak_bytes(remat.compiled[0], True),
-                                                _compiled_backward(*remat.compiled, remat.outputs))
+                                                _compiled_backward(*remat.compiled, remat.outputs, remat.weights))
     return HeldFewer(
         forward=max(0, peak_bytes(fe, False, outputs=t.outputs) - peak_bytes(fe, True, outputs=t.outputs)),
         saving=max(0, peak_bytes(fe, False) - peak_bytes(fc, True)),
@@ -292,8 +307,10 @@ def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
         backward_peak=compiled_backward, recompute_peak=remat_peak)
 
 
-def _compiled_backward(forward: torch.fx.Graph, backward: torch.fx.Graph, outputs: int) -> int:
+def _compiled_backward(forward: torch.fx.Graph, backward: torch.fx.Graph, outputs: int,
+                       weights: frozenset[int] = frozenset()) -> int:
     """A compiled backward's peak: what its forward saved, donated, freed at its last reader and
-    written into; neither the output gradients nor the gradients it returns."""
+    written into; neither the output gradients nor the gradients it returns, but its weights' as
+    made, taken off after (NOTE: [Weight gradients at the backward's peak] in backward.py)."""
     return peak_bytes(backward, True, saved_inputs(forward, outputs), donated=donated_inputs(forward, outputs),
-                      returned=False)
+                      returned=False, weights=weights)

@@ -43,7 +43,9 @@ class Stage:
     internal_bytes: int = 0  # largest operator workspace beyond graph values (NOTE: [Operator workspace] in analysis/memory.py)
     largest_numel: int = 0  # its biggest parameter tensor (a bf16 master's fp32 twin, NOTE: [Master weights])
     skips: tuple[str, ...] = ()  # nodes its recompute before backward leaves uncomputed (NOTE: [Skipped recompute])
-    backward_bytes: int = 0  # most of its saved values and internal gradients live in its backward (NOTE: [Backward memory])
+    # most of its saved values and internal gradients live in its backward, less its weights' gradients
+    # (NOTE: [Backward memory], NOTE: [Weight gradients at the backward's peak] in analysis/backward.py)
+    backward_bytes: int = 0
     saving_peak_bytes: int = 0  # its forward's peak with autograd keeping what it saves (a saving forward)
     # its recompute and backward together at B(s) where they differ from a saved stage's backward (a
     # compiled body recomputes under another partition, NOTE: [Fused transients]); 0: `backward_bytes`

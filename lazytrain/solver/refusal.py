@@ -24,6 +24,7 @@ from lazytrain.hardware import Hardware
 from lazytrain.ir.stages import STATE_BYTES, Stages
 from lazytrain.solver.footprint import disk_available
 from lazytrain.solver.shards import sharding
+from lazytrain.solver.workspace import backward_workspace
 from lazytrain.units import format_size
 
 # NOTE: [State past the host]
@@ -49,7 +50,7 @@ def backward_floor(stages: Stages, s: int) -> tuple[int, dict[str, int]]:
     """What stage `s`'s backward holds on the GPU at once under any plan, and its parts."""
     g = stages.stages[s]
     grad_in = sum(stages.stages[p].grad_out_bytes for p in g.producers if stages.grad_maker(p) == s)
-    parts = {"saved by its forward": g.saved_bytes, "made in its backward": g.backward_bytes - g.saved_bytes,
+    parts = {"saved by its forward": g.saved_bytes, "made in its backward": backward_workspace(g),
              "its output's and input's gradients": g.grad_out_bytes + grad_in,
              "its weights and their gradients": 2 * g.param_bytes}
     return sum(parts.values()), parts

@@ -11,8 +11,10 @@ from lazytrain.ir.stages import Stages
 
 def backward_workspace(g) -> int:
     """What a stage's backward holds beyond what it saved (`analysis/backward.py`, NOTE: [Backward memory]):
-    the gradients of its intermediates and its operators' workspace. A chunked stage's working set
-    is one chunk's (its `peak_bytes`, counted apart), beside its operators' workspace."""
+    the gradients of its intermediates and its operators' workspace, and its weights' gradients made by
+    its peak less all of them, which its event counts beside it (NOTE: [Weight gradients at the
+    backward's peak]). A chunked stage's working set is one chunk's (its `peak_bytes`, counted apart),
+    beside its operators' workspace."""
     if g.chunks > 1:
         return g.internal_bytes
     return max(0, g.backward_bytes - g.saved_bytes)
