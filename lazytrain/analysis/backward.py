@@ -3,8 +3,10 @@
 Needs: a `Graph`, its `costs` (views), the values that carry gradient and what autograd saves
 (`saved`). Guarantees: `backward_peak` is the most memory the stage's backward holds at once
 of its saved values and of the gradients of its own intermediates, with the running operator's
-own workspace (`memory.backward_internal_bytes`); not the gradients of its inputs, outputs or parameters, which the step model counts
-as buffers of their own (`grad:`, `g:` and resident gradients).
+own workspace (`memory.backward_internal_bytes`) and its weights' gradients made by then, less all
+of its weights' gradients; not the gradients of its inputs or outputs. The step model counts those
+gradients as buffers of their own (`grad:`, `g:` and resident gradients), the weights' beside this
+figure at the backward's event (NOTE: [Weight gradients at the backward's peak]).
 
 NOTE: [Backward memory]
 Autograd runs a stage's backward node by node in reverse. At each node the gradient of its result

@@ -27,8 +27,9 @@ them:
     reads: one it made, or a saved value AOTAutograd donates to the backward (`donated_inputs`).
 A forward without autograd is the eager partition's forward keeping only the stage's outputs. A
 backward is replayed from what the forward saved, as the plan counts a backward (NOTE: [Backward
-memory] in backward.py): without the gradients of the stage's outputs, inputs and parameters,
-buffers of their own. Eager's from the partition that saves what the forward made
+memory] in backward.py): without the gradients of the stage's outputs and inputs, buffers of
+their own, and with its weights' as made, less all of them (NOTE: [Weight gradients at the
+backward's peak] there). Eager's from the partition that saves what the forward made
 (`default_partition`), freeing each at its last reader as autograd's nodes release theirs (a 7B
 layer: 9.29 GiB, the plan's own count 9.57); the compiled one from the min-cut partition, each saved
 value freed at its last reader too (the compiled backward `del`s its donated inputs as it goes: 6.38
@@ -292,7 +293,8 @@ def fewer(t: Traced, remat: Traced | None = None) -> HeldFewer:
     a backward from what the forward saved, freed at each value's last reader in eager (autograd
     releases a node's saved values once it ran) and compiled (AOTAutograd donates them to the
     compiled backward); as the plan counts a backward (NOTE: [Backward memory] in backward.py),
-    without the gradients of the stage's outputs, inputs and parameters. `remat`: the body traced as
+    without the gradients of the stage's outputs and inputs, its weights' counted as made and taken
+    off after (NOTE: [Weight gradients at the backward's peak] in backward.py). `remat`: the body traced as
     its recompute runs it, which saves less and does more in backward."""
     (fe, be), (fc, bc) = t.saving, t.compiled
     eager_backward = peak_bytes(be, False, saved_inputs(fe, t.outputs), returned=False, weights=t.weights)
