@@ -215,7 +215,8 @@ def peak_bytes(graph: torch.fx.Graph, fused: bool, counted_inputs: frozenset[int
              for n in apart} if fused else {}
     starts: dict[int, int] = {}
     for n, nbytes in made.items():
-        starts[early.get(n, at[n])] = starts.get(early.get(n, at[n]), 0) + nbytes
+        first = early.get(n, at[n])
+        starts[first] = starts.get(first, 0) + nbytes
         frees[last[n]] = frees.get(last[n], 0) + nbytes
     for i in range(end + 1):
         live += starts.get(i, 0)
