@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -66,7 +67,7 @@ def profile(output: str | Path, quick: bool = False, offload_dir: str | Path | N
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     offload_dir = Path(offload_dir if offload_dir is not None else tempfile.gettempdir())
     probe, regions = (256 * 2**20, 4 if quick else 16) if cuda else ((8 if quick else 32) * 2**20, 4 if quick else 8)
-    disk_w, disk_r, direct = _disk_rates(offload_dir, probe, regions)  # first: a bad --offload-dir fails at once
+    disk_w, disk_r, disk_both, direct = _disk_rates(offload_dir, probe, regions)  # first: a bad --offload-dir fails at once
     n = (2048 if quick else 4096) if cuda else (512 if quick else 1024)
     flops = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -128,9 +129,9 @@ def profile(output: str | Path, quick: bool = False, offload_dir: str | Path | N
         cpu_adamw_params_per_s=cpu_adamw, gpu_adamw_params_per_s=gpu_adamw,
         cpu_adamw8bit_params_per_s=cpu_adamw / 50, gpu_adamw8bit_params_per_s=gpu_adamw / 3,
         cpu_round_params_per_s=round_rate(),
-        disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r,
+        disk_write_bandwidth=disk_w, disk_read_bandwidth=disk_r, disk_duplex_bandwidth=disk_both,
         estimated=("op_overhead_s", "cpu_adamw8bit_params_per_s", "gpu_adamw8bit_params_per_s")
-        + (() if direct else ("disk_write_bandwidth", "disk_read_bandwidth"))
+        + (() if direct else ("disk_write_bandwidth", "disk_read_bandwidth", "disk_duplex_bandwidth"))
         + (("allocator_reserve_bytes", "gpu_round_params_per_s", "gpu_round_tensor_s", "gpu_step_issue_tensor_s")
            if cuda else ("duplex_bandwidth",)),
         runtime_bytes=runtime, allocator_reserve_bytes=reserve, link_bandwidth=_link_bandwidth(quick) if cuda else 0.0,
@@ -226,30 +227,46 @@ def _library_workspaces() -> int:
     return max(0, torch.cuda.memory_allocated() - before - held)
 
 
-def disk_region_rates(directory: Path, nbytes: int, count: int) -> tuple[list[float], list[float], bool]:
-    """Write rates, then read rates (bytes/s), of `count` regions of `nbytes` each, moved one after
-    another through the offload tier's file in `directory`, and whether they bypassed the page cache
-    (NOTE: [Offload files] in runtime/disk.py: without O_DIRECT both are the page cache's, upper
-    bounds). The buffer is page-aligned, and page-locked on a GPU machine, as the tier's buffers are.
+class DiskRates(NamedTuple):
+    """Per region, bytes a second through the offload file: written, read, and read and written at
+    once (two regions' bytes over their time together); whether they bypassed the page cache."""
+    write: list[float]
+    read: list[float]
+    both: list[float]
+    direct: bool
+
+
+def disk_region_rates(directory: Path, nbytes: int, count: int) -> DiskRates:
+    """`count` regions of `nbytes` each moved one after another through the offload tier's file in
+    `directory`: each written, each read back, then half of them written while the other half are
+    read, a pair at a time (NOTE: [Disk reads and writes at once] in hardware/__init__.py). Without
+    O_DIRECT every rate is the page cache's, an upper bound (NOTE: [Offload files] in
+    runtime/disk.py). The buffers are page-aligned, and page-locked on a GPU machine, as the tier's
+    buffers are.
     NOTE: [Sustained disk rates] A disk absorbs a burst faster than a stream: on the H200 box, 5
     writes of the same 256 MiB ran at 2.86 GB/s, 24 different regions at 2.16, and the disk tier's
     steps ran at the slower rate. So each region is new, and the median over many is taken."""
     from lazytrain.runtime.disk import OffloadFile, aligned_empty
 
-    buf = aligned_empty(nbytes, pin=torch.cuda.is_available())
-    buf.fill_(1)
+    out, back = (aligned_empty(nbytes, pin=torch.cuda.is_available()) for _ in range(2))
+    out.fill_(1)
     with OffloadFile(directory, {f"r{i}": nbytes for i in range(count)}) as disk:
-        def rate(op) -> list[float]:
-            out = []
-            for i in range(count):
-                start = time.perf_counter()
-                op(f"r{i}", buf).result()
-                out.append(nbytes / (time.perf_counter() - start))
-            return out
-        return rate(disk.write), rate(disk.read), disk.direct
+        def timed(*ops) -> float:
+            start = time.perf_counter()
+            for f in [op() for op in ops]:
+                f.result()
+            return len(ops) * nbytes / (time.perf_counter() - start)
+
+        write = [timed(lambda i=i: disk.write(f"r{i}", out)) for i in range(count)]
+        read = [timed(lambda i=i: disk.read(f"r{i}", back)) for i in range(count)]
+        half = max(1, count // 2)
+        both = [timed(lambda i=i: disk.write(f"r{i}", out), lambda i=i: disk.read(f"r{(i + half) % count}", back))
+                for i in range(half)]
+        return DiskRates(write, read, both, disk.direct)
 
 
-def _disk_rates(directory: Path, nbytes: int, count: int = 16) -> tuple[float, float, bool]:
-    """Median sustained write and read rates of `disk_region_rates`, and whether they went direct."""
-    write, read, direct = disk_region_rates(directory, nbytes, count)
-    return statistics.median(write), statistics.median(read), direct
+def _disk_rates(directory: Path, nbytes: int, count: int = 16) -> tuple[float, float, float, bool]:
+    """Median sustained write, read, and reads and writes at once rates of `disk_region_rates`, and
+    whether they went direct."""
+    r = disk_region_rates(directory, nbytes, count)
+    return statistics.median(r.write), statistics.median(r.read), statistics.median(r.both), r.direct

@@ -228,6 +228,6 @@ def test_a_tensor_larger_than_its_region_is_refused(tmp_path):
 def test_profile_measures_the_disk_through_the_offload_file(tmp_path):
     from lazytrain.profile import _disk_rates
 
-    write, read, direct = _disk_rates(tmp_path, nbytes=4 * 2**20 + 3, count=3)
-    assert all(math.isfinite(r) and r > 0 for r in (write, read))
+    write, read, both, direct = _disk_rates(tmp_path, nbytes=4 * 2**20 + 3, count=3)
+    assert all(math.isfinite(r) and r > 0 for r in (write, read, both))
     assert direct == _takes_direct(tmp_path) and list(tmp_path.iterdir()) == []

@@ -19,7 +19,7 @@ from lazytrain.ir.placement import Tier
 from lazytrain.pipeline import analyse
 from lazytrain.runtime import disk as disk_io
 from lazytrain.runtime.schedule import load_source
-from lazytrain.solver.footprint import disk_state_bytes, disk_step_s
+from lazytrain.solver.footprint import disk_io_s, disk_state_bytes, disk_step_s
 from lazytrain.solver.solve import evaluate, smallest_budget, solve
 from lazytrain.summary import summary
 from lazytrain.units import format_size
@@ -61,6 +61,17 @@ def test_the_plan_counts_disk_states_off_the_host(gpt):
     assert on_disk.disk_s == pytest.approx(sum(disk_step_s(stages[s].param_numel, HW) for s in (1, 3)))
     text = summary(load_source(forced(graph, stages, batch, decisions(SPEC), HW).source_text, unique_name()))
     assert "; disk " in text and "read and written each step" in text and "states on disk" in text
+
+
+def test_a_round_trip_moves_at_the_rate_of_reads_and_writes_at_once():
+    # NOTE: [Disk reads and writes at once]: with the rate measured, a byte read and written back
+    # costs 2 / that rate; without it, the two one after the other
+    series = dataclasses.replace(HW, disk_read_bandwidth=1e9, disk_write_bandwidth=2e9, disk_duplex_bandwidth=0.0)
+    assert disk_io_s(6_000_000, series) == pytest.approx(6e-3 + 3e-3)
+    both = dataclasses.replace(series, disk_duplex_bandwidth=1.5e9)
+    assert disk_io_s(6_000_000, both) == pytest.approx(8e-3)
+    assert disk_io_s(0, both) == 0.0
+    assert hardware.load("h200").disk_duplex_bandwidth > 0  # the box's, measured
 
 
 def test_disk_states_need_the_option_and_the_space(gpt):

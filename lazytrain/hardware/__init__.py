@@ -61,6 +61,17 @@ class Hardware:
     disk_write_bandwidth: float
     disk_read_bandwidth: float
     estimated: tuple = ()
+    # NOTE: [Disk reads and writes at once] The offload file's reads and writes together, in bytes a
+    # second, while both run: a disk-bound step reads one stage's states (and master) while it writes
+    # the last one's back (NOTE: [Disk reads ahead] in runtime/disk_states.py), so a byte read and
+    # written back costs 2 / this, not 1 / read + 1 / write. On the 1-GPU H200 box
+    # (`bench/disk_engines.py`, 2026-12-01, the tier's 4 threads of 8 MiB chunks) reads and writes
+    # at once moved 2.16 GB/s together, where that box's rates one at a time (1.64 read, 2.29 write)
+    # give 1.91. The fp32-masters-on-disk 7B fidelity row (2026-12-05, 7649af6) read and wrote 27.25
+    # GB a step each in 25.4 s, at least 2.14 GB/s together, on a box whose one-at-a-time rates were
+    # the profile's (1.75 and 2.09): priced in series the step was 12 % long. `lazytrain profile`
+    # measures it with the read and write rates. 0: not measured, reads and writes in series.
+    disk_duplex_bandwidth: float = 0.0
     # GPU memory the runtime's libraries hold from the caching allocator beside every plan's buffers:
     # cuBLAS keeps a workspace per stream and handle it runs on (0.13-0.19 GiB allocated before a
     # step's first event on the H200, 2026-11-30, `bench/fidelity.py run --trace`)

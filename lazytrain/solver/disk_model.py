@@ -181,9 +181,12 @@ def _disk_worker(model: StepModel, bdk, acts, mdk, TAIL: int) -> None:
 # is released as backward starts, and by the end of B(s+2) the disk must have done the reads and
 # writes of stages s and up (a write happens after its step, a read of a later stage before it: the
 # total, which is what binds, is the disk's). Reads the ring lets run during the forward are not
-# counted (at most DISK_RING of them), and reads and writes count in series at the profile's rates,
-# so a disk-bound plan is predicted long: the 72B shape at 8 x 1024 on the H200 box (32 such blocks,
-# 57 GB read and written a step) measured 57.82 s against 62.76 predicted (bench/README.md).
+# counted (at most DISK_RING of them). A state read and written back moves at the rate of reads and
+# writes at once (`disk_io_s`, NOTE: [Disk reads and writes at once] in hardware/__init__.py): counted
+# in series at the profile's read and write rates, the 72B shape at 8 x 1024 on the H200 box (32
+# such blocks, 57 GB read and written a step) measured 57.82 s against 62.76 predicted, and the
+# fp32-masters-on-disk 7B 25.4 s against 29.04 (bench/README.md); that 7B plan priced at 2.16 GB/s
+# together is 26.47 s.
 # NOTE: [Disk-stepped stages]
 # The disk tier for streamed stages whose optimizer steps on the GPU (`dstep`, a placement whose
 # step is `Step.job()`): their optimizer states (8-bit or 32-bit, as a GPU step keeps them) live
@@ -216,9 +219,9 @@ def _disk_worker(model: StepModel, bdk, acts, mdk, TAIL: int) -> None:
 # buffer, steps, and writes them back before the next host step starts (runtime/disk_states.py), so
 # host memory holds the largest such stage's moments once (`disk_staging`) and the disk holds the
 # rest, within the profile's `disk_bytes`. The reads and writes run in series with the step, on the
-# host worker: the job's seconds grow by the moments over the disk's read and write rates, and so
-# enter the host backlog and its windows like the step itself. (On the H200 box's disk, 1.74 GB/s
-# read and 2.16 GB/s write sustained, a 7B layer's 1.87 GB of moments take 1.9 s to read and write
-# back against its step's 0.05 s: the solver keeps them on disk only where host memory binds. A
+# host worker: the job's seconds grow by the moments' round trip (`disk_io_s`), and so enter the
+# host backlog and its windows like the step itself. (On the H200 box's disk, 2.16 GB/s for reads
+# and writes at once, a 7B layer's 1.87 GB of moments take 1.7 s to read and write back against
+# its step's 0.05 s: the solver keeps them on disk only where host memory binds. A
 # 1.5B plan with 5 such blocks measured within 6 % of its step with the box's own disk rates.)
 # Sharded data parallel keeps them in host memory (each rank's share is already 1/N).

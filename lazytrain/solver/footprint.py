@@ -160,8 +160,14 @@ def disk_state_bytes(numel: int) -> int:
 
 
 def disk_io_s(nbytes: int, hw: Hardware) -> float:
-    """Reading `nbytes` from the disk and writing them back."""
-    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth if nbytes else 0.0
+    """Reading `nbytes` from the disk and writing them back: at the rate of both at once where the
+    profile measured it (NOTE: [Disk reads and writes at once] in hardware/__init__.py), else one
+    after the other."""
+    if not nbytes:
+        return 0.0
+    if hw.disk_duplex_bandwidth > 0:
+        return 2 * nbytes / hw.disk_duplex_bandwidth
+    return nbytes / hw.disk_read_bandwidth + nbytes / hw.disk_write_bandwidth
 
 
 def disk_step_s(numel: int, hw: Hardware) -> float:
