@@ -145,6 +145,20 @@ def test_main_job_trains_and_loss_falls(tmp_path, capsys):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
 
 
+def test_allocator_retries_are_logged_and_told_once(tmp_path, capsys, monkeypatch):
+    # NOTE: [Allocator retries]: a GPU allocator that retried 3 times in every step but the first
+    from lazytrain.train import report
+    calls = iter(range(10**6))
+    monkeypatch.setattr(report, "allocator_retries", lambda: 3 * max(0, (next(calls) - 1) // 2))
+    code, out, _ = run(capsys, "train", "--steps", "5", "--print-every", "5", "--log", str(tmp_path / "log.jsonl"))
+    assert code == 0
+    import json
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r.get("alloc_retries", 0) for r in records] == [0, 3, 3, 3, 3]
+    told = [line for line in out.splitlines() if "caching allocator ran out of room" in line]
+    assert len(told) == 1 and told[0].startswith("step 3:") and "allocator_reserve_bytes" in told[0]
+
+
 def test_vocabulary_mismatch_is_refused(capsys, in_root):
     code, _, err = run(capsys, "train", "--model", TINY_GPT, "--steps", "1")
     assert code == 2 and "512" in err and "96" in err

@@ -246,19 +246,26 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     log = open(log_path, "a") if log_path is not None and main else None
     bar = tqdm(range(start, lr.steps), initial=start, total=lr.steps, desc="train", unit="step",
                disable=args.no_progress or not sys.stderr.isatty() or not main, dynamic_ncols=True, mininterval=0.5)
-    record = {}
+    record, told_retries = {}, False
     for step in bar:
         batch = data.next_batch()
         trainer.record_timeline = run_dir is not None and step + 1 == lr.steps  # time the last step's events
-        t0, compiling = time.perf_counter(), compile_seconds()
+        t0, compiling, retries = time.perf_counter(), compile_seconds(), report.allocator_retries()
         loss = trainer.step(feed(batch)).item()  # on several ranks, the mean of their losses (the global batch's)
         compiling = compile_seconds() - compiling  # fused stage bodies compiled in this step: not its time
+        retries = report.allocator_retries() - retries  # NOTE: [Allocator retries] in report.py
         if not math.isfinite(loss):
             error = DataError if main else PeerFailed  # the same loss on every rank: rank 0 says it
             raise error(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
         scheduler.step()
         record = report.step_record(step + 1, loss, scheduler.get_last_lr()[0], time.perf_counter() - t0 - compiling,
                                     batch, n_params, layers)  # NOTE: [Honest throughput] in report.py
+        if retries:
+            record["alloc_retries"] = retries
+            if step >= start + 2 and not told_retries:  # the first two steps warm up
+                told_retries = True
+                bar.write(report.retries_notice(step + 1, retries, schedule.BUDGET, schedule.PREDICTED_PEAK,
+                                                schedule.HARDWARE))
         if compiling > 0:
             record["compile_s"] = compiling
             bar.write(f"step {step + 1}: compiled fused stage bodies in {compiling:.1f} s (not counted in its time)")

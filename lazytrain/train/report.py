@@ -10,6 +10,16 @@ the shifted loss never predicts). ``tflops`` is the step's model FLOPs a second:
 those tokens, plus attention's own work over the sequences the global batch holds, where the
 model's config gives its attention layers (NOTE: [Model FLOPs] in flops.py);
 ``tflops_counts_attention`` says whether it does.
+
+NOTE: [Allocator retries]
+When the caching allocator cannot place a block under the cap (NOTE: [Memory cap] in
+runtime/trainer.py), it waits for the device, gives its cached free blocks back and retries: the
+plan holds, with no out-of-memory error, but the step stalls. On the H200 (2026-12-05, 7649af6) a
+7B plan at 1 x 65,536 tokens and 40 GiB retried 5 and 7 times a step and took 16.65-17.30 s against
+12.87 planned (its plan before it: 1-2 retries, within 1 %); its reserved peak reached the cap
+while 3.5 GiB sat in freed blocks it could not reuse, beside the profile's 2 GiB allocator reserve.
+So each step's record carries its retries (``alloc_retries``), and the first slow one after the
+warm-up steps says what they cost and where the room comes from.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 
 from lazytrain.train.flops import AttentionLayer, step_flops
 from lazytrain.train.row_store import Batch
+from lazytrain.units import format_size
 
 
 def step_record(step: int, loss: float, lr: float, seconds: float, batch: Batch, n_params: int,
@@ -47,6 +58,21 @@ def postfix(record: dict) -> dict:
 def line(record: dict) -> str:
     """The printed line of a step."""
     return f"step {record['step']:>5}  loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"
+
+
+def allocator_retries() -> int:
+    """The caching allocator's retries so far in this process (NOTE: [Allocator retries]); 0 without CUDA."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+
+def retries_notice(step: int, retries: int, budget: int, planned_peak: int, hardware: str) -> str:
+    """What a step's allocator retries cost and how to give the allocator room (NOTE: [Allocator retries])."""
+    return (f"step {step}: the GPU's caching allocator ran out of room inside the {format_size(budget)} budget "
+            f"{retries} time{'s' if retries != 1 else ''} and gave back its cached blocks to retry, each after waiting "
+            f"for the GPU: a step that retries runs slower than its plan. The plan leaves it {format_size(budget - planned_peak)} "
+            f"beside its peak for blocks it frees but cannot reuse; to leave more, raise allocator_reserve_bytes in "
+            f"a copy of hardware profile '{hardware}' and compile with it (--hardware FILE). The retries of every step "
+            f"are in the log (alloc_retries).")
 
 
 def host_gib() -> float:
