@@ -70,7 +70,23 @@ def _checks(r: dict) -> str:
                   else "**host over plan**")
     if r.get("partial"):
         ok.append("timed steps only (" + r["partial"] + ")")
+    if spread := _spread(r):
+        ok.append(spread)
     return ", ".join(ok)
+
+
+# A fused row's second step may still compile (2026-12-05: the 7B at 24 GiB's second step 6.40 s,
+# its third 3.08), so a row timed after one warm-up step can take its median from a warming step
+# (the 32B fp32 row: 20.98 and 13.57 s, median 17.28). Timed steps this far apart are flagged.
+SPREAD = 1.25
+
+
+def _spread(r: dict) -> str:
+    """A flag when the timed steps differ by more than SPREAD: the median may hold a warm-up."""
+    times = r.get("step_times_s") or []
+    if len(times) < 2 or min(times) <= 0 or max(times) / min(times) <= SPREAD:
+        return ""
+    return f"**timed steps {min(times):.2f}-{max(times):.2f} s**"
 
 
 def _table(rows: list[dict]) -> list[str]:

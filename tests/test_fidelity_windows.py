@@ -1,9 +1,10 @@
-"""The fidelity run's line names the windows furthest over and under the plan (bench/fidelity_table.py)."""
+"""The fidelity run's line names the windows furthest over and under the plan, and its checks flag
+timed steps far apart (bench/fidelity_table.py)."""
 
 from __future__ import annotations
 
 from bench.fidelity_cases import GiB
-from bench.fidelity_table import _windows_off
+from bench.fidelity_table import _checks, _windows_off
 
 
 def test_the_windows_furthest_from_the_plan_are_named_and_pre_is_left_out():
@@ -15,6 +16,14 @@ def test_the_windows_furthest_from_the_plan_are_named_and_pre_is_left_out():
     line = _windows_off({"windows": windows})
     assert line == "; windows over the plan by at most +2.00 GiB (B2), under by at most -4.00 GiB (tail)"
     assert _windows_off({"windows": windows[:1]}) == "" and _windows_off({}) == ""
+
+
+def test_timed_steps_far_apart_are_flagged_beside_the_checks():
+    row = {"budget_bytes": 40 * GiB, "reserved_peak_bytes": 39 * GiB, "allocated_peak_bytes": 36 * GiB,
+           "predicted_peak_bytes": 37 * GiB, "predicted_step_s": 13.44, "step_s": 17.28, "step_times_s": [20.98, 13.57]}
+    assert _checks(row) == "in budget, peak +3%, step -22% **>10%**, **timed steps 13.57-20.98 s**"
+    steady = dict(row, step_s=13.5, step_times_s=[13.57, 13.5, 13.6])
+    assert _checks(steady) == "in budget, peak +3%, step -0%"
 
 
 def test_a_windows_gap_is_taken_against_the_plans_events_in_it_where_the_row_has_them():
