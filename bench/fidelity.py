@@ -62,7 +62,10 @@ def cmd_compile(args) -> None:
         hw_case = dataclasses.replace(hw, host_memory_bytes=parse_size(case.host)) if case.host else hw
         meta = meta_model(case.model, case.seq).to(torch.bfloat16)
         b = batch(case.model, case.batch, case.seq)
-        precision = CompileOptions(optimizer_states=case.states, master_weights=case.master)
+        tile_bytes = parse_size(case.tile) if case.tile else 0
+        # the case's tiles (none unless it names a size): a "min" budget searched over tiles would be
+        # one its untiled plan cannot meet (the 7B at 1 x 65,536: 11.0 GiB tiled, 23.6 untiled)
+        precision = CompileOptions(optimizer_states=case.states, master_weights=case.master, tile_bytes=tile_bytes)
         refused = CASE_DIR / f"{case.name}.refused.json"
         refused.unlink(missing_ok=True)
         try:
@@ -70,8 +73,7 @@ def cmd_compile(args) -> None:
             budget = minimum_budget(meta, b, hw_case, options=precision) if case.budget == "min" else (
                 "max" if case.budget == "max" else parse_size(case.budget))
             options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
-                                          disk=bool(case.host), tile_bytes=parse_size(case.tile) if case.tile else 0,
-                                          fuse_stages=False)
+                                          disk=bool(case.host), fuse_stages=False)
             compiled = None if args.fused_only else compile_model(meta, b, hardware=hw_case, options=options,
                                                                   source=f"bench:{case.model}")
             if compiled is not None:
