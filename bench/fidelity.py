@@ -126,9 +126,11 @@ def _run_schedule(case: Case, path: Path, model, data, args, masters=None) -> di
 def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bool) -> dict:
     import torch
 
+    from lazytrain.train.report import allocator_retries  # NOTE: [Allocator retries]
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    retries = allocator_retries()
     times, losses, step_retries = [], [], []
     jobs = _time_disk_jobs(trainer) if args.events else None
     io = None
@@ -139,10 +141,10 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
         start = time.perf_counter()
         if jobs is not None:
             jobs.append(("step", i, start, start))
-        before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        before = allocator_retries()
         losses.append(trainer.step(data).item())
         times.append(time.perf_counter() - start)
-        step_retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - before)
+        step_retries.append(allocator_retries() - before)
         # a long row's steps take minutes: each is reported as it ends, so a run cut short still says them
         print(f"[fidelity] {case.name} step {i + 1} of {args.warmup + args.steps}: {times[-1]:.2f} s, "
               f"loss {losses[-1]:.4f}, allocated peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB, "
@@ -152,7 +154,7 @@ def _measure(case: Case, module, trainer, data, args, bind_s: float, cleared: bo
     # storage read and written per timed step (its last writes may land after it: `synchronize` drains them)
     disk_io = [(b - a) / args.steps for a, b in zip(io, io_after)] if io and io_after else None
     # the allocator freed its cache and retried (a device-wide sync): a plan at its cap stalls there
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+    retries = allocator_retries() - retries
     segments = _segments(trainer)
     windows = _windows(module, trainer.timeline)
     kinds = {e.id: e for e in module.EVENTS}
