@@ -37,13 +37,19 @@ def _clear_host_peak() -> bool:
         return False
 
 
+def stream_names(trainer) -> dict[int, str]:
+    """The trainer's CUDA streams by the name the plan gives them (the default stream: "optimizer")."""
+    names = {trainer.streams.aside.cuda_stream: "optimizer"}
+    names.update({s.cuda_stream: k.value for k, s in trainer.streams.streams.items()})
+    return names
+
+
 def _segments(trainer) -> dict[str, dict[str, int]]:
     """What the caching allocator holds after the timed steps, per stream and pool: reserved bytes
     beyond allocated ones are what a plan at its cap loses to the allocator (its retries)."""
     import torch
 
-    names = {trainer.streams.aside.cuda_stream: "optimizer"}
-    names.update({s.cuda_stream: k.value for k, s in trainer.streams.streams.items()})
+    names = stream_names(trainer)
     out: dict[str, dict[str, int]] = {}
     for seg in torch.cuda.memory_snapshot():
         key = f"{names.get(seg['stream'], seg['stream'])}/{seg['segment_type']}"

@@ -10,6 +10,9 @@ against, event by event (`bench/fidelity.py run --trace`).
   peak        a second step under the allocator's memory history: the blocks live at its most
               allocated moment, summed by the innermost lazytrain frame that allocated them (the
               rest: by the innermost frame); `before` is what was allocated when recording began
+  retries     in that step, each allocation the allocator made room for by giving back cached
+              pages (a retry: NOTE: [Allocator retries] in lazytrain/train/report.py): its size,
+              stream and frame, the bytes given back, and the bytes allocated just before it
   ops         a third step under the profiler: each aten operator's own device seconds, to set
               beside `bench/opcost.py`'s isolated figures (what running inside a schedule costs)
 """
@@ -59,6 +62,9 @@ def traced_step(trainer, data, rows) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     out["peak"] = peak_groups(snap, before)
+    from bench.fidelity_readings import stream_names
+
+    out["retries"] = retried_allocations(snap, before, stream_names(trainer))
     out["ops"] = profiled_ops(lambda: (trainer.step(data), trainer.synchronize()))
     return out
 
@@ -85,6 +91,27 @@ def _where(frames) -> str:
             return f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
     f = frames[0] if frames else {"filename": "?", "line": 0, "name": "?"}
     return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+
+
+def retried_allocations(snapshot: dict, before: int, streams: dict[int, str]) -> list[dict]:
+    """The allocations in the trace that came after the allocator gave pages or segments back (at its
+    cap it frees every cached block, a device-wide sync, and tries again): per such allocation its
+    size, stream and innermost lazytrain frame, the bytes given back before it, and the bytes
+    allocated just before it."""
+    trace = next((t for t in snapshot["device_traces"] if t), [])
+    out, given_back, total = [], 0, before
+    for a in trace:
+        if a["action"] in ("segment_unmap", "segment_free"):
+            given_back += a["size"]
+        elif a["action"] == "alloc":
+            if given_back:
+                out.append({"size": a["size"], "stream": streams.get(a.get("stream"), str(a.get("stream"))),
+                            "where": _where(a.get("frames", [])), "given_back": given_back, "allocated": total})
+                given_back = 0
+            total += a["size"]
+        elif a["action"] == "free_requested":
+            total -= a["size"]
+    return out
 
 
 def peak_groups(snapshot: dict, before: int, top: int = 40) -> dict:

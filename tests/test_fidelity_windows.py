@@ -53,3 +53,19 @@ def test_each_window_holds_the_most_of_verifys_trace_over_the_events_planned_to_
     for label, nbytes in by_window.items():
         assert nbytes == max(b for b, at in zip(trace, labels) if at == label) > 0
     assert max(by_window.values()) == max(trace) <= module.BUDGET
+
+
+def test_an_allocation_after_pages_given_back_is_named_as_a_retry():
+    from bench.trace import retried_allocations
+
+    frame = [{"filename": "/x/lazytrain/runtime/store.py", "line": 7, "name": "load"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 3 * GiB, "stream": 11, "frames": frame},
+             {"action": "free_requested", "addr": 1, "size": GiB, "stream": 11},
+             {"action": "segment_unmap", "addr": 9, "size": 2 * GiB, "stream": 11},
+             {"action": "segment_unmap", "addr": 10, "size": GiB, "stream": 0},
+             {"action": "segment_map", "addr": 9, "size": 2 * GiB, "stream": 0},
+             {"action": "alloc", "addr": 2, "size": 2 * GiB, "stream": 0, "frames": frame},
+             {"action": "alloc", "addr": 3, "size": GiB, "stream": 0, "frames": frame}]
+    got = retried_allocations({"device_traces": [[], trace]}, before=4 * GiB, streams={0: "optimizer", 11: "compute"})
+    assert got == [{"size": 2 * GiB, "stream": "optimizer", "where": "runtime/store.py:7 load",
+                    "given_back": 3 * GiB, "allocated": 6 * GiB}]
