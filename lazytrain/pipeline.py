@@ -57,6 +57,7 @@ from lazytrain.passes.liveness import liveness
 from lazytrain.passes.lower import lower
 from lazytrain.passes.retile import GATED_MLP, RMS_NORM, TILE_SIZES, retile
 from lazytrain.passes.verify import verify
+from lazytrain.solver.reserve import with_reserve
 from lazytrain.units import format_size
 
 @dataclass(frozen=True)
@@ -271,7 +272,8 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
     best, refusal = None, None
     for graph, sized in _sized(captured, options, search):
         stages = _stages(graph, hw, hook, sized)
-        planning = hw.planning(stages.fused)  # NOTE: [Compiler's host memory] in hardware/__init__.py
+        # NOTE: [Compiler's host memory] in hardware/__init__.py; NOTE: [Room for the largest block] in solver/reserve.py
+        planning = with_reserve(hw.planning(stages.fused), graph, stages)
         try:
             budget = resolve_budget(sized, stages, planning, hook)
             plan = hook.run("solve", cached_solve, stages, planning, budget, sized.time_limit)
@@ -314,7 +316,7 @@ def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware
         captured = _captured(model, batch, hw, "", hook, o)
         for g, sized in _sized(captured, o, search=len(choices) > 1 and bool(o.tile_bytes)):
             stages = _stages(g, hw, hook, sized)
-            budgets.append(smallest_budget(stages, hw.planning(stages.fused)))
+            budgets.append(smallest_budget(stages, with_reserve(hw.planning(stages.fused), g, stages)))
     return min(budgets)
 
 

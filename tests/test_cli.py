@@ -243,10 +243,12 @@ def test_70b_config_compiles_without_weights(tmp_path, capsys):
     model.write_text(LLAMA_70B)
     code, _, err = run(capsys, "compile", str(model), "-o", str(tmp_path / "s.py"), "--budget", "24GiB")
     # the least-memory solve has 30 s: on two busy workers it stopped there once (a fresh clone's run,
-    # 2026-12-05) and named the plan it had, "a plan fits 946.0 GiB", where alone it proves the figure
+    # 2026-12-05) and named the plan it had, "a plan fits 946.0 GiB", where alone it proves the figure;
+    # 2.41 GiB more since the plan leaves room for its largest allocation, the embedding's 3.91 GiB fp32
+    # gradient (NOTE: [Room for the largest block] in solver/reserve.py): 948.4 GiB
     need = re.search(r"no plan fits a GPU budget of 24\.0 GiB; (?:smallest feasible budget:|a plan fits) ([\d.]+) GiB",
                      err)
-    assert code == 2 and need and 900 <= float(need.group(1)) <= 946.0, err
+    assert code == 2 and need and 902 <= float(need.group(1)) <= 948.5, err
     # the state is what does not fit (NOTE: [State past the host]), which no tiles change: none searched
     assert "its training state alone" in err and "--optimizer-states 8bit" in err and "in tiles" not in err, err
     profile = json.loads(hw.BUILTIN["h200"].read_text())

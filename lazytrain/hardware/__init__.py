@@ -81,7 +81,8 @@ class Hardware:
     # GiB of partly used 2 MiB pages (expandable segments, H200, 2026-11-30); and bf16-master plans
     # allocated up to 1.2 GiB beyond their model by the chunked loss (what each layer's attention
     # saved, counted short until NOTE: [Layouts that decide a copy]). Plans whose buffers filled
-    # the budget ran out of memory with 0.4-1.2 GiB still unallocated.
+    # the budget ran out of memory with 0.4-1.2 GiB still unallocated. A plan whose largest allocation
+    # needs more leaves more (NOTE: [Room for the largest block] in solver/reserve.py).
     allocator_reserve_bytes: int = 0
     # share of the matmul rate fused attention reaches (NOTE: [Measured operator rates] in passes/costs.py);
     # with `attention_tokens`, the share it approaches as the keys grow (NOTE: [Attention at length])

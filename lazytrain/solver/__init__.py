@@ -8,7 +8,8 @@ per window over the MIP's binaries, with `steps/` (one rule per kind of optimize
 `lower` also calls for the kind's buffers and events), `disk_model.py` (the disk tier), `backlog.py`
 (the host worker's and the disk's queues) and `shards.py` (sharded data-parallel state). `footprint.py` is
 the cost model of a placement, bytes and seconds per stage, that `solve` and pass `lower` both price
-with, so that `verify` re-checks event by event the memory `solve` counted. `cuts.py` adds valid
+with, so that `verify` re-checks event by event the memory `solve` counted. `reserve.py` sizes the allocator's
+room under the budget for the step's largest allocation. `cuts.py` adds valid
 rows that change no plan's value, `refusal.py` words a refusal past the device, `milp.py` hands the model to HiGHS or CBC, and `plancache.py`
 keeps finished plans on disk.
 """

@@ -19,7 +19,9 @@ plan holds, with no out-of-memory error, but the step stalls. On the H200 (2026-
 12.87 planned (its plan before it: 1-2 retries, within 1 %); its reserved peak reached the cap
 while 3.5 GiB sat in freed blocks it could not reuse, beside the profile's 2 GiB allocator reserve.
 So each step's record carries its retries (``alloc_retries``), and the first slow one after the
-warm-up steps says what they cost and where the room comes from.
+warm-up steps says what they cost and where the room comes from. Plans now leave room for their
+largest allocation (NOTE: [Room for the largest block] in solver/reserve.py), where the retries of
+that row came from.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def retries_notice(step: int, retries: int, budget: int, planned_peak: int, hard
     return (f"step {step}: the GPU's caching allocator ran out of room inside the {format_size(budget)} budget "
             f"{retries} time{'s' if retries != 1 else ''} and gave back its cached blocks to retry, each time waiting "
             f"for the GPU, which stalls the step. The plan leaves it {format_size(budget - planned_peak)} "
-            f"beside its peak for blocks it frees but cannot reuse; to leave more, raise allocator_reserve_bytes in "
-            f"a copy of hardware profile '{hardware}' and compile with it (--hardware FILE). The retries of every step "
+            f"beside its peak for blocks it frees but cannot reuse; to leave more, set allocator_reserve_bytes above "
+            f"{budget - planned_peak} in a copy of hardware profile '{hardware}' and compile with it (--hardware FILE). The retries of every step "
             f"are in the log (alloc_retries).")
 
 
