@@ -72,6 +72,7 @@ def cmd_compile(args) -> int:
         compiled = compile_file(args.model, args.output, compile_options(args), hardware=args.hardware,
                                 dump_dir=args.dump_ir, time_passes=args.time_passes)
     from lazytrain.runtime.schedule import load_schedule
+    from lazytrain.solver.reserve import LARGEST_MARGIN
     from lazytrain.summary import summary
 
     print(summary(load_schedule(args.output)), end="")
@@ -79,6 +80,10 @@ def cmd_compile(args) -> int:
         chose = (" (--tile-bytes auto: no untiled plan fits, or a tiled one fits less; of 64MiB, 256MiB and 1GiB the "
                   "size whose plan is fastest, or smallest for --budget min)") if args.tile_bytes is None else ""
         print(f"gated MLPs and RMSNorms run in tiles of {format_size(compiled.options.tile_bytes)}{chose}")
+    if compiled.schedule.reserve > compiled.hardware.allocator_reserve_bytes:  # NOTE: [Room for the largest block]
+        print(f"the plan leaves the GPU's caching allocator {format_size(compiled.schedule.reserve)} of the budget, more "
+              f"than the profile's {format_size(compiled.hardware.allocator_reserve_bytes)}: room for the step's largest "
+              f"allocation ({format_size(compiled.schedule.reserve - LARGEST_MARGIN)}) and {format_size(LARGEST_MARGIN)}")
     print(f"solved in {compiled.plan.solver.seconds:.2f} s; wrote {args.output} ({len(compiled.schedule.events)} events, verified peak "
           f"{format_size(max(compiled.memory_trace))} <= budget {format_size(compiled.plan.budget, round_up=True)})")
     return 0

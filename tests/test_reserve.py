@@ -57,3 +57,18 @@ def test_a_chunked_stage_counts_one_chunk_of_its_values(qwen):
     logits = max(t.nbytes for n in last.nodes if n not in last.whole for t in _tensors(parts.graph[n].value))
     assert largest_allocation(whole.graph, whole.stages) >= logits
     assert largest_allocation(parts.graph, parts.stages) < logits
+
+
+def test_compile_says_when_the_plan_leaves_the_allocator_more_than_the_profile(tmp_path, capsys):
+    import json
+
+    from lazytrain.cli import main
+
+    profile = json.loads(hardware.BUILTIN["cpu"].read_text())
+    (tmp_path / "hw.json").write_text(json.dumps(dict(profile, allocator_reserve_bytes=4096)))
+    assert main(["compile", "lazytrain/examples/tiny_gpt.py", "-o", str(tmp_path / "s.py"),
+                 "--hardware", str(tmp_path / "hw.json")]) == 0
+    out = capsys.readouterr().out
+    assert "the plan leaves the GPU's caching allocator 512.0" in out and "more than the profile's 4.0 KiB" in out, out
+    assert main(["compile", "lazytrain/examples/tiny_gpt.py", "-o", str(tmp_path / "s.py"), "--hardware", "cpu"]) == 0
+    assert "caching allocator" not in capsys.readouterr().out
