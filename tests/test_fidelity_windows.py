@@ -26,6 +26,15 @@ def test_timed_steps_far_apart_are_flagged_beside_the_checks():
     assert _checks(steady) == "in budget, peak +3%, step -0%"
 
 
+def test_timed_steps_that_retried_often_are_flagged_and_warm_up_retries_are_not():
+    row = {"budget_bytes": 40 * GiB, "reserved_peak_bytes": 39 * GiB, "allocated_peak_bytes": 36 * GiB,
+           "predicted_peak_bytes": 37 * GiB, "predicted_step_s": 12.87, "step_s": 16.97,
+           "step_times_s": [17.30, 16.65], "step_alloc_retries": [9, 5, 7]}
+    assert _checks(row).endswith("step -24% **>10%**, **allocator retries 5-7 a step**")
+    calm = dict(row, step_s=12.9, step_times_s=[12.9, 12.9], step_alloc_retries=[9, 1, 2])
+    assert _checks(calm) == "in budget, peak +3%, step -0%"
+
+
 def test_a_windows_gap_is_taken_against_the_plans_events_in_it_where_the_row_has_them():
     # NOTE: [Windows by planned start]: a prefetch planned at a window's end, counted by the step
     # model in the next window, is in the event trace of the window the measurement reads it in
