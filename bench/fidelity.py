@@ -68,20 +68,25 @@ def cmd_compile(args) -> None:
         precision = CompileOptions(optimizer_states=case.states, master_weights=case.master, tile_bytes=tile_bytes)
         refused = CASE_DIR / f"{case.name}.refused.json"
         refused.unlink(missing_ok=True)
-        try:
-            # "min": the smallest budget at the case's precision, with the default clipping and no disk tier
-            budget = minimum_budget(meta, b, hw_case, options=precision) if case.budget == "min" else (
+
+        def options(fuse: bool) -> CompileOptions:
+            # "min": the smallest budget at the case's precision and pricing (a plan priced fused needs
+            # less than one priced eager: the 7B at 1 x 65,536 24.4 GiB against 25.9), with the default
+            # clipping and no disk tier
+            priced = dataclasses.replace(precision, fuse_stages=fuse)
+            budget = minimum_budget(meta, b, hw_case, options=priced) if case.budget == "min" else (
                 "max" if case.budget == "max" else parse_size(case.budget))
-            options = dataclasses.replace(precision, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
-                                          disk=bool(case.host), fuse_stages=False)
-            compiled = None if args.fused_only else compile_model(meta, b, hardware=hw_case, options=options,
+            return dataclasses.replace(priced, budget=budget, time_limit=args.time_limit, clipping=case.clipping,
+                                       disk=bool(case.host))
+
+        try:
+            compiled = None if args.fused_only else compile_model(meta, b, hardware=hw_case, options=options(False),
                                                                   source=f"bench:{case.model}")
             if compiled is not None:
                 (CASE_DIR / f"{case.name}.py").write_text(compiled.source_text)
             # NOTE: [Fused stage prices] in lazytrain/passes/fusion.py: `run --fuse-stages` is held to a
-            # plan priced fused, the plain run to one priced eager (the options above)
-            fused = compile_model(meta, b, hardware=hw_case, options=dataclasses.replace(options, fuse_stages=True),
-                                  source=f"bench:{case.model}")
+            # plan priced fused, the plain run to one priced eager
+            fused = compile_model(meta, b, hardware=hw_case, options=options(True), source=f"bench:{case.model}")
         except LazytrainError as exc:  # a refused compile is an honest answer: it is recorded, and the next case runs
             refused.write_text(json.dumps({"case": asdict(case), "refused": str(exc), "commit": _commit()}) + "\n")
             print(f"{case.name}: refused: {exc}")
