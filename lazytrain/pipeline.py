@@ -178,6 +178,14 @@ def resolve_budget(options: CompileOptions, stages: Stages, hw: Hardware, hook: 
             return budget
 
 
+def _planning(hw: Hardware, graph: Graph, stages: Stages) -> Hardware:
+    """The machine these stages are planned for, by a compile and by `minimum_budget` alike: the host
+    less Inductor's share with fused stage bodies (NOTE: [Compiler's host memory] in
+    hardware/__init__.py), and room under the budget for the step's largest allocation (NOTE: [Room
+    for the largest block] in solver/reserve.py)."""
+    return with_reserve(hw.planning(stages.fused), graph, stages)
+
+
 def _hardware(hardware: str | Hardware | None) -> Hardware:
     return hardware if isinstance(hardware, Hardware) else hw_profiles.load(hardware)
 
@@ -272,15 +280,14 @@ def _compile(model: torch.nn.Module, batch: dict, hw: Hardware, options: Compile
     best, refusal = None, None
     for graph, sized in _sized(captured, options, search):
         stages = _stages(graph, hw, hook, sized)
-        # NOTE: [Compiler's host memory] in hardware/__init__.py; NOTE: [Room for the largest block] in solver/reserve.py
-        planning = with_reserve(hw.planning(stages.fused), graph, stages)
+        planning = _planning(hw, graph, stages)
         try:
             budget = resolve_budget(sized, stages, planning, hook)
             plan = hook.run("solve", cached_solve, stages, planning, budget, sized.time_limit)
         except InfeasibleBudget as exc:
             if search:  # NOTE: [Tile sizes] in passes/retile.py
                 exc = _amended(exc, f" (in tiles of {format_size(sized.tile_bytes)})")
-            if planning is not hw:  # NOTE: [Compiler's host memory]
+            if planning.host_memory_bytes < hw.host_memory_bytes:  # NOTE: [Compiler's host memory]
                 exc = _amended(exc, f"; with fused stage bodies the plan leaves Inductor {format_size(FUSED_HOST_RESERVE)} "
                                     "of the host (--fuse-stages off plans without)")
             refusal = exc if refusal is None or exc.smallest_feasible < refusal.smallest_feasible else refusal
@@ -316,7 +323,7 @@ def minimum_budget(model: torch.nn.Module, batch: dict, hardware: str | Hardware
         captured = _captured(model, batch, hw, "", hook, o)
         for g, sized in _sized(captured, o, search=len(choices) > 1 and bool(o.tile_bytes)):
             stages = _stages(g, hw, hook, sized)
-            budgets.append(smallest_budget(stages, with_reserve(hw.planning(stages.fused), g, stages)))
+            budgets.append(smallest_budget(stages, _planning(hw, g, stages)))
     return min(budgets)
 
 

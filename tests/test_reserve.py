@@ -72,3 +72,13 @@ def test_compile_says_when_the_plan_leaves_the_allocator_more_than_the_profile(t
     assert "the plan leaves the GPU's caching allocator 512.0" in out and "more than the profile's 4.0 KiB" in out, out
     assert main(["compile", "lazytrain/examples/tiny_gpt.py", "-o", str(tmp_path / "s.py"), "--hardware", "cpu"]) == 0
     assert "caching allocator" not in capsys.readouterr().out
+
+
+def test_a_refusal_names_inductors_host_share_only_where_the_plan_left_it(qwen):
+    from lazytrain.errors import InfeasibleBudget
+
+    meta, batch = qwen
+    hw = replace(hardware.load("cpu"), allocator_reserve_bytes=4096)  # raised by the rule; no fused bodies on a CPU
+    with pytest.raises(InfeasibleBudget) as refused:
+        compile_model(meta, batch, 400 << 20, hw, time_limit=20)  # less than the reserve the rule leaves
+    assert "no plan fits" in str(refused.value) and "Inductor" not in str(refused.value)
