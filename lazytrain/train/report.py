@@ -69,12 +69,13 @@ def allocator_retries() -> int:
 
 def retries_notice(step: int, retries: int, budget: int, planned_peak: int, hardware: str) -> str:
     """What a step's allocator retries cost and how to give the allocator room (NOTE: [Allocator retries])."""
+    room = budget - planned_peak
     return (f"step {step}: the GPU's caching allocator ran out of room inside the {format_size(budget)} budget "
             f"{retries} time{'s' if retries != 1 else ''} and gave back its cached blocks to retry, each time waiting "
-            f"for the GPU, which stalls the step. The plan leaves it {format_size(budget - planned_peak)} "
-            f"beside its peak for blocks it frees but cannot reuse; to leave more, set allocator_reserve_bytes above "
-            f"{budget - planned_peak} in a copy of hardware profile '{hardware}' and compile with it (--hardware FILE). The retries of every step "
-            f"are in the log (alloc_retries).")
+            f"for the GPU, which stalls the step. The plan leaves it {format_size(room)} beside its peak for blocks "
+            f"it frees but cannot reuse; to leave more, set allocator_reserve_bytes above {room} in a copy of "
+            f"hardware profile '{hardware}' and compile with it (--hardware FILE). The retries of every step are in "
+            f"the log (alloc_retries).")
 
 
 def host_gib() -> float:
