@@ -80,6 +80,15 @@ def value_bytes(value: Value) -> int:
     return sum(v.nbytes for v in value if v is not None)
 
 
+def largest_value_bytes(value: Value) -> int:
+    """The bytes of the largest tensor in a value (`value_bytes` sums them)."""
+    if value is None:
+        return 0
+    if isinstance(value, TensorSpec):
+        return value.nbytes
+    return max((v.nbytes for v in value if v is not None), default=0)
+
+
 @dataclass(frozen=True, slots=True)
 class Node:
     name: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lazytrain.hardware import Hardware
-from lazytrain.ir.graph import Graph, TensorSpec
+from lazytrain.ir.graph import Graph, largest_value_bytes
 from lazytrain.ir.stages import Stages
 
 # NOTE: [Room for the largest block] The caching allocator (expandable segments) serves a request
@@ -33,14 +33,6 @@ from lazytrain.ir.stages import Stages
 LARGEST_MARGIN = 1 << 29
 
 
-def _largest_tensor(value) -> int:
-    if isinstance(value, TensorSpec):
-        return value.nbytes
-    if isinstance(value, tuple):
-        return max((v.nbytes for v in value if isinstance(v, TensorSpec)), default=0)
-    return 0
-
-
 def largest_allocation(graph: Graph, stages: Stages) -> int:
     """The largest single tensor a step makes on the device: an operator's output (its gradient in
     backward is as large; a chunked stage makes its per-batch values one chunk at a time), or the
@@ -50,7 +42,7 @@ def largest_allocation(graph: Graph, stages: Stages) -> int:
     for g in stages:
         whole = set(g.whole)
         for name in g.nodes:
-            n = _largest_tensor(graph[name].value) if name in graph else 0
+            n = largest_value_bytes(graph[name].value) if name in graph else 0
             out = max(out, n if g.chunks <= 1 or name in whole else -(-n // g.chunks))
     numel = max([stages.largest_shared_numel] + [g.largest_numel for g in stages])
     return max(out, numel * stages.master_bytes)
