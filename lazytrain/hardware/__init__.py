@@ -69,8 +69,10 @@ class Hardware:
     # at once moved 2.16 GB/s together, where that box's rates one at a time (1.64 read, 2.29 write)
     # give 1.91. The fp32-masters-on-disk 7B fidelity row (2026-12-05, 7649af6) read and wrote 27.25
     # GB a step each in 25.4 s, at least 2.14 GB/s together, on a box whose one-at-a-time rates were
-    # the profile's (1.75 and 2.09): priced in series the step was 12 % long. `lazytrain profile`
-    # measures it with the read and write rates. 0: not measured, reads and writes in series.
+    # the profile's (1.75 and 2.09): priced in series the step was 12 % long. Its plan under the
+    # reserve rule on the 1-GPU H100 box (2026-12-06, 953850d) read and wrote 27.73 GB a step each
+    # in 25.3 s: 2.19 GB/s together. `lazytrain profile` measures it with the read and write
+    # rates. 0: not measured, reads and writes in series.
     disk_duplex_bandwidth: float = 0.0
     # GPU memory the runtime's libraries hold from the caching allocator beside every plan's buffers:
     # cuBLAS keeps a workspace per stream and handle it runs on (0.13-0.19 GiB allocated before a
