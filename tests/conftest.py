@@ -22,11 +22,13 @@ import os
 import sys
 from pathlib import Path
 
+from lazytrain.host import host_cores
+
 sys.path.insert(0, str(Path(__file__).parent))  # `from models import ...` in every test file
 os.environ.setdefault("LAZYTRAIN_NO_CACHE", "1")  # every test solves (test_plancache.py turns the cache on)
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _workers > 1:  # NOTE: [Threads per worker]
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+if _workers > 1:  # NOTE: [Threads per worker]; as the launcher shares them (NOTE: [Launching])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, host_cores() // _workers)))
 
 
 def _resolve_cbc_delete() -> None:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lazytrain.errors import DistributedError, LazytrainError
+from lazytrain.host import host_cores
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 REPORTED = "lazytrain/rank0-reported"
@@ -155,14 +156,6 @@ def thread_share(local_world: int) -> int:
     for several ranks) and the host has more to give; else 0 (NOTE: [Launching])."""
     share = host_cores() // local_world
     return share if torch.get_num_threads() == 1 and share > 1 else 0
-
-
-def host_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def teardown(ranks: Ranks | None) -> None:
