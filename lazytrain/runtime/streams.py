@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lazytrain.errors import ResourceError
+from lazytrain.host import host_cores
 from lazytrain.ir.events import Event, Stream
 
 
@@ -30,8 +31,8 @@ from lazytrain.ir.events import Event, Stream
 # predicted (6791165), its 17 ms host steps (`bench/host_step.py`) 33-69 ms; waiting on blocking
 # events, which sleep, with teams of 16 threads (`LAZYTRAIN_HOST_THREADS=16`) it took 0.374 s, with
 # teams of 15, 0.553 (0db8bfb). So the worker's teams take every CPU the process may run on
-# (`os.sched_getaffinity`), not torch's own count, which with MKL is the physical cores' and may
-# be fewer. On the H200 box both counts are 16 (085b863, 2026-12-04), so this default changes
+# (`host_cores`, from `os.sched_getaffinity`), not torch's own count, which with MKL is the
+# physical cores' and may be fewer. On the H200 box both counts are 16 (085b863, 2026-12-04), so this default changes
 # nothing there: the same row's 0.551 s at 5d2f71b, host steps at 2.2x their price, was the GIL's
 # (NOTE: [Host steps and the GIL]), and 16 against 15 threads above may be too. Where
 # OMP_NUM_THREADS or MKL_NUM_THREADS is set (a launcher sharing the host between ranks), torch's
@@ -50,10 +51,7 @@ def host_threads() -> int:
                                 f"e.g. {HOST_THREADS_ENV}=8") from None
     if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return torch.get_num_threads()
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no affinity call on this platform
-        return os.cpu_count() or torch.get_num_threads()
+    return host_cores()
 
 
 # NOTE: [Host jobs by deadline] The plan counts the host worker's work against deadlines per
