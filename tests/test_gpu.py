@@ -148,6 +148,21 @@ def test_bind_caps_the_allocator_at_the_budget():
 
 
 @needs_gpu
+def test_bind_refuses_a_plan_the_gpu_cannot_hold():
+    """NOTE: [Room on the GPU]: a plan whose peak is more than this GPU has (one made for a larger
+    GPU) is refused at bind, before its masters move to the device or its cap is set."""
+    from lazytrain.errors import ResourceError
+    from lazytrain.runtime.schedule import load_source
+
+    module = load_source(schedule_source("fp32_min"), "lt_gpu_room")
+    module.BUDGET = module.PREDICTED_PEAK = torch.cuda.get_device_properties(0).total_memory + (1 << 30)
+    held = torch.cuda.memory_allocated()
+    with pytest.raises(ResourceError, match=r"recompile with --budget [0-9.]+GiB or less"):
+        module.bind(tiny_qwen(), device="cuda")
+    assert torch.cuda.memory_allocated() == held
+
+
+@needs_gpu
 @pytest.mark.parametrize("case", ["fp32_min", "fp32_split"])
 def test_reloads_come_from_the_compute_pool(case):
     """NOTE: [Reloads from the compute pool] in runtime/replay.py: nothing the steps allocate stays

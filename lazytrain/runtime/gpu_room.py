@@ -1,0 +1,95 @@
+"""Whether this GPU has room for a plan, checked before any step runs.
+
+NOTE: [Room on the GPU]
+The compiler holds a budget to the hardware profile's memory (`Hardware.check_budget`), but the GPU
+a schedule runs on need not be the profile's: `lazytrain train` plans with the `h200` profile on any
+GPU unless given another, a schedule is carried between machines, and another process may hold part
+of the device. A plan made for more than the device has runs until its peak and then fails with an
+out-of-memory error mid-step, or has its cap silently widened to the whole device. So binding on a
+GPU refuses a plan whose peak and the caching allocator's room beside it (`ALLOCATOR_ROOM`, the
+profile's reserve: NOTE: [Allocator reserve] in hardware/__init__.py), or its budget where that is
+less, is more than the device can give this process: what is free there and what this process's
+allocator already holds (masters built in place on the device, NOTE: [Masters built in place] in
+store.py). The check is necessary, not sufficient: the library workspaces made after it come out of
+the 2 GiB a profile's `max` budget keeps beside the plan. A plan priced for another GPU that fits is
+not refused: its memory is kept, its times are that GPU's (`lazytrain train` says so).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lazytrain.errors import ResourceError
+from lazytrain.hardware import CUDA_RESERVE
+from lazytrain.units import format_size
+
+ALLOCATOR_ROOM = 2 << 30  # NOTE: [Room on the GPU]
+
+
+def room(device: torch.device) -> tuple[int, int]:
+    """The bytes this process can have on `device` (free there, and what its allocator holds), and the device's total."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device), total
+
+
+def most_budget(device: torch.device) -> int:
+    """The largest budget worth compiling for `device` now: its room, and at most its memory less
+    `CUDA_RESERVE` (what a profile of it gives as `max`)."""
+    have, total = room(device)
+    return min(have, total - CUDA_RESERVE)
+
+
+def fix_text(device: torch.device) -> str:
+    """What to do when a plan wants more of `device` than it has."""
+    most = math.floor(most_budget(device) / (1 << 30) * 10) / 10
+    smaller = f"--budget {most:.1f}GiB or less, or " if most >= 1 else ""
+    return (f"compile with {smaller}a profile of this machine (`lazytrain profile -o hw.json`, then "
+            "--hardware hw.json), or free the GPU of other processes")
+
+
+def describe(device: torch.device) -> str:
+    """`device` and its memory, in a message."""
+    have, total = room(device)
+    held = total - have
+    return (f"{torch.cuda.get_device_name(device)} ({device}) has {format_size(have)} for it "
+            f"({format_size(total)} in all, {format_size(held)} held by the CUDA context and other processes)")
+
+
+def check_room(module, device: torch.device) -> None:
+    """Refuse a schedule this GPU cannot hold (NOTE: [Room on the GPU])."""
+    need = min(module.BUDGET, module.PREDICTED_PEAK + ALLOCATOR_ROOM)
+    have, _ = room(device)
+    if need <= have:
+        return
+    file = getattr(module, "__file__", "") or ""
+    name = f"schedule {file}" if file and not file.startswith("<") else "the schedule"
+    raise ResourceError(
+        f"{name} was planned on hardware {module.HARDWARE} for a {format_size(module.BUDGET, round_up=True)} budget and "
+        f"needs {format_size(need, round_up=True)} of the GPU (its peak {format_size(module.PREDICTED_PEAK)} and the "
+        f"allocator's room), but {describe(device)}: re{fix_text(device)}")
+
+
+def check_budget_room(budget, hw, device: torch.device) -> None:
+    """Before compiling for `device` (`lazytrain train`): a budget, or the profile's `max`, that
+    the device cannot give is refused before the compile rather than at bind (NOTE: [Room on the
+    GPU]). `min` plans the least memory any plan can have; bind checks it."""
+    want = hw.max_budget if budget in (None, "max") else budget
+    if not isinstance(want, int) or want <= room(device)[0]:
+        return
+    what = (f"--budget {format_size(want, round_up=True)}" if isinstance(budget, int) else
+            f"--budget max on hardware profile '{hw.name}' is {format_size(want)} (its GPU has "
+            f"{format_size(hw.gpu_memory_bytes)})")
+    raise ResourceError(f"{what}, but {describe(device)}: {fix_text(device)}")
+
+
+def other_gpu(hw, device: torch.device) -> str | None:
+    """A note where `device` is not the kind of GPU the profile measured (its memory differs by
+    more than 1 %): the plan's memory is checked against this GPU, its times are the profile's."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if abs(total - hw.gpu_memory_bytes) <= 0.01 * hw.gpu_memory_bytes:
+        return None
+    return (f"note: this GPU ({torch.cuda.get_device_name(device)}, {format_size(total)}) is not the machine of hardware "
+            f"profile '{hw.name}' ({format_size(hw.gpu_memory_bytes)}): the plan's predicted times are that machine's; "
+            "`lazytrain profile -o hw.json`, then --hardware hw.json, plans with this one's")

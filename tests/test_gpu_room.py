@@ -1,0 +1,83 @@
+"""NOTE: [Room on the GPU] (lazytrain/runtime/gpu_room.py): a plan the GPU cannot hold is refused
+before any step, with the budget that would fit. The device's answers are faked here; the GPU tier
+binds a real schedule (tests/test_gpu.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lazytrain import hardware
+from lazytrain.errors import ResourceError
+from lazytrain.runtime import gpu_room
+
+GiB = 1 << 30
+H100 = "NVIDIA H100 80GB HBM3"
+H100_TOTAL = 85_045_624_832  # what torch reports for one (79.2 GiB)
+DEVICE = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """A fresh H100: its context holds 0.6 GiB; `held` is what this process's allocator holds."""
+    gpu = SimpleNamespace(free=H100_TOTAL - int(0.6 * GiB), held=0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gpu.free, H100_TOTAL))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: gpu.held)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=H100_TOTAL))
+    return gpu
+
+
+def schedule(budget: int, peak: int):
+    return SimpleNamespace(BUDGET=budget, PREDICTED_PEAK=peak, HARDWARE="h200", __file__="run/schedule.py")
+
+
+def test_an_h200_plan_of_the_whole_device_is_refused_on_an_h100(h100):
+    h200 = hardware.load("h200")
+    with pytest.raises(ResourceError) as refused:
+        gpu_room.check_room(schedule(h200.max_budget, h200.max_budget - 2 * GiB), DEVICE)
+    text = str(refused.value)
+    assert "schedule run/schedule.py was planned on hardware h200" in text and H100 in text
+    # the most a profile of this GPU would give as max: its memory less 2 GiB, here under its room
+    assert "recompile with --budget 77.2GiB or less" in text and "lazytrain profile -o hw.json" in text
+
+
+def test_a_plan_that_fits_is_bound(h100):
+    gpu_room.check_room(schedule(24 * GiB, int(21.9 * GiB)), DEVICE)
+    # a budget nothing caps (1 TiB) with a small peak: the peak and the allocator's room are what it needs
+    gpu_room.check_room(schedule(1 << 40, GiB), DEVICE)
+    with pytest.raises(ResourceError, match="needs 79.0 GiB of the GPU"):
+        gpu_room.check_room(schedule(1 << 40, 77 * GiB), DEVICE)
+
+
+def test_what_the_process_already_holds_counts_and_other_processes_do_not(h100):
+    plan = schedule(40 * GiB, 38 * GiB)
+    h100.free = 30 * GiB  # another process holds the rest
+    with pytest.raises(ResourceError, match=r"has 30.0 GiB for it .*held by the CUDA context and other processes"):
+        gpu_room.check_room(plan, DEVICE)
+    h100.held = 20 * GiB  # masters built in place on the device: the plan's own
+    gpu_room.check_room(plan, DEVICE)
+
+
+def test_a_full_gpu_suggests_no_budget(h100):
+    h100.free = GiB // 2
+    with pytest.raises(ResourceError) as refused:
+        gpu_room.check_room(schedule(24 * GiB, 22 * GiB), DEVICE)
+    assert "--budget" not in str(refused.value) and "free the GPU of other processes" in str(refused.value)
+
+
+def test_train_refuses_a_budget_before_compiling(h100):
+    h200 = hardware.load("h200")
+    with pytest.raises(ResourceError, match=r"--budget max on hardware profile 'h200' is 137.8 GiB \(its GPU has 139.8 GiB\)"):
+        gpu_room.check_budget_room("max", h200, DEVICE)
+    with pytest.raises(ResourceError, match="--budget 100.0 GiB, but NVIDIA H100"):
+        gpu_room.check_budget_room(100 * GiB, h200, DEVICE)
+    gpu_room.check_budget_room(24 * GiB, h200, DEVICE)
+    gpu_room.check_budget_room("min", h200, DEVICE)  # the least any plan has: bind checks it
+
+
+def test_another_gpu_than_the_profiles_is_named(h100):
+    h200 = hardware.load("h200")
+    note = gpu_room.other_gpu(h200, DEVICE)
+    assert note is not None and H100 in note and "predicted times are that machine's" in note
+    assert gpu_room.other_gpu(h200.__class__(**{**vars(h200), "gpu_memory_bytes": H100_TOTAL}), DEVICE) is None
