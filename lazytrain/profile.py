@@ -22,6 +22,7 @@ import torch
 
 from lazytrain.files import free_bytes
 from lazytrain.hardware import Hardware
+from lazytrain.host import host_memory
 
 
 def _median_time(fn, repeat: int = 5, sync=lambda: None) -> float:
@@ -37,10 +38,8 @@ def _median_time(fn, repeat: int = 5, sync=lambda: None) -> float:
 
 
 def _total_host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * 2**30
+    """The host memory plans may count on: the machine's, or its container's limit (`host_memory`)."""
+    return host_memory() or 16 * 2**30
 
 
 def _as_rank() -> None:

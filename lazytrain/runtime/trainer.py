@@ -33,12 +33,12 @@ from lazytrain.ir.events import Event
 from lazytrain.runtime import host_weights, model_sync
 from lazytrain.runtime.binding import (bind_tensors, check_batch, check_device, indexed, pin_streamed_masters,
                                        place_resident_masters, shard)
+from lazytrain.runtime.capacity import check_host, check_room
 from lazytrain.runtime.data_parallel import DataParallel
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.disk_tier import bind_disk_tier
 from lazytrain.runtime.forward_only import forward_loss, whole_step_reason
 from lazytrain.runtime.fused import choose, fuse
-from lazytrain.runtime.gpu_room import check_room
 from lazytrain.runtime.gpu_step import GpuStepper
 from lazytrain.runtime.gradients import Gradients
 from lazytrain.runtime.groups import Groups
@@ -91,8 +91,9 @@ class Trainer:
         check_device(module, self.device)
         self.device = indexed(self.device)
         self.cuda = self.device.type == "cuda"
-        if self.cuda:
-            check_room(module, self.device)  # NOTE: [Room on the GPU] in gpu_room.py
+        if self.cuda:  # NOTE: [Room on the GPU], [Room on the host] in capacity.py
+            check_room(module, self.device)
+            check_host(module)
         # NOTE: [Fused stages] in fused.py: the same stages, their bodies compiled
         self.fused = choose(module, self.device, fuse_stages)
         self.stages = fuse(module.STAGES, module.FINGERPRINT, planned=self.cuda and bool(getattr(module, "FUSED", False))) \

@@ -28,9 +28,9 @@ from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.options import FUSE_STAGES, CompileOptions, check_budget
+from lazytrain.runtime.capacity import check_budget_room, other_gpu, smaller_host
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.fused import compile_seconds
-from lazytrain.runtime.gpu_room import check_budget_room, other_gpu
 from lazytrain.runtime.optim import master_dtype
 from lazytrain.runtime.schedule import load_schedule, load_source
 from lazytrain.runtime.store import resident_targets
@@ -80,11 +80,12 @@ def _schedule_text(args, options: CompileOptions, prep: Prepared) -> tuple[str, 
         print(f"note: hardware profile '{hw.name}' has no link_bandwidth, so the optimizer state is kept whole on every "
               "rank; `torchrun --nproc-per-node 2 -m lazytrain.cli profile -o hw.json` measures it", flush=True)
     check_budget(options, hw)
-    if hw.device == "cuda" and torch.cuda.is_available():  # NOTE: [Room on the GPU] in runtime/gpu_room.py
+    if hw.device == "cuda" and torch.cuda.is_available():  # NOTE: [Room on the GPU] in runtime/capacity.py
         device = torch.device("cuda", torch.cuda.current_device())
         check_budget_room(options.budget, hw, device)
-        if note := other_gpu(hw, device):
-            print(note, flush=True)
+        for note in (other_gpu(hw, device), smaller_host(hw)):
+            if note:
+                print(note, flush=True)
     each = f" on each of {prep.world} ranks" if prep.world > 1 else ""
     print(f"compiling {prep.source.path} for batch {list(prep.rank_batch)}{each} ...", flush=True)
     with reporting():  # NOTE: [Compile progress] in progress.py

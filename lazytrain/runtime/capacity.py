@@ -1,4 +1,4 @@
-"""Whether this GPU has room for a plan, checked before any step runs.
+"""Whether this machine has room for a plan, its GPU's and its host's, checked before any step runs.
 
 NOTE: [Room on the GPU]
 The compiler holds a budget to the hardware profile's memory (`Hardware.check_budget`), but the GPU
@@ -17,6 +17,17 @@ bf16 matmul, so a plan at a profile's `max` there keeps 1.3 GiB clear of them; t
 `lazytrain train --budget max` with the `h200` profile was refused before compiling (137.8 GiB
 asked, 78.7 GiB free, `--budget 77.1GiB or less` named). A plan priced for another GPU that fits is
 not refused: its memory is kept, its times are that GPU's (`lazytrain train` says so).
+
+NOTE: [Room on the host]
+A plan's host bytes (master weights, optimizer states, staging buffers: `PREDICTED["host_bytes"]`)
+are page-locked or mapped as the trainer binds. Where the machine has less (a profile of a larger
+host, or a container's limit), pinning fails part-way through the bind, or the kernel's
+out-of-memory killer ends the process without a message. So binding refuses a plan whose host bytes
+alone are more than this machine's memory (`host_memory`: its memory, or its container's limit).
+The profile's 2 GiB for the process itself (NOTE: [Host reserve] in hardware/__init__.py) is not
+added: the h200 profile's nominal 128 GB is not what the kernel reports there, and its rows ran with
+up to 119.1 GiB planned beside that reserve. `lazytrain train` says when the profile has more host
+memory than this machine.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import torch
 
 from lazytrain.errors import ResourceError
 from lazytrain.hardware import CUDA_RESERVE
+from lazytrain.host import host_memory
 from lazytrain.units import format_size
 
 ALLOCATOR_ROOM = 2 << 30  # NOTE: [Room on the GPU]
@@ -61,16 +73,31 @@ def describe(device: torch.device) -> str:
             f"({format_size(total)} in all, {format_size(held)} held by the CUDA context and other processes)")
 
 
+def _name(module) -> str:
+    file = getattr(module, "__file__", "") or ""
+    return f"schedule {file}" if file and not file.startswith("<") else "the schedule"
+
+
+def check_host(module) -> None:
+    """Refuse a schedule this host cannot hold (NOTE: [Room on the host])."""
+    need, have = module.PREDICTED.get("host_bytes", 0), host_memory()
+    if have is None or need <= have:
+        return
+    raise ResourceError(
+        f"{_name(module)} was planned on hardware {module.HARDWARE} with {format_size(need, round_up=True)} of host "
+        f"memory (master weights, optimizer states, buffers), but this machine has {format_size(have)}: recompile "
+        "for a profile of this machine (`lazytrain profile -o hw.json`, then --hardware hw.json), which plans within "
+        "its host memory, with --disk to keep states on disk, or with a larger --budget to keep more on the GPU")
+
+
 def check_room(module, device: torch.device) -> None:
     """Refuse a schedule this GPU cannot hold (NOTE: [Room on the GPU])."""
     need = min(module.BUDGET, module.PREDICTED_PEAK + ALLOCATOR_ROOM)
     have, _ = room(device)
     if need <= have:
         return
-    file = getattr(module, "__file__", "") or ""
-    name = f"schedule {file}" if file and not file.startswith("<") else "the schedule"
     raise ResourceError(
-        f"{name} was planned on hardware {module.HARDWARE} for a {format_size(module.BUDGET, round_up=True)} budget and "
+        f"{_name(module)} was planned on hardware {module.HARDWARE} for a {format_size(module.BUDGET, round_up=True)} budget and "
         f"needs {format_size(need, round_up=True)} of the GPU (its peak {format_size(module.PREDICTED_PEAK)} and the "
         f"allocator's room), but {describe(device)}: re{fix_text(device)}")
 
@@ -86,6 +113,16 @@ def check_budget_room(budget, hw, device: torch.device) -> None:
             f"--budget max on hardware profile '{hw.name}' is {format_size(want)} (its GPU has "
             f"{format_size(hw.gpu_memory_bytes)})")
     raise ResourceError(f"{what}, but {describe(device)}: {fix_text(device)}")
+
+
+def smaller_host(hw) -> str | None:
+    """A note where the profile plans for more host memory than this machine has (NOTE: [Room on the host])."""
+    have = host_memory()
+    if have is None or hw.host_memory_bytes <= have:
+        return None
+    return (f"note: hardware profile '{hw.name}' plans with {format_size(hw.host_memory_bytes)} of host memory, this "
+            f"machine has {format_size(have)}: a plan that needs more than it has is refused before training; "
+            "`lazytrain profile -o hw.json`, then --hardware hw.json, plans within this one's")
 
 
 def other_gpu(hw, device: torch.device) -> str | None:
