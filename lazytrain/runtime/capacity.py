@@ -26,8 +26,9 @@ out-of-memory killer ends the process without a message. So binding refuses a pl
 alone are more than this machine's memory (`host_memory`: its memory, or its container's limit).
 The profile's 2 GiB for the process itself (NOTE: [Host reserve] in hardware/__init__.py) is not
 added: the h200 profile's nominal 128 GB is not what the kernel reports there, and its rows ran with
-up to 119.1 GiB planned beside that reserve. `lazytrain train` says when the profile has more host
-memory than this machine.
+up to 119.1 GiB planned beside that reserve. `lazytrain train` checks a schedule's room on the GPU
+and the host before it loads the weights, and says when the profile has more host memory than
+this machine.
 """
 
 from __future__ import annotations

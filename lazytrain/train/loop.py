@@ -28,7 +28,7 @@ from lazytrain.errors import CheckpointError, DataError
 from lazytrain.files import write_atomic
 from lazytrain.ir.placement import Outputs, Tier
 from lazytrain.options import FUSE_STAGES, CompileOptions, check_budget
-from lazytrain.runtime.capacity import check_budget_room, other_gpu, smaller_host
+from lazytrain.runtime.capacity import check_budget_room, check_host, check_room, other_gpu, smaller_host
 from lazytrain.runtime.disk_masters import DiskMasters, masters_on_disk
 from lazytrain.runtime.fused import compile_seconds
 from lazytrain.runtime.optim import master_dtype
@@ -202,6 +202,9 @@ def _train(args, options: CompileOptions, ranks: Ranks | None, held: contextlib.
     with together(ranks, "checking the schedule"):  # the same schedule on every rank; bind checks its checksum
         schedule = load_source(schedule_text, f"lazytrain_train_schedule_{id(prep)}", args.schedule or None)
         _check_schedule(args, schedule, prep)
+        if schedule.DEVICE == "cuda" and torch.cuda.is_available():  # before the weights load: bind checks again
+            check_host(schedule)
+            check_room(schedule, torch.device("cuda", torch.cuda.current_device()))
         if found is not None and main:  # the checkpoint fits this schedule and model before anything is written
             check_fingerprint(found, _checkpoint_fingerprint(prep, found, schedule))  # (every rank read it)
             check_structure(found, prep, schedule)
