@@ -90,6 +90,9 @@ def test_a_plan_with_more_host_memory_than_the_machine_is_refused(monkeypatch):
     with pytest.raises(ResourceError, match=r"with 100.0 GiB of host memory .* this machine has 64.0 GiB: recompile"):
         capacity.check_host(schedule(24 * GiB, 20 * GiB, host_bytes=100 * GiB))
     assert "plans with 119.2 GiB of host memory, this machine has 64.0 GiB" in capacity.smaller_host(hardware.load("h200"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this host, each holding the plan's
+    with pytest.raises(ResourceError, match=r"this machine has 64.0 GiB, 32.0 GiB for each of its 2 ranks"):
+        capacity.check_host(schedule(24 * GiB, 20 * GiB, host_bytes=60 * GiB))
     monkeypatch.setattr(capacity, "host_memory", lambda: None)  # not known: nothing refused
     capacity.check_host(schedule(24 * GiB, 20 * GiB, host_bytes=100 * GiB))
     assert capacity.smaller_host(hardware.load("h200")) is None

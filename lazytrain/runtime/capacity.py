@@ -23,7 +23,8 @@ A plan's host bytes (master weights, optimizer states, staging buffers: `PREDICT
 are page-locked or mapped as the trainer binds. Where the machine has less (a profile of a larger
 host, or a container's limit), pinning fails part-way through the bind, or the kernel's
 out-of-memory killer ends the process without a message. So binding refuses a plan whose host bytes
-alone are more than this machine's memory (`host_memory`: its memory, or its container's limit).
+alone are more than this machine's memory (`host_memory`: its memory, or its container's limit),
+or, with several data-parallel ranks on the host, each running the same plan, than its share.
 The profile's 2 GiB for the process itself (NOTE: [Host reserve] in hardware/__init__.py) is not
 added: the h200 profile's nominal 128 GB is not what the kernel reports there, and its rows ran with
 up to 119.1 GiB planned beside that reserve. `lazytrain train` checks a schedule's room on the GPU
@@ -34,6 +35,7 @@ this machine.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -80,13 +82,16 @@ def _name(module) -> str:
 
 
 def check_host(module) -> None:
-    """Refuse a schedule this host cannot hold (NOTE: [Room on the host])."""
+    """Refuse a schedule this host cannot hold (NOTE: [Room on the host]): each of the ranks on this
+    host (torchrun's LOCAL_WORLD_SIZE) holds as much."""
     need, have = module.PREDICTED.get("host_bytes", 0), host_memory()
-    if have is None or need <= have:
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if have is None or need * ranks <= have:
         return
+    share = f", {format_size(have // ranks)} for each of its {ranks} ranks" if ranks > 1 else ""
     raise ResourceError(
         f"{_name(module)} was planned on hardware {module.HARDWARE} with {format_size(need, round_up=True)} of host "
-        f"memory (master weights, optimizer states, buffers), but this machine has {format_size(have)}: recompile "
+        f"memory (master weights, optimizer states, buffers), but this machine has {format_size(have)}{share}: recompile "
         "for a profile of this machine (`lazytrain profile -o hw.json`, then --hardware hw.json), which plans within "
         "its host memory, with --disk to keep states on disk, or with a larger --budget to keep more on the GPU")
 
