@@ -13,14 +13,15 @@ from lazytrain.runtime import capacity
 
 GiB = 1 << 30
 H100 = "NVIDIA H100 80GB HBM3"
-H100_TOTAL = 85_045_624_832  # what torch reports for one (79.2 GiB)
+H100_TOTAL = 85_017_493_504  # what torch reported for one, and free beside its context (2026-12-06)
+H100_FREE = 84_465_090_560
 DEVICE = torch.device("cuda", 0)
 
 
 @pytest.fixture
 def h100(monkeypatch):
-    """A fresh H100: its context holds 0.6 GiB; `held` is what this process's allocator holds."""
-    gpu = SimpleNamespace(free=H100_TOTAL - int(0.6 * GiB), held=0)
+    """A fresh H100, its context holding 0.51 GiB; `held` is what this process's allocator holds."""
+    gpu = SimpleNamespace(free=H100_FREE, held=0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gpu.free, H100_TOTAL))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: gpu.held)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
@@ -40,7 +41,7 @@ def test_an_h200_plan_of_the_whole_device_is_refused_on_an_h100(h100):
     text = str(refused.value)
     assert "schedule run/schedule.py was planned on hardware h200" in text and H100 in text
     # the most a profile of this GPU would give as max: its memory less 2 GiB, here under its room
-    assert "recompile with --budget 77.2GiB or less" in text and "lazytrain profile -o hw.json" in text
+    assert "recompile with --budget 77.1GiB or less" in text and "lazytrain profile -o hw.json" in text
 
 
 def test_a_plan_that_fits_is_bound(h100):
@@ -107,3 +108,17 @@ def test_host_memory_is_the_containers_limit_where_that_is_less(monkeypatch, tmp
     assert host.host_memory() == machine
     limit.write_text(f"{machine // 2}\n")
     assert host.host_memory() == machine // 2
+
+
+def test_lazytrain_train_refuses_the_profiles_max_on_a_smaller_gpu_before_compiling(h100, monkeypatch, capsys):
+    """The default model with `--budget max` on the h200 profile, on an H100: refused before the
+    compile, naming the budget that fits (the same call ran on an H100, NOTE: [Room on the GPU])."""
+    from lazytrain import pipeline
+    from lazytrain.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pipeline, "compile_model", lambda *a, **k: pytest.fail("compiled"))
+    assert main(["train", "--budget", "max", "--steps", "1", "--no-progress"]) != 0
+    err = capsys.readouterr().err
+    assert "--budget max on hardware profile 'h200' is 137.8 GiB" in err and "--budget 77.1GiB or less" in err
