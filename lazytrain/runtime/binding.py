@@ -56,12 +56,16 @@ def bind_tensors(module, model) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def schedule_name(module) -> str:
+    """"schedule FILE" for a schedule loaded from a file, else "the schedule"."""
+    file = getattr(module, "__file__", "") or ""
+    return f"schedule {file}" if file and not file.startswith("<") else "the schedule"
+
+
 def check_device(module, device: torch.device) -> None:
     """The stages run on the device type they were captured for (NOTE: [Capture on the target
     device] in ir/target.py): model code picks operators by device type."""
-    file = getattr(module, "__file__", "") or ""
-    name = f"schedule {file}" if file and not file.startswith("<") else "the schedule"
-    where = (f"{name} (of {module.SOURCE or 'an in-memory model'}) was compiled for {module.DEVICE} "
+    where = (f"{schedule_name(module)} (of {module.SOURCE or 'an in-memory model'}) was compiled for {module.DEVICE} "
              f"(hardware {module.HARDWARE})")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ScheduleMismatch(f"{where} and this machine has no usable GPU; recompile it with --hardware cpu to run here")

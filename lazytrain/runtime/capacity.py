@@ -42,6 +42,7 @@ import torch
 from lazytrain.errors import ResourceError
 from lazytrain.hardware import CUDA_RESERVE
 from lazytrain.host import host_memory
+from lazytrain.runtime.binding import schedule_name
 from lazytrain.units import format_size
 
 ALLOCATOR_ROOM = 2 << 30  # NOTE: [Room on the GPU]
@@ -76,11 +77,6 @@ def describe(device: torch.device) -> str:
             f"({format_size(total)} in all, {format_size(held)} held by the CUDA context and other processes)")
 
 
-def _name(module) -> str:
-    file = getattr(module, "__file__", "") or ""
-    return f"schedule {file}" if file and not file.startswith("<") else "the schedule"
-
-
 def check_host(module) -> None:
     """Refuse a schedule this host cannot hold (NOTE: [Room on the host]): each of the ranks on this
     host (torchrun's LOCAL_WORLD_SIZE) holds as much."""
@@ -90,7 +86,7 @@ def check_host(module) -> None:
         return
     share = f", {format_size(have // ranks)} for each of its {ranks} ranks" if ranks > 1 else ""
     raise ResourceError(
-        f"{_name(module)} was planned on hardware {module.HARDWARE} with {format_size(need, round_up=True)} of host "
+        f"{schedule_name(module)} was planned on hardware {module.HARDWARE} with {format_size(need, round_up=True)} of host "
         f"memory (master weights, optimizer states, buffers), but this machine has {format_size(have)}{share}: recompile "
         "for a profile of this machine (`lazytrain profile -o hw.json`, then --hardware hw.json), which plans within "
         "its host memory, with --disk to keep states on disk, or with a larger --budget to keep more on the GPU")
@@ -103,7 +99,7 @@ def check_room(module, device: torch.device) -> None:
     if need <= have:
         return
     raise ResourceError(
-        f"{_name(module)} was planned on hardware {module.HARDWARE} for a {format_size(module.BUDGET, round_up=True)} budget and "
+        f"{schedule_name(module)} was planned on hardware {module.HARDWARE} for a {format_size(module.BUDGET, round_up=True)} budget and "
         f"needs {format_size(need, round_up=True)} of the GPU (its peak {format_size(module.PREDICTED_PEAK)} and the "
         f"allocator's room), but {describe(device)}: re{fix_text(device)}")
 
